@@ -1,0 +1,300 @@
+"""Frozen, validated configuration dataclasses.
+
+Every config is a frozen dataclass checked in ``__post_init__``: a bad value fails at construction time
+with a ``ValueError`` that names the field. Variants are made with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+# HF `architectures[0]` / `model_type` -> our architecture name.
+_HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+}
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style ("llama3") or linear rope scaling."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"RopeScaling.rope_type must be 'llama3' or 'linear', got {self.rope_type!r}")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    The architecture flags (bias, QK-norm, Gemma norms, soft caps, sliding windows) are explicit fields so
+    that one model implementation covers every supported family.
+    """
+
+    architecture: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 32
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections.
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k before rope.
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma).
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + w).
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size).
+    sandwich_norms: bool = False  # Gemma-2: extra norms after attention and around the MLP.
+    query_pre_attn_scalar: float | None = None  # Gemma-2: attention scale is this ** -0.5.
+    attn_logit_softcap: float | None = None  # Gemma-2.
+    final_logit_softcap: float | None = None  # Gemma-2.
+    sliding_window: int | None = None  # Mistral / Gemma-2 window, in tokens.
+    sliding_window_layers: tuple[bool, ...] | None = None  # per layer; None = all layers if window set
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"ModelConfig.architecture {self.architecture!r} is not supported; known: {', '.join(ARCHITECTURES)}"
+            )
+        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"ModelConfig.hidden_act must be 'silu' or 'gelu_pytorch_tanh', got {self.hidden_act!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.sliding_window_layers is not None and len(self.sliding_window_layers) != self.num_layers:
+            raise ValueError(
+                f"ModelConfig.sliding_window_layers has {len(self.sliding_window_layers)} entries, "
+                f"expected num_layers={self.num_layers}"
+            )
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        return 1.0 / math.sqrt(base)
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Sliding window per layer, 0 meaning full attention."""
+        if self.sliding_window is None:
+            return (0,) * self.num_layers
+        flags = self.sliding_window_layers or (True,) * self.num_layers
+        return tuple(self.sliding_window if f else 0 for f in flags)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Builds a config from our own field names (the format of ``configs/*.json``)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown field(s) {unknown}")
+        data = dict(data)
+        if isinstance(data.get("rope_scaling"), dict):
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        for name in ("eos_token_ids", "sliding_window_layers"):
+            if data.get(name) is not None:
+                data[name] = tuple(data[name])
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Builds a config from a Hugging Face ``config.json`` dict.
+
+        Raises:
+            ValueError: the model type is not a supported architecture.
+        """
+        model_type = hf.get("model_type")
+        if model_type not in _HF_MODEL_TYPES:
+            archs = hf.get("architectures")
+            raise ValueError(
+                f"unknown architecture: model_type={model_type!r} (architectures={archs}); "
+                f"jaxserve supports {', '.join(sorted(_HF_MODEL_TYPES))}"
+            )
+        arch = _HF_MODEL_TYPES[model_type]
+        num_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = None
+        rs = hf.get("rope_scaling")
+        if rs:
+            rope_type = rs.get("rope_type", rs.get("type"))
+            if rope_type == "llama3":
+                rope_scaling = RopeScaling(
+                    "llama3", rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"],
+                    rs["original_max_position_embeddings"],
+                )
+            elif rope_type == "linear":
+                rope_scaling = RopeScaling("linear", rs["factor"])
+            elif rope_type != "default":
+                raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+        num_layers = hf["num_hidden_layers"]
+        gemma = arch in ("gemma", "gemma2")
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        if act in ("gelu", "gelu_pytorch_tanh"):
+            act = "gelu_pytorch_tanh"  # Gemma's reference implementation uses the tanh approximation.
+        sliding_window = hf.get("sliding_window") if arch in ("mistral", "gemma2", "qwen2", "qwen3") else None
+        sliding_layers = None
+        if arch in ("qwen2", "qwen3"):
+            if not hf.get("use_sliding_window", False):
+                sliding_window = None
+            else:
+                max_window_layers = hf.get("max_window_layers", num_layers)
+                sliding_layers = tuple(i >= max_window_layers for i in range(num_layers))
+        if arch == "gemma2" and sliding_window:
+            layer_types = hf.get("layer_types")
+            if layer_types:
+                sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+            else:
+                sliding_layers = tuple(i % 2 == 0 for i in range(num_layers))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
+            attention_bias=hf.get("attention_bias", arch == "qwen2"),
+            qk_norm=arch == "qwen3",
+            hidden_act=act,
+            norm_weight_offset=1.0 if gemma else 0.0,
+            scale_embeddings=gemma,
+            sandwich_norms=arch == "gemma2",
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if arch == "gemma2" else None,
+            attn_logit_softcap=hf.get("attn_logit_softcapping") if arch == "gemma2" else None,
+            final_logit_softcap=hf.get("final_logit_softcapping") if arch == "gemma2" else None,
+            sliding_window=sliding_window or None,
+            sliding_window_layers=sliding_layers,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def list_presets() -> list[str]:
+    from jaxserve import configs
+
+    return configs.list_presets()
+
+
+def load_preset(name: str) -> ModelConfig:
+    """Loads a model preset from ``configs/`` by name (e.g. ``"smollm2-135m"``)."""
+    from jaxserve import configs
+
+    return ModelConfig.from_dict(json.loads(configs.preset_path(name).read_text())["model"])
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: ``num_pages`` pages of ``page_size`` tokens per layer.
+
+    If ``num_pages`` is None, the pool is sized from ``kv_cache_memory_fraction`` of the device memory left
+    after the weights.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU/TPU.
+
+    def __post_init__(self):
+        _positive(self, "page_size")
+        if self.num_pages is not None:
+            _positive(self, "num_pages")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"CacheConfig.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}"
+            )
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"CacheConfig.dtype must be float32, bfloat16, float16 or None, got {self.dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Host-side batching policy."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"  # "fcfs" or "priority"
+
+    def __post_init__(self):
+        _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"SchedulerConfig.policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    dtype: str | None = None  # weights/activations; None: float32 on CPU, bfloat16 on GPU/TPU.
+    attention_impl: str = "auto"  # "auto" | "reference" | "pallas"
+
+    def __post_init__(self):
+        if self.attention_impl not in ("auto", "reference", "pallas"):
+            raise ValueError(
+                f"EngineConfig.attention_impl must be 'auto', 'reference' or 'pallas', got {self.attention_impl!r}"
+            )
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"EngineConfig.dtype must be float32, bfloat16, float16 or None, got {self.dtype!r}")
