@@ -1,0 +1,127 @@
+"""Hugging Face tensor names -> jaxserve's stacked parameter layout.
+
+Every loader (GGUF, HF safetensors, orbax) yields ``(hf_name, array)`` in HF naming and layout; this module
+streams them into preallocated stacked arrays (``[L, ...]`` per layer weight, linear weights transposed to
+``[in, out]``), so peak host memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig
+
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+# HF per-layer suffix -> (our name, transpose)
+_LAYER_MAP = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of every parameter of :class:`jaxserve.models.llama.Llama` for this config."""
+    L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, cfg.vocab_size)
+    shapes = {
+        "embed": (V, D), "attn_norm": (L, D), "wq": (L, D, N * H), "wk": (L, D, K * H), "wv": (L, D, K * H),
+        "wo": (L, N * H, D), "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+        "final_norm": (D,),
+    }
+    if cfg.attention_bias:
+        shapes.update(bq=(L, N * H), bk=(L, K * H), bv=(L, K * H))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(L, H), k_norm=(L, H))
+    if cfg.sandwich_norms:
+        shapes.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def _target(cfg: ModelConfig, hf_name: str) -> tuple[str, int | None, bool] | None:
+    """(param name, layer index or None, transpose) for an HF tensor name; None if ignored."""
+    if hf_name == "model.embed_tokens.weight":
+        return "embed", None, False
+    if hf_name == "model.norm.weight":
+        return "final_norm", None, False
+    if hf_name == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else ("lm_head", None, True)
+    m = _LAYER_RE.match(hf_name)
+    if m:
+        layer, suffix = int(m.group(1)), m.group(2)
+        if suffix == "post_attention_layernorm.weight":  # Gemma-2: after attention; others: before the MLP
+            return ("post_attn_norm" if cfg.sandwich_norms else "mlp_norm"), layer, False
+        if suffix in _LAYER_MAP:
+            name, transpose = _LAYER_MAP[suffix]
+            return name, layer, transpose
+    if _IGNORED.search(hf_name):
+        return None
+    raise ValueError(f"unexpected tensor {hf_name!r} for a {cfg.architecture} model")
+
+
+def params_from_hf_tensors(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    dtype: str = "float32",
+    total: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Streams HF-named tensors into stacked host arrays of ``dtype``.
+
+    Raises:
+        ValueError: an unexpected tensor, a tensor of the wrong shape (naming both shapes), or a missing one.
+    """
+    np_dtype = _NP_DTYPES[dtype]
+    shapes = param_shapes(cfg)
+    params = {name: np.empty(shape, np_dtype) for name, shape in shapes.items()}
+    filled: dict[str, set] = {name: set() for name in shapes}
+    for hf_name, array in tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False):
+        target = _target(cfg, hf_name)
+        if target is None:
+            continue
+        name, layer, transpose = target
+        if name not in params:
+            raise ValueError(f"tensor {hf_name!r} has no place in a {cfg.architecture} model with this config")
+        array = np.asarray(array)
+        if transpose:
+            array = array.T
+        expected = shapes[name] if layer is None else shapes[name][1:]
+        if array.shape != expected:
+            hf_shape = array.T.shape if transpose else array.shape
+            hf_expected = expected[::-1] if transpose else expected
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(hf_shape)}, expected {tuple(hf_expected)}")
+        if layer is None:
+            params[name][...] = array
+        else:
+            if layer >= cfg.num_layers:
+                raise ValueError(f"tensor {hf_name!r} is for layer {layer}, but the model has {cfg.num_layers}")
+            params[name][layer] = array
+        filled[name].add(layer)
+    for name, shape in shapes.items():
+        want = {None} if name in ("embed", "final_norm", "lm_head") else set(range(cfg.num_layers))
+        missing = want - filled[name]
+        if missing:
+            where = "" if missing == {None} else f" (layers {sorted(missing)[:8]})"
+            raise ValueError(f"checkpoint is missing weight {name!r}{where}, shape {shape}")
+    return params

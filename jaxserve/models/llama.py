@@ -1,0 +1,198 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 1/2) as one flax NNX module.
+
+Weights of all layers are stacked on a leading layer axis and the layers run under ``lax.scan``, so compile
+time does not grow with depth. The module is split into ``(graphdef, state)`` by the runner, which calls
+the pure function :func:`forward` under ``jax.jit``.
+
+Dimension letters: T tokens in the step, D hidden, N query heads, K kv heads, H head_dim, F MLP hidden,
+V vocabulary, L layers, S sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionBatch:
+    """Device arrays that describe one step's ragged batch (see ``jaxserve.kernels.reference``)."""
+
+    positions: jax.Array  # [T] int32 absolute position of each token
+    slot_mapping: jax.Array  # [T] int32 page * page_size + offset, -1 for padding tokens
+    kv_lens: jax.Array  # [S] int32 context length after this step
+    page_indices: jax.Array  # [S, P] int32
+    cu_q_lens: jax.Array  # [S + 1] int32
+    num_seqs: jax.Array  # [] int32
+
+
+# attention_fn(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+#              sliding_window, soft_cap) -> [T, N, H]
+AttentionFn = Callable[..., jax.Array]
+# write_kv_fn(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> (k_cache, v_cache)
+WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """[H/2] inverse frequencies, with Llama-3 or linear scaling applied."""
+    h = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs.rope_type == "linear":
+        return inv_freq / rs.factor
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(mid, blended, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the rotate-half convention (HF). x: [T, heads, H], positions: [T]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer. Parameters are created at the right shapes and filled by the loaders."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.cfg = cfg
+        rngs = rngs or nnx.Rngs(0)
+        L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                               cfg.intermediate_size, cfg.vocab_size)
+        init = nnx.initializers.normal(0.02)
+
+        def param(*shape):
+            return nnx.Param(init(rngs.params(), shape, dtype))
+
+        def norm(*shape):  # Gemma scales by (1 + w): start from w = 0 there, from w = 1 elsewhere.
+            return nnx.Param(jnp.full(shape, 1.0 - cfg.norm_weight_offset, dtype))
+
+        self.embed = param(V, D)
+        self.attn_norm = norm(L, D)
+        self.wq = param(L, D, N * H)
+        self.wk = param(L, D, K * H)
+        self.wv = param(L, D, K * H)
+        self.wo = param(L, N * H, D)
+        if cfg.attention_bias:
+            self.bq = param(L, N * H)
+            self.bk = param(L, K * H)
+            self.bv = param(L, K * H)
+        if cfg.qk_norm:
+            self.q_norm = norm(L, H)
+            self.k_norm = norm(L, H)
+        if cfg.sandwich_norms:
+            self.post_attn_norm = norm(L, D)
+            self.post_mlp_norm = norm(L, D)
+        self.mlp_norm = norm(L, D)
+        self.w_gate = param(L, D, F)
+        self.w_up = param(L, D, F)
+        self.w_down = param(L, F, D)
+        self.final_norm = norm(D)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param(D, V)
+
+    _LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
+                     "post_attn_norm", "post_mlp_norm", "mlp_norm", "w_gate", "w_up", "w_down")
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        batch: AttentionBatch,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        attention_fn: AttentionFn,
+        write_kv_fn: WriteKVFn,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Runs the decoder over the step's tokens. Returns (hidden [T, D] after the final norm, k, v caches)."""
+        cfg = self.cfg
+        T = tokens.shape[0]
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
+        inv_freq = rope_inv_freq(cfg)
+
+        x = self.embed[...][tokens]  # [T, D]
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+
+        layer_params = {n: getattr(self, n)[...] for n in self._LAYER_PARAMS if hasattr(self, n)}
+        windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
+
+        def layer(carry, xs):
+            x, k_cache, v_cache = carry
+            p, layer_idx, window = xs
+            h = rms_norm(x, p["attn_norm"], eps, off)
+            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            if cfg.attention_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
+            if cfg.qk_norm:
+                q, k = rms_norm(q, p["q_norm"], eps, off), rms_norm(k, p["k_norm"], eps, off)
+            q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
+            k_cache, v_cache = write_kv_fn(k_cache, v_cache, layer_idx, k, v, batch.slot_mapping)
+            attn = attention_fn(
+                q, k_cache, v_cache, layer_idx, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
+                batch.num_seqs, sm_scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+            )  # [T, N, H]
+            o = attn.reshape(T, N * H) @ p["wo"]
+            if cfg.sandwich_norms:
+                o = rms_norm(o, p["post_attn_norm"], eps, off)
+            x = x + o
+            h = rms_norm(x, p["mlp_norm"], eps, off)
+            gate = h @ p["w_gate"]
+            act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+            m = (act * (h @ p["w_up"])) @ p["w_down"]
+            if cfg.sandwich_norms:
+                m = rms_norm(m, p["post_mlp_norm"], eps, off)
+            return (x + m, k_cache, v_cache), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
+        return rms_norm(x, self.final_norm[...], eps, off), k_cache, v_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[..., D] -> [..., V] float32 logits (with Gemma-2's final soft cap)."""
+        w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        logits = (hidden @ w).astype(jnp.float32)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs) without allocating or initializing any weight."""
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def model_from_params(cfg: ModelConfig, params: dict) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) with the given parameter arrays (host or device) as the state's values."""
+    graphdef, state = abstract_model(cfg, dtype=params["embed"].dtype)
+    nnx.replace_by_pure_dict(state, params)
+    return graphdef, state

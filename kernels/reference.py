@@ -1,0 +1,125 @@
+"""Plain-jnp reference for ragged paged attention and for writing K/V into pages.
+
+This is the ground truth the Pallas kernels are tested against, and the implementation the engine uses
+on the CPU. Layout conventions shared by every implementation:
+
+    q            [T, num_q_heads, head_dim]         the step's query tokens, sequences back to back
+    k_cache      [L, num_pages, page_size, num_kv_heads, head_dim]   (v_cache the same)
+    layer        int32 scalar                       which layer of the cache to read
+    kv_lens      [S] int32   context length of each sequence INCLUDING this step's tokens
+    page_indices [S, pages_per_seq] int32           page table of each sequence
+    cu_q_lens    [S + 1] int32                      sequence i owns tokens cu_q_lens[i]:cu_q_lens[i+1]
+    num_seqs     int32 scalar                       sequences past it are padding
+
+The query tokens of sequence i sit at the last q_len_i positions of its context, so token j of the
+chunk (0-based) has absolute position kv_lens[i] - q_len_i + j and attends causally to positions
+<= that. ``sliding_window`` (0 = off) restricts it to the last ``sliding_window`` positions;
+``soft_cap`` applies ``cap * tanh(s / cap)`` to the scores (Gemma-2). Tokens past
+cu_q_lens[num_seqs] are padding and get zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Below this many sequences in a step, attend densely over every sequence's gathered context and mask;
+# above it, gather each token's own context. Both are exact; the switch is only about cost on the CPU.
+_DENSE_MAX_SEQS = 8
+
+
+def _token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """[T] index of the sequence that owns each token (padding tokens get an index >= num_seqs)."""
+    return jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=cu_q_lens.dtype), side="right")
+
+
+def ragged_paged_attention_ref(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Attention of a ragged batch of query chunks over paged K/V. Returns [T, num_q_heads, head_dim]."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs_padded, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    max_ctx = pages_per_seq * page_size
+
+    seq = _token_seq_ids(cu_q_lens, num_tokens)  # [T]
+    valid_tok = seq < num_seqs
+    seq_c = jnp.minimum(seq, num_seqs_padded - 1)
+    q_len = cu_q_lens[seq_c + 1] - cu_q_lens[seq_c]
+    kv_len = kv_lens[seq_c]
+    pos = kv_len - q_len + (jnp.arange(num_tokens) - cu_q_lens[seq_c])  # [T] absolute position
+    ctx = jnp.arange(max_ctx)
+    allowed = ctx[None, :] <= pos[:, None]  # [T, C]
+    window = jnp.asarray(sliding_window)
+    allowed &= (window <= 0) | (ctx[None, :] > pos[:, None] - window)
+    allowed &= valid_tok[:, None]
+
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+    if num_seqs_padded <= _DENSE_MAX_SEQS:
+        # [S, C, K, H]: each sequence's context once; scores for every (token, sequence) pair, then keep own.
+        k = k_cache[layer, page_indices].reshape(num_seqs_padded, max_ctx, num_kv_heads, head_dim)
+        v = v_cache[layer, page_indices].reshape(num_seqs_padded, max_ctx, num_kv_heads, head_dim)
+        scores = jnp.einsum("tkgh,sckh->tkgsc", qg, k.astype(jnp.float32))
+        own = jax.nn.one_hot(seq_c, num_seqs_padded, dtype=jnp.bool_)  # [T, S]
+        mask = own[:, None, None, :, None] & allowed[:, None, None, None, :]
+        scores = _cap(scores, soft_cap)
+        scores = jnp.where(mask, scores, -jnp.inf)
+        scores = scores.reshape(num_tokens, num_kv_heads, group, num_seqs_padded * max_ctx)
+        probs = _safe_softmax(scores).reshape(num_tokens, num_kv_heads, group, num_seqs_padded, max_ctx)
+        out = jnp.einsum("tkgsc,sckh->tkgh", probs, v.astype(jnp.float32))
+    else:
+        # [T, C, K, H]: each token's own context.
+        pages = page_indices[seq_c]  # [T, P]
+        k = k_cache[layer, pages].reshape(num_tokens, max_ctx, num_kv_heads, head_dim)
+        v = v_cache[layer, pages].reshape(num_tokens, max_ctx, num_kv_heads, head_dim)
+        scores = jnp.einsum("tkgh,tckh->tkgc", qg, k.astype(jnp.float32))
+        scores = _cap(scores, soft_cap)
+        scores = jnp.where(allowed[:, None, None, :], scores, -jnp.inf)
+        out = jnp.einsum("tkgc,tckh->tkgh", _safe_softmax(scores), v.astype(jnp.float32))
+    out = jnp.where(valid_tok[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def _safe_softmax(scores: jax.Array) -> jax.Array:
+    """Softmax over the last axis that gives zeros (not NaN) for a fully masked row."""
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(scores - m)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(s > 0, s, 1.0)
+
+
+def write_kv_ref(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatters the step's new K/V ([T, num_kv_heads, head_dim]) into the pages of one layer.
+
+    ``slot_mapping[t] = page * page_size + offset`` for token t; a negative slot (padding) writes nothing.
+    """
+    num_pages, page_size = k_cache.shape[1:3]
+    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
+    offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
+    k_cache = k_cache.at[layer, page, offset].set(new_k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, page, offset].set(new_v.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
