@@ -168,7 +168,10 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = None
-        rs = hf.get("rope_scaling")
+        # transformers 4 writes rope_theta / rope_scaling; transformers 5 writes one rope_parameters dict.
+        rope_params = hf.get("rope_parameters") or {}
+        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rs = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
         if rs:
             rope_type = rs.get("rope_type", rs.get("type"))
             if rope_type == "llama3":
@@ -209,7 +212,7 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", gemma),

@@ -71,6 +71,8 @@ def ragged_paged_attention_ref(
         # [S, C, K, H]: each sequence's context once; scores for every (token, sequence) pair, then keep own.
         k = k_cache[layer, page_indices].reshape(num_seqs_padded, max_ctx, num_kv_heads, head_dim)
         v = v_cache[layer, page_indices].reshape(num_seqs_padded, max_ctx, num_kv_heads, head_dim)
+        # Slots past a sequence's length may hold anything (stale or NaN): 0 * NaN would leak through.
+        v = jnp.where((ctx[None, :] < kv_lens[:, None])[:, :, None, None], v, 0)
         scores = jnp.einsum("tkgh,sckh->tkgsc", qg, k.astype(jnp.float32))
         own = jax.nn.one_hot(seq_c, num_seqs_padded, dtype=jnp.bool_)  # [T, S]
         mask = own[:, None, None, :, None] & allowed[:, None, None, None, :]
@@ -84,6 +86,7 @@ def ragged_paged_attention_ref(
         pages = page_indices[seq_c]  # [T, P]
         k = k_cache[layer, pages].reshape(num_tokens, max_ctx, num_kv_heads, head_dim)
         v = v_cache[layer, pages].reshape(num_tokens, max_ctx, num_kv_heads, head_dim)
+        v = jnp.where(allowed[:, :, None, None], v, 0)
         scores = jnp.einsum("tkgh,tckh->tkgc", qg, k.astype(jnp.float32))
         scores = _cap(scores, soft_cap)
         scores = jnp.where(allowed[:, None, None, :], scores, -jnp.inf)

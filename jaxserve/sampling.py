@@ -1,0 +1,396 @@
+"""Sampling: user-facing ``SamplingParams`` and a jitted, batched sampler driven by per-row arrays.
+
+Host side, ``SamplingParams`` validates one request's settings and ``SamplingMetadata.from_params`` packs a
+batch of them into padded arrays of bucketed shapes. Device side, ``sample`` reads only those arrays, so one
+compile serves every mix of temperatures, top-k/top-p/min-p, penalties, biases and seeds at a given shape.
+
+The order follows vLLM v1: logit bias (and the ``min_tokens`` ban on stop tokens), penalties, then
+temperature, min-p, top-k, top-p and a Gumbel-max draw; greedy rows (temperature < 1e-5) take the argmax of
+the biased and penalized logits. Returned logprobs are those of the raw model logits (vLLM's default
+``raw_logprobs``). Each row draws with ``fold_in(key(seed), step)``, so a seeded request gets the same tokens
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_LOGPROBS = 20  # Most top logprobs a request may ask for (OpenAI's limit); the static K of ``sample``.
+GREEDY_EPS = 1e-5  # Temperatures below this are greedy (argmax), as in vLLM.
+TOP_K_CAP = 256  # Top-k up to this uses lax.top_k instead of a full sort of the vocabulary.
+PAD_ID = -1  # Pad value of the token-history arrays.
+_MAX_ABS_PENALTY = 2.0
+_MAX_ABS_BIAS = 100.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and np.isfinite(float(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request (the vLLM / OpenAI knobs). Validated at construction.
+
+    ``top_k`` of 0 or -1 and ``top_p`` of 1 are off; ``temperature`` below 1e-5 is greedy. ``logprobs=N``
+    returns the chosen token's logprob and the top N (0: the chosen token only). ``stop`` is normalized to a
+    list of strings, ``stop_token_ids`` to a list of ints and ``logit_bias`` to ``dict[int, float]``
+    (string keys such as OpenAI JSON sends are accepted).
+
+    Raises:
+        ValueError: a field has a wrong type or an out-of-range value; the message names the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def fail(name: str, why: str):
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        def check_real(name, lo, hi, lo_open=False):
+            v = getattr(self, name)
+            if not _is_real(v):
+                fail(name, "must be a finite number")
+            if v < lo or v > hi or (lo_open and v == lo):
+                fail(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
+
+        def check_int(name, lo, optional=False):
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not _is_int(v) or v < lo:
+                fail(name, f"must be an int >= {lo}" + (" or None" if optional else ""))
+
+        check_int("n", 1)
+        check_real("temperature", 0.0, float("inf"))
+        check_real("top_p", 0.0, 1.0, lo_open=True)
+        check_int("top_k", -1)
+        check_real("min_p", 0.0, 1.0)
+        check_real("repetition_penalty", 0.0, float("inf"), lo_open=True)
+        check_real("presence_penalty", -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY)
+        check_real("frequency_penalty", -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY)
+        if self.seed is not None and not _is_int(self.seed):
+            fail("seed", "must be an int or None")
+        check_int("max_tokens", 1, optional=True)
+        check_int("min_tokens", 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            check_int(name, 0, optional=True)
+            if getattr(self, name) is not None and getattr(self, name) > MAX_LOGPROBS:
+                fail(name, f"must be <= {MAX_LOGPROBS}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a bool")
+
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            fail("stop", "must be a non-empty string, a list of them, or None")
+        object.__setattr__(self, "stop", list(stop))
+
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            fail("stop_token_ids", "must be a list of non-negative ints or None")
+        object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must be a dict {token_id: bias} or None")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+                if not _is_int(tok) or tok < 0:
+                    fail("logit_bias", f"keys must be non-negative token ids (bad key {key!r})")
+                if not _is_real(value) or abs(value) > _MAX_ABS_BIAS:
+                    fail("logit_bias", f"values must be numbers in [-100, 100] (bad value {value!r})")
+                bias[int(tok)] = float(value)
+            object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def _bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum, 1) - 1).bit_length()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling arrays for a batch of B rows (a pytree; every leaf is an array, nothing static).
+
+    Built on the host by ``from_params``; padding rows are greedy and neutral.
+    """
+
+    temperature: jax.Array  # [B] float32; < GREEDY_EPS means greedy
+    top_k: jax.Array  # [B] int32; 0 = off
+    top_p: jax.Array  # [B] float32; 1 = off
+    min_p: jax.Array  # [B] float32; 0 = off
+    repetition_penalty: jax.Array  # [B] float32; 1 = off
+    presence_penalty: jax.Array  # [B] float32; 0 = off
+    frequency_penalty: jax.Array  # [B] float32; 0 = off
+    seed: jax.Array  # [B, 2] uint32; threefry key data (hi, lo) of the 64-bit seed, = PRNGKey(seed)
+    step: jax.Array  # [B] int32; folded into the key: the number of tokens the request generated so far
+    bias_ids: jax.Array  # [B, Nb] int32; pads are id 0 with value 0 (a no-op add)
+    bias_values: jax.Array  # [B, Nb] float32; -inf bans a token (min_tokens)
+    prompt_ids: jax.Array  # [B, Lp] int32, PAD_ID padded; only rows with a repetition penalty fill it
+    output_ids: jax.Array  # [B, Lo] int32, PAD_ID padded; only rows with any penalty fill it
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int | None] | None = None,
+        steps: Sequence[int] | None = None,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
+        *,
+        pad_to: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        min_history: int = 16,
+        min_bias: int = 4,
+    ) -> SamplingMetadata:
+        """Pack a batch of requests into padded numpy-backed arrays of bucketed shapes.
+
+        Args:
+            params: one ``SamplingParams`` per live row.
+            seeds: per-row seed overriding ``params[i].seed`` (e.g. distinct seeds for the n children of a
+                request). A row with neither gets a fresh random seed each call, so the engine should assign
+                a seed per request once if it wants unseeded requests to be reproducible within a run.
+            steps: per-row count of tokens generated so far (folded into the key; also gates min_tokens).
+                Defaults to ``len(output_ids[i])``, or 0.
+            prompt_ids, output_ids: per-row token histories, needed only by rows with penalties.
+            pad_to: batch bucket; rows beyond ``len(params)`` are greedy padding. Defaults to ``len(params)``.
+            eos_token_ids: banned, with ``stop_token_ids``, while a row has fewer than ``min_tokens`` outputs
+                (EOS is not banned when ``ignore_eos``).
+            min_history, min_bias: smallest buckets of the history and bias widths (powers of two).
+
+        Raises:
+            ValueError: ``pad_to`` is smaller than the batch, or a per-row list has the wrong length.
+        """
+        n = len(params)
+        b = n if pad_to is None else pad_to
+        if b < n or b < 1:
+            raise ValueError(f"pad_to must be >= len(params) ({n}) and >= 1, got {pad_to!r}")
+        for name, seq in (("seeds", seeds), ("steps", steps), ("prompt_ids", prompt_ids), ("output_ids", output_ids)):
+            if seq is not None and len(seq) != n:
+                raise ValueError(f"{name} must have one entry per row ({n}), got {len(seq)}")
+        if steps is None:
+            steps = [len(output_ids[i]) for i in range(n)] if output_ids is not None else [0] * n
+
+        temperature = np.zeros(b, np.float32)
+        top_k, step = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        top_p, min_p = np.ones(b, np.float32), np.zeros(b, np.float32)
+        rep, pres, freq = np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
+        seed = np.zeros((b, 2), np.uint32)
+        biases: list[list[tuple[int, float]]] = [[] for _ in range(b)]
+        prompts: list[Sequence[int]] = [()] * b
+        outputs: list[Sequence[int]] = [()] * b
+        for i, p in enumerate(params):
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
+            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+            step[i] = steps[i]
+            s = seeds[i] if seeds is not None and seeds[i] is not None else p.seed
+            if s is None:
+                s = int(np.random.default_rng().integers(0, 2**63))
+            s = int(s) & ((1 << 64) - 1)
+            seed[i] = (s >> 32, s & 0xFFFFFFFF)
+            biases[i] = list((p.logit_bias or {}).items())
+            if steps[i] < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+                biases[i] += [(t, -np.inf) for t in dict.fromkeys(banned)]
+            if p.repetition_penalty != 1.0 and prompt_ids is not None:
+                prompts[i] = prompt_ids[i]
+            penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            if penalized and output_ids is not None:
+                outputs[i] = output_ids[i]
+
+        nb = _bucket(max(map(len, biases)), min_bias)
+        bias_ids, bias_values = np.zeros((b, nb), np.int32), np.zeros((b, nb), np.float32)
+        for i, pairs in enumerate(biases):
+            if pairs:
+                bias_ids[i, : len(pairs)], bias_values[i, : len(pairs)] = zip(*pairs)
+
+        def pad_history(rows):
+            out = np.full((b, _bucket(max(map(len, rows)), min_history)), PAD_ID, np.int32)
+            for i, ids in enumerate(rows):
+                out[i, : len(ids)] = ids
+            return out
+
+        return cls(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
+            presence_penalty=pres, frequency_penalty=freq, seed=seed, step=step, bias_ids=bias_ids,
+            bias_values=bias_values, prompt_ids=pad_history(prompts), output_ids=pad_history(outputs),
+        )  # fmt: skip
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    tokens: jax.Array  # [B] int32
+    logprobs: jax.Array  # [B] float32; log-softmax of the raw logits at the chosen token
+    top_logprob_ids: jax.Array  # [B, K] int32; the K most likely tokens under the raw logits
+    top_logprobs: jax.Array  # [B, K] float32
+
+
+def _apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """vLLM's penalties: repetition on tokens seen in prompt or output; presence/frequency on output counts."""
+    b, v = logits.shape
+    rows = jnp.arange(b)[:, None]  # [B, 1]
+    # Pads point one past the vocabulary so mode="drop" discards them (negative ids would wrap instead).
+    out_ids = jnp.where(meta.output_ids < 0, v, meta.output_ids)  # [B, Lo]
+    prompt_ids = jnp.where(meta.prompt_ids < 0, v, meta.prompt_ids)  # [B, Lp]
+    out_counts = jnp.zeros((b, v), jnp.float32).at[rows, out_ids].add(1.0, mode="drop")  # [B, V]
+    in_prompt = jnp.zeros((b, v), jnp.bool_).at[rows, prompt_ids].set(True, mode="drop")  # [B, V]
+    seen = in_prompt | (out_counts > 0)
+    rep = meta.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - meta.frequency_penalty[:, None] * out_counts
+    return logits - meta.presence_penalty[:, None] * (out_counts > 0)
+
+
+def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask to -inf every token outside the row's top-k, then outside the top-p nucleus of what is left.
+
+    top_k: [B] int32 in [1, V] (V = off); top_p: [B] float32 (1 = off). Only the sorted values are needed:
+    tokens are kept by threshold, so ties at the threshold are all kept (as in vLLM's top-k). When every
+    filtering row has top_k <= TOP_K_CAP, ``lax.top_k`` with that static cap replaces the full sort.
+    """
+    v = logits.shape[-1]
+    cap = min(TOP_K_CAP, v)
+    off = (top_k >= v) & (top_p >= 1.0)  # [B]
+
+    def threshold(sorted_desc):  # [B, W] descending -> [B, 1] smallest kept logit
+        in_k = jnp.arange(sorted_desc.shape[-1])[None, :] < top_k[:, None]  # [B, W]
+        probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf), axis=-1)  # renormalized top-k
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, W]
+        keep = in_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))  # a prefix, never empty
+        n_keep = jnp.maximum(keep.sum(-1), 1)
+        thresh = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
+        return jnp.where(off[:, None], -jnp.inf, thresh)
+
+    branches = [
+        lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
+        lambda x: threshold(jax.lax.top_k(x, cap)[0]),
+        lambda x: threshold(jnp.sort(x, axis=-1, descending=True)),
+    ]
+    all_capped = jnp.all(off | (top_k <= cap))
+    index = jnp.where(jnp.all(off), 0, jnp.where(all_capped, 1, 2))
+    thresh = jax.lax.switch(index, branches, logits)
+    return jnp.where(logits >= thresh, logits, -jnp.inf)
+
+
+def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+    """Logits to draw from, and the greedy mask. Greedy rows get the biased, penalized logits unfiltered."""
+    b, v = logits.shape
+    logits = logits.astype(jnp.float32)
+    rows = jnp.arange(b)[:, None]
+    logits = logits.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop")
+    penalized = (meta.repetition_penalty != 1.0) | (meta.presence_penalty != 0.0) | (meta.frequency_penalty != 0.0)
+    logits = jax.lax.cond(jnp.any(penalized), _apply_penalties, lambda x, _: x, logits, meta)
+    greedy = meta.temperature < GREEDY_EPS  # [B]
+
+    def filtered(x):
+        x = x / jnp.where(greedy, 1.0, meta.temperature)[:, None]
+        # min-p: keep p >= min_p * p_max, i.e. logit >= max logit + log(min_p); log(0) = -inf keeps all.
+        log_min_p = jnp.log(jnp.where(greedy, 0.0, meta.min_p))[:, None]
+        x = jnp.where(x >= x.max(-1, keepdims=True) + log_min_p, x, -jnp.inf)
+        top_k = jnp.where(greedy | (meta.top_k <= 0), v, jnp.minimum(meta.top_k, v))
+        return _top_k_top_p(x, top_k, jnp.where(greedy, 1.0, meta.top_p))
+
+    return jax.lax.cond(jnp.all(greedy), lambda x: x, filtered, logits), greedy
+
+
+@jax.jit
+def process_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """The logits ``sample`` draws from: [B, V] float32, -inf for every filtered-out token.
+
+    Sampled rows are biased, penalized, divided by temperature and filtered (min-p, top-k, top-p); greedy
+    rows are biased and penalized only. Useful for tests and for rejection sampling.
+    """
+    return _process(logits, meta)[0]
+
+
+def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [T, 1]
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]  # [T]
+    if k == 0:
+        n = logits.shape[0]
+        return chosen, jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), jnp.float32)
+    top_values, top_ids = jax.lax.top_k(logits, k)  # [T, K]
+    return chosen, top_ids.astype(jnp.int32), top_values - lse
+
+
+@functools.partial(jax.jit, static_argnames=("max_logprobs",))
+def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
+    """Draw one token per row.
+
+    Args:
+        logits: [B, V] model logits (cast to float32).
+        meta: the batch's ``SamplingMetadata`` with B rows.
+        max_logprobs: static K of the top-logprob outputs (0 skips them; the host slices per request).
+
+    Returns:
+        ``SamplerOutput`` with tokens [B], their raw logprobs [B] and the top-K raw logprobs [B, K].
+    """
+    logits = logits.astype(jnp.float32)
+    processed, greedy = _process(logits, meta)
+    argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [B]
+
+    def draw(x):
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), t))(
+            meta.seed, meta.step
+        )  # [B] keys: a row's draw depends only on its own seed, step and logits
+        drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)  # [B]
+        return jnp.where(greedy, argmax, drawn)
+
+    tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
+    chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs)
+    return SamplerOutput(tokens=tokens, logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_values)
+
+
+@functools.partial(jax.jit, static_argnames=("max_logprobs",))
+def compute_logprobs(
+    logits: jax.Array, token_ids: jax.Array, max_logprobs: int = 0
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprobs of given tokens under raw logits (prompt_logprobs: logits at position t, token t + 1).
+
+    Args:
+        logits: [T, V] raw logits.
+        token_ids: [T] int tokens to score.
+        max_logprobs: static K of the top-logprob outputs.
+
+    Returns:
+        (logprobs [T] float32, top_ids [T, K] int32, top_logprobs [T, K] float32).
+    """
+    return _top_logprobs(logits.astype(jnp.float32), token_ids.astype(jnp.int32), max_logprobs)

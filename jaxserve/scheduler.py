@@ -1,0 +1,312 @@
+"""Continuous batching on the host: which requests compute how many tokens each step.
+
+The rule (vLLM v1): every request has ``num_computed_tokens`` catching up to ``num_tokens``. Each step has
+a budget of ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences. Running requests go first
+(a decode needs 1 token, a partly prefilled prompt gets ``min(remaining, budget)``: chunked prefill), then
+waiting ones (after a prefix-cache lookup) while budget, sequences and pages last. Prefill, decode and
+mixed batches all come out of that one rule. When a running request cannot get a page, the newest running
+request (lowest priority under "priority") is preempted: its pages are freed, its tokens kept, and it is
+recomputed later. Plain Python, no tensor library; ``SchedulerOutput`` is the one contract to the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Any
+
+from jaxserve.block_manager import BlockManager
+from jaxserve.config import SchedulerConfig
+from jaxserve.request import FINISH_STATUS, Request, RequestStatus, check_prompt_length, max_computed_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    req_id: str
+    token_ids: list[int]  # tokens to compute this step, at positions start_pos, start_pos + 1, ...
+    start_pos: int  # == the request's num_computed_tokens before the step
+    page_table: list[int]  # page ids covering at least positions [0, start_pos + len(token_ids))
+    sample: bool  # the chunk reaches the end of the known tokens: sample a token after its last one
+    sampling_params: Any  # the request's sampling parameters, unchanged
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the runner needs for one step; it owns none of the scheduler's objects.
+
+    The runner must apply ``copy_ops`` (``pages[dst] = pages[src]``, in order or all at once) before it
+    writes this step's KV, then return the sampled token ids of every request with ``sample=True``.
+    """
+
+    scheduled: list[ScheduledRequest]
+    copy_ops: list[tuple[int, int]]  # copy-on-write (src_page, dst_page)
+    finished_req_ids: list[str]  # finished or aborted since the previous step: drop any per-request state
+    preempted_req_ids: list[str]  # preempted this step: their KV is gone, they restart from position 0
+    num_scheduled_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # total since start
+    num_used_pages: int
+    num_usable_pages: int
+    kv_usage: float  # fraction of usable pages held by requests
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # tokens found cached
+    prefix_cache_hit_rate: float
+
+
+class Scheduler:
+    """Waiting and running queues over a ``BlockManager``.
+
+    Args:
+        scheduler_config: budgets, ``max_model_len`` and policy ("fcfs" or "priority").
+        block_manager: the page allocator; its ``enable_prefix_caching`` must match the config's.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager):
+        if scheduler_config.enable_prefix_caching != block_manager.enable_prefix_caching:
+            raise ValueError(
+                f"SchedulerConfig.enable_prefix_caching={scheduler_config.enable_prefix_caching} but the block "
+                f"manager has enable_prefix_caching={block_manager.enable_prefix_caching}"
+            )
+        self.config = scheduler_config
+        self.block_manager = block_manager
+        self.policy = scheduler_config.policy
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()  # fcfs: arrival order, preempted in front; priority: sorted
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # ------------------------------------------------------------------ requests in and out
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        max_len = self.config.max_model_len
+        check_prompt_length(request, max_len)
+        bm = self.block_manager
+        tokens = max_computed_tokens(request, max_len)
+        if bm.pages_needed(tokens) > bm.num_usable_pages:
+            raise ValueError(
+                f"request {request.request_id!r} may need {tokens} tokens of KV "
+                f"({bm.pages_needed(tokens)} pages of {bm.page_size}), but the pool has only "
+                f"{bm.num_usable_pages} pages; lower max_tokens or grow the pool"
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request.
+
+        Raises:
+            ValueError: the id is in use, the prompt is longer than ``max_model_len``, or the request may
+                need more pages than the whole pool.
+        """
+        self._validate(request)
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Adds ``child`` sharing the running parent's computed pages (``n > 1`` over one prompt).
+
+        The child's tokens must start with the parent's computed tokens (e.g. the same prompt). It shares
+        the pages of ``min(parent.num_computed_tokens, child.num_tokens - 1)`` tokens and recomputes the
+        rest; a write into a shared page becomes a copy-on-write. Without a free sequence slot it is queued
+        as a plain request.
+        """
+        parent = self.requests.get(parent_id)
+        if parent is None or parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"fork_request: parent {parent_id!r} is not running")
+        self._validate(child)
+        shared = min(parent.num_computed_tokens, child.num_tokens - 1)
+        if child.token_slice(0, shared) != parent.token_slice(0, shared):
+            raise ValueError(f"fork_request: {child.request_id!r} does not start with the tokens of {parent_id!r}")
+        self.requests[child.request_id] = child
+        if shared <= 0 or len(self.running) >= self.config.max_num_seqs:
+            self._push_waiting(child)
+            return
+        self.block_manager.fork(parent_id, child.request_id, shared)
+        child.num_computed_tokens = child.num_cached_tokens = shared
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def finish_request(self, request_id: str, reason: str) -> Request | None:
+        """Finishes a waiting or running request ("stop", "length" or "abort") and frees its pages at once.
+
+        Returns the request, or None if it is unknown or already finished.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = FINISH_STATUS[reason]
+        self.block_manager.free(request_id)
+        self._finished_ids.append(request_id)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _push_waiting(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            key = request.sort_key(self.policy)
+            index = next((i for i, r in enumerate(self.waiting) if key < r.sort_key(self.policy)), len(self.waiting))
+            self.waiting.insert(index, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request, front=True)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's requests and chunks, allocating (or preempting for) their pages."""
+        bm, budget = self.block_manager, self.config.max_num_batched_tokens
+        chunks: dict[str, tuple[Request, int, int, list[tuple[int, int]]]] = {}  # id -> (req, start, n, copies)
+        preempted: list[str] = []
+
+        order = self.running if self.policy == "fcfs" else sorted(self.running, key=lambda r: r.sort_key("priority"))
+        for request in list(order):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while (copies := bm.allocate(request, n)) is None:
+                victim = (
+                    self.running[-1]
+                    if self.policy == "fcfs"
+                    else max(self.running, key=lambda r: r.sort_key("priority"))
+                )
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim.request_id in chunks:  # give back what it was granted this step
+                    budget += chunks.pop(victim.request_id)[2]
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                chunks[request.request_id] = (request, request.num_computed_tokens, n, copies)
+                budget -= n
+
+        # Admit waiting requests, unless memory was so tight that someone was just preempted.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = bm.get_cached_prefix(request)
+            num_cached = len(cached) * bm.page_size
+            n = min(request.num_tokens - num_cached, budget)
+            copies = bm.allocate(request, n, cached)
+            if copies is None:
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:  # first admission, not a resume
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks[request.request_id] = (request, num_cached, n, copies)
+            budget -= n
+
+        scheduled = [
+            ScheduledRequest(
+                req_id=rid,
+                token_ids=req.token_slice(start, start + n),
+                start_pos=start,
+                page_table=bm.page_table(rid),
+                sample=start + n == req.num_tokens,
+                sampling_params=req.sampling_params,
+            )
+            for rid, (req, start, n, _) in chunks.items()
+        ]
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            copy_ops=[op for (_, _, _, copies) in chunks.values() for op in copies],
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+            num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[Request]:
+        """Advances the scheduled requests, appends sampled tokens and finishes stopped requests.
+
+        Args:
+            scheduler_output: what ``schedule`` returned for this step.
+            sampled_token_ids: request id -> sampled tokens, for every scheduled request with ``sample``.
+
+        Returns:
+            The requests this step finished ("stop" or "length"); their pages are already free.
+
+        Raises:
+            ValueError: a request that was due a sample has none.
+        """
+        live = []
+        for s in scheduler_output.scheduled:
+            request = self.requests.get(s.req_id)
+            # Skip requests finished or aborted since schedule().
+            if request is None or request.status is not RequestStatus.RUNNING or request.num_computed_tokens != s.start_pos:
+                continue
+            if s.sample and not sampled_token_ids.get(s.req_id):
+                raise ValueError(f"update_from_output: no sampled token for request {s.req_id!r}")
+            live.append((s, request))
+        finished = []
+        for s, request in live:
+            request.num_computed_tokens = s.start_pos + len(s.token_ids)
+            self.block_manager.commit(request)
+            if not s.sample:
+                continue
+            for token in sampled_token_ids[s.req_id]:
+                request.output_token_ids.append(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    finished.append(self.finish_request(request.request_id, reason))
+                    break
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        sp = request.sampling_params
+        if request.num_output_tokens >= sp.min_tokens:
+            if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in request.eos_token_ids):
+                return "stop"
+        if request.num_output_tokens >= sp.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            num_used_pages=bm.num_used_pages,
+            num_usable_pages=bm.num_usable_pages,
+            kv_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            prefix_cache_hit_rate=bm.prefix_hit_rate,
+        )

@@ -1,0 +1,411 @@
+"""Tests of jaxserve.sampling: parameter validation, filters against numpy, statistics, seeds, compiles."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from jaxserve import sampling
+from jaxserve.sampling import SamplingMetadata, SamplingParams, compute_logprobs, process_logits, sample
+
+# A small known distribution with no ties and no token near a top-p / min-p boundary.
+PROBS = np.array([0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02])
+LOGITS = np.log(PROBS).astype(np.float32)
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def meta_for(params, **kw):
+    return SamplingMetadata.from_params(params, **kw)
+
+
+def kept_set(logits, params):
+    """Token ids with nonzero probability after filtering (one row)."""
+    out = np.asarray(process_logits(jnp.asarray(logits[None]), meta_for([params])))[0]
+    return set(np.flatnonzero(np.isfinite(out)).tolist())
+
+
+# ---------------------------------------------------------------- SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"n": 0}, "n"),
+        ({"n": True}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"logit_bias": {5: 150.0}}, "logit_bias"),
+        ({"logit_bias": {5: -100.5}}, "logit_bias"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias"),
+        ({"logit_bias": [(1, 2.0)]}, "logit_bias"),
+        ({"seed": "42"}, "seed"),
+        ({"stop": 3}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_invalid_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+        SamplingParams(**kwargs)
+
+
+def test_params_normalization_and_defaults():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.stop, p.stop_token_ids) == (1, 1.0, 1.0, 0, 16, [], [])
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(logit_bias={"50256": -100, 7: 1}).logit_bias == {50256: -100.0, 7: 1.0}
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+    assert SamplingParams(top_k=-1, max_tokens=None, logprobs=0, temperature=np.float32(0.5)).top_k == -1
+    # replace re-validates.
+    with pytest.raises(ValueError, match="top_p"):
+        dataclasses.replace(p, top_p=2.0)
+
+
+# ---------------------------------------------------------------- metadata builder
+
+
+def test_from_params_pads_rows_and_buckets_history():
+    params = [SamplingParams(temperature=0.8, top_k=-1, repetition_penalty=1.2, logit_bias={3: 1.0}), SamplingParams()]
+    meta = meta_for(params, prompt_ids=[list(range(20)), [1, 2]], output_ids=[[5] * 3, [7]], pad_to=4)
+    assert meta.temperature.shape == (4,) and meta.seed.shape == (4, 2)
+    np.testing.assert_array_equal(meta.temperature, np.float32([0.8, 1.0, 0.0, 0.0]))  # padding rows greedy
+    np.testing.assert_array_equal(meta.top_k, [0, 0, 0, 0])  # -1 -> 0 (off)
+    np.testing.assert_array_equal(meta.step, [3, 1, 0, 0])  # default step = outputs so far
+    assert meta.prompt_ids.shape == (4, 32) and meta.output_ids.shape == (4, 16)  # powers of two, >= 16
+    # Row 1 has no penalty, so its history is not shipped.
+    assert (meta.prompt_ids[1] == sampling.PAD_ID).all() and (meta.output_ids[1] == sampling.PAD_ID).all()
+    assert meta.bias_ids.shape == (4, 4) and meta.bias_ids[0, 0] == 3 and meta.bias_values[0, 0] == 1.0
+    with pytest.raises(ValueError, match="pad_to"):
+        meta_for(params, pad_to=1)
+
+
+def test_seed_key_matches_prng_key():
+    meta = meta_for([SamplingParams(seed=7), SamplingParams(seed=2**40 + 3)])
+    np.testing.assert_array_equal(meta.seed[0], jax.random.key_data(jax.random.PRNGKey(7)))
+    np.testing.assert_array_equal(meta.seed[1], [2**40 >> 32, 3])
+
+
+# ---------------------------------------------------------------- filters
+
+
+def test_top_k_never_leaves_top_k():
+    rng = np.random.default_rng(0)
+    b, v, k = 64, 50, 5
+    logits = rng.normal(size=(b, v)).astype(np.float32) * 2
+    allowed = np.argsort(-logits, axis=-1)[:, :k]
+    params = [SamplingParams(temperature=1.5, top_k=k, seed=i) for i in range(b)]
+    for step in range(8):
+        tokens = np.asarray(sample(jnp.asarray(logits), meta_for(params, steps=[step] * b)).tokens)
+        assert all(t in row for t, row in zip(tokens, allowed))
+
+
+def test_top_k_zero_and_minus_one_keep_everything():
+    for top_k in (0, -1):
+        assert kept_set(LOGITS, SamplingParams(top_k=top_k)) == set(range(len(PROBS)))
+
+
+def numpy_top_p(probs, p):
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    return set(order[before < p].tolist())
+
+
+@pytest.mark.parametrize("top_p", [0.25, 0.5, 0.6, 0.75, 0.9, 0.99])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_p_keeps_exact_nucleus(top_p, temperature):
+    probs_t = softmax(LOGITS / temperature)
+    expected = numpy_top_p(probs_t, top_p)
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    assert kept_set(LOGITS, params) == expected
+    batch = [dataclasses.replace(params, seed=i) for i in range(256)]
+    tokens = np.asarray(sample(jnp.asarray(np.tile(LOGITS, (256, 1))), meta_for(batch)).tokens)
+    assert set(tokens.tolist()) <= expected
+
+
+def test_top_k_then_top_p_renormalizes_within_top_k():
+    # top_k=3 leaves {0,1,2} with renormalized probs 0.441, 0.324, 0.235; top_p=0.7 then keeps {0, 1}
+    # (on the un-renormalized distribution it would keep {0, 1, 2}).
+    assert kept_set(LOGITS, SamplingParams(top_k=3, top_p=0.7)) == {0, 1}
+    renorm = PROBS[:3] / PROBS[:3].sum()
+    assert numpy_top_p(renorm, 0.7) == {0, 1} and numpy_top_p(PROBS, 0.7) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_min_p_keeps_exact_set(min_p, temperature):
+    probs_t = softmax(LOGITS / temperature)
+    expected = set(np.flatnonzero(probs_t >= min_p * probs_t.max()).tolist())
+    params = SamplingParams(temperature=temperature, min_p=min_p)
+    assert kept_set(LOGITS, params) == expected
+    batch = [dataclasses.replace(params, seed=i) for i in range(256)]
+    tokens = np.asarray(sample(jnp.asarray(np.tile(LOGITS, (256, 1))), meta_for(batch)).tokens)
+    assert set(tokens.tolist()) <= expected
+
+
+def test_filters_on_large_vocab_both_paths_in_one_batch():
+    # V > TOP_K_CAP: rows mixing a small top_k (lax.top_k path) with top_k off + top_p and top_k > cap
+    # (full-sort path) must each keep exactly what numpy keeps.
+    rng = np.random.default_rng(1)
+    v = 2 * sampling.TOP_K_CAP + 37
+    logits = (rng.normal(size=(4, v)) * 3).astype(np.float32)
+    params = [
+        SamplingParams(top_k=10),
+        SamplingParams(top_p=0.8),
+        SamplingParams(top_k=sampling.TOP_K_CAP + 50),
+        SamplingParams(temperature=0.9, top_k=40, top_p=0.5),
+    ]
+    for rows in ([0, 1, 2, 3], [0, 3]):  # [0, 3] has only small top_k, so it takes the lax.top_k path
+        batch = [params[r] for r in rows]
+        out = np.asarray(process_logits(jnp.asarray(logits[rows]), meta_for(batch)))
+        for i, (r, p) in enumerate(zip(rows, batch)):
+            x = logits[r] / p.temperature
+            order = np.argsort(-x)
+            k = p.top_k if p.top_k > 0 else v
+            probs = softmax(x[order[:k]])
+            before = np.cumsum(probs) - probs
+            n = max(int((before < p.top_p).sum()), 1) if p.top_p < 1 else k
+            assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == set(order[:n].tolist()), p
+
+
+# ---------------------------------------------------------------- statistics and greedy
+
+
+def draw_many(logits, params, rows=2000, steps=10):
+    batch = [dataclasses.replace(params, seed=1000 + i) for i in range(rows)]
+    tiled = jnp.asarray(np.tile(logits, (rows, 1)))
+    out = [np.asarray(sample(tiled, meta_for(batch, steps=[s] * rows)).tokens) for s in range(steps)]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+    ],
+    ids=["t1", "t0.7", "t0.7-k5-p0.9"],
+)
+def test_chi_square_matches_numpy_distribution(params):
+    draws = draw_many(LOGITS, params)
+    assert draws.size == 20_000
+    expected_p = softmax(LOGITS / params.temperature)
+    keep = np.zeros(len(PROBS), bool)
+    if params.top_k > 0:
+        keep[np.argsort(-expected_p)[: params.top_k]] = True
+    else:
+        keep[:] = True
+    expected_p = np.where(keep, expected_p, 0.0)
+    expected_p /= expected_p.sum()
+    keep &= np.isin(np.arange(len(PROBS)), list(numpy_top_p(expected_p, params.top_p)))
+    expected_p = np.where(keep, expected_p, 0.0)
+    expected_p /= expected_p.sum()
+    counts = np.bincount(draws, minlength=len(PROBS))
+    assert counts[~keep].sum() == 0
+    result = chisquare(counts[keep], expected_p[keep] * draws.size)
+    assert result.pvalue > 1e-3, (counts, expected_p * draws.size)
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    # The test above can fail: temperature-1 draws do not fit the temperature-0.7 distribution.
+    draws = draw_many(LOGITS, SamplingParams(temperature=1.0))
+    wrong = softmax(LOGITS / 0.7) * draws.size
+    assert chisquare(np.bincount(draws, minlength=len(PROBS)), wrong).pvalue < 1e-6
+
+
+def test_temperature_zero_is_greedy_argmax():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(32, 100)).astype(np.float32)
+    expected = logits.argmax(-1)
+    for t in (0.0, 1e-6):
+        params = [SamplingParams(temperature=t, top_k=3, top_p=0.5, seed=i) for i in range(32)]
+        np.testing.assert_array_equal(sample(jnp.asarray(logits), meta_for(params)).tokens, expected)
+    # Approaching zero converges to greedy (logit gaps of >= 0.05 scaled by 1/1e-3).
+    gapped = np.stack([rng.permutation(100) * 0.05 for _ in range(32)]).astype(np.float32)
+    params = [SamplingParams(temperature=1e-3, seed=i) for i in range(32)]
+    np.testing.assert_array_equal(sample(jnp.asarray(gapped), meta_for(params)).tokens, gapped.argmax(-1))
+
+
+# ---------------------------------------------------------------- penalties and bias
+
+
+def test_penalties_and_bias_match_hand_computation():
+    v = 10
+    raw = np.array([1.0, 2.0, -1.0, 0.5, -0.5, 3.0, 0.0, -2.0, 1.5, 0.25], np.float32)
+    prompt, output = [1, 2, 2], [2, 3, 3, 8]
+    p = SamplingParams(
+        repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={4: 2.0, 5: -100.0, 9: 1.0}
+    )
+    # numpy, in vLLM's order: bias, repetition (prompt or output), frequency and presence (output counts).
+    x = raw.copy()
+    x[[4, 5, 9]] += [2.0, -100.0, 1.0]
+    seen = np.zeros(v, bool)
+    seen[prompt + output] = True
+    x = np.where(seen, np.where(x > 0, x / 1.5, x * 1.5), x)
+    counts = np.bincount(output, minlength=v)
+    x = x - 0.25 * counts - 0.5 * (counts > 0)
+    # Spot-check a few by hand: token 2 (seen, negative, once in output): -1*1.5 - 0.25 - 0.5 = -2.25.
+    assert np.isclose(x[2], -2.25) and np.isclose(x[3], 0.5 / 1.5 - 0.5 - 0.5) and np.isclose(x[4], 1.5)
+    assert np.isclose(x[1], 2 / 1.5) and np.isclose(x[5], -97.0)
+
+    meta = meta_for([p, dataclasses.replace(p, temperature=0)], prompt_ids=[prompt] * 2, output_ids=[output] * 2)
+    got = np.asarray(process_logits(jnp.asarray(np.stack([raw, raw])), meta))
+    np.testing.assert_allclose(got[0], x, rtol=1e-6)
+    np.testing.assert_allclose(got[1], x, rtol=1e-6)  # greedy rows: same biased and penalized logits
+    assert int(sample(jnp.asarray(np.stack([raw, raw])), meta).tokens[1]) == int(np.argmax(x)) == 4
+    # Without penalties the history is ignored, even when given.
+    plain = meta_for([SamplingParams()], prompt_ids=[prompt], output_ids=[output])
+    np.testing.assert_allclose(np.asarray(process_logits(jnp.asarray(raw[None]), plain))[0], raw)
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    raw = np.array([0.0, 5.0, 4.0, 1.0], np.float32)  # eos=1 and stop id 2 would win greedily
+    p = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[2])
+    for step, expected in ((0, 3), (2, 3), (3, 1)):
+        meta = meta_for([p], steps=[step], eos_token_ids=[1])
+        assert int(sample(jnp.asarray(raw[None]), meta).tokens[0]) == expected
+    meta = meta_for([dataclasses.replace(p, ignore_eos=True)], steps=[0], eos_token_ids=[1])
+    assert int(sample(jnp.asarray(raw[None]), meta).tokens[0]) == 1  # ignore_eos: only the stop id is banned
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def random_params(rng, seed):
+    return SamplingParams(
+        temperature=float(rng.choice([0.0, 0.5, 1.0, 1.3])),
+        top_k=int(rng.choice([0, 5, 300])),
+        top_p=float(rng.choice([1.0, 0.8])),
+        min_p=float(rng.choice([0.0, 0.1])),
+        repetition_penalty=float(rng.choice([1.0, 1.2])),
+        frequency_penalty=float(rng.choice([0.0, 0.3])),
+        logit_bias={int(rng.integers(256)): 5.0} if rng.random() < 0.5 else None,
+        seed=seed,
+    )
+
+
+def test_same_seed_same_tokens_alone_and_in_a_batch():
+    rng = np.random.default_rng(3)
+    v, steps, row = 256, 12, 5
+    target = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, repetition_penalty=1.1, seed=1234)
+    history = [int(t) for t in rng.integers(0, v, 7)]
+    alone, batched, other_seed = [], [], []
+    for step in range(steps):
+        logits = (rng.normal(size=(8, v)) * 1.5).astype(np.float32)
+        out = sample(jnp.asarray(logits[row : row + 1]), meta_for([target], [None], [step], [history], [history]))
+        alone.append(int(out.tokens[0]))
+        others = [random_params(rng, int(s)) for s in rng.integers(0, 10_000, 7)]
+        batch = others[:row] + [target] + others[row:]
+        hist = [[int(t) for t in rng.integers(0, v, rng.integers(1, 40))] for _ in range(8)]
+        hist[row] = history
+        meta = meta_for(batch, None, [step] * 8, hist, hist, pad_to=16)
+        out = sample(jnp.asarray(np.concatenate([logits, np.zeros((8, v), np.float32)])), meta)
+        batched.append(int(out.tokens[row]))
+        meta = meta_for([target], [99], [step], [history], [history])
+        other_seed.append(int(sample(jnp.asarray(logits[row : row + 1]), meta).tokens[0]))
+    assert alone == batched
+    assert alone != other_seed  # 12 draws from a ~50-token nucleus: equal with negligible probability
+
+
+def test_different_seeds_and_steps_differ():
+    logits = jnp.zeros((64, 1000), jnp.float32)  # uniform: collisions are rare
+    tokens = np.asarray(sample(logits, meta_for([SamplingParams(seed=i) for i in range(64)])).tokens)
+    assert len(set(tokens.tolist())) > 55
+    same_seed = meta_for([SamplingParams(seed=7)] * 64, steps=list(range(64)))
+    assert len(set(np.asarray(sample(logits, same_seed).tokens).tolist())) > 55
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_log_softmax():
+    rng = np.random.default_rng(4)
+    b, v = 6, 300
+    raw = (rng.normal(size=(b, v)) * 2).astype(np.float32)
+    params = [
+        SamplingParams(temperature=0.5, top_k=3, seed=1),
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),
+        SamplingParams(repetition_penalty=1.7, frequency_penalty=1.0, seed=2),
+        SamplingParams(top_p=0.3, min_p=0.2, seed=3),
+        SamplingParams(temperature=1.5, seed=4),
+        SamplingParams(temperature=0.0),
+    ]
+    out = sample(jnp.asarray(raw), meta_for(params, output_ids=[[1, 2, 3]] * b), max_logprobs=sampling.MAX_LOGPROBS)
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(raw), axis=-1))
+    tokens = np.asarray(out.tokens)
+    assert tokens[1] == 7  # biased token chosen; its logprob is still the raw one
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(b), tokens], rtol=1e-5, atol=1e-5)
+    top = np.argsort(-ref, axis=-1)[:, : sampling.MAX_LOGPROBS]
+    assert out.top_logprob_ids.shape == (b, sampling.MAX_LOGPROBS)
+    np.testing.assert_array_equal(out.top_logprob_ids, top)
+    np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, top, -1), rtol=1e-5, atol=1e-5)
+    assert sample(jnp.asarray(raw), meta_for(params), max_logprobs=0).top_logprobs.shape == (b, 0)
+
+
+def test_compute_logprobs_for_prompt():
+    rng = np.random.default_rng(5)
+    raw = rng.normal(size=(9, 50)).astype(np.float32)
+    ids = rng.integers(0, 50, 9)
+    lp, top_ids, top_lp = compute_logprobs(jnp.asarray(raw), jnp.asarray(ids), max_logprobs=3)
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(raw), axis=-1))
+    np.testing.assert_allclose(lp, ref[np.arange(9), ids], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(top_ids, np.argsort(-ref, -1)[:, :3])
+    np.testing.assert_allclose(top_lp, np.sort(ref, -1)[:, ::-1][:, :3], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- compilation
+
+
+def test_one_compile_serves_every_parameter_mix():
+    traces = 0
+
+    def counted(logits, meta):
+        nonlocal traces
+        traces += 1
+        return sample(logits, meta)  # the inner jit is inlined into this trace
+
+    step = jax.jit(counted)
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.normal(size=(8, 64)).astype(np.float32))
+    hist = [[1, 2, 3]] * 5
+    mixes = [
+        [SamplingParams(temperature=0)] * 5,  # all greedy
+        [SamplingParams(seed=i) for i in range(5)],  # all random, no filters
+        [random_params(rng, i) for i in range(5)],
+        [SamplingParams(top_k=5, top_p=0.5, min_p=0.1, presence_penalty=1.0, logit_bias={1: 3.0}, seed=1)] * 5,
+        [SamplingParams(min_tokens=4, stop_token_ids=[3, 4], seed=None)] * 5,
+    ]
+    for mix in mixes:
+        meta = meta_for(mix, prompt_ids=hist, output_ids=hist, pad_to=8, eos_token_ids=[2])
+        step(logits, meta).tokens.block_until_ready()
+    assert traces == 1
+    # The counter is live: a new batch bucket is a new compile.
+    step(jnp.concatenate([logits, logits]), meta_for(mixes[2], pad_to=16)).tokens.block_until_ready()
+    assert traces == 2
