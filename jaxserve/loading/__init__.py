@@ -1,0 +1,85 @@
+"""Model loading: one entry point for GGUF files, HF directories, orbax directories and presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    params: dict[str, np.ndarray]  # stacked host arrays, see jaxserve.loading.weights.param_shapes
+    tokenizer_path: Path  # what jaxserve.tokenizer.load_tokenizer accepts
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """Turns ``None`` (the default model), a preset name or an HF hub id into a local path.
+
+    Raises:
+        FileNotFoundError: nothing local, and the hub could not be reached (this machine may be offline).
+    """
+    from jaxserve import configs
+    from jaxserve.defaults import default_model_path
+
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    name = str(model)
+    hf_repo = name
+    if name in configs.list_presets():
+        preset = json.loads(configs.preset_path(name).read_text())
+        if preset.get("default"):
+            return default_model_path()
+        hf_repo = preset["hf_repo"]
+    elif name.count("/") != 1 or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(
+            f"model {name!r} is not a file, a directory, a preset ({', '.join(configs.list_presets())}) "
+            "or a Hugging Face repo id"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(hf_repo, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+    except Exception as e:  # offline, unknown repo, gated repo ...
+        raise FileNotFoundError(f"could not fetch {hf_repo!r} from the Hugging Face hub: {e}") from e
+
+
+def load_model(model: str | Path | None = None, dtype: str = "float32") -> LoadedModel:
+    """Loads config + weights (as host arrays of ``dtype``) from any supported source."""
+    from jaxserve.loading import orbax_ckpt
+    from jaxserve.loading.weights import params_from_hf_tensors
+
+    path = resolve_model_path(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a model file must be a .gguf file")
+        from jaxserve.loading.gguf import GGUFCheckpoint
+
+        ckpt = GGUFCheckpoint(path)
+        cfg = ckpt.model_config()
+        params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(), dtype)
+        return LoadedModel(path.stem, cfg, params, path)
+    if orbax_ckpt.is_orbax_dir(path):
+        cfg, params, saved_dtype = orbax_ckpt.load(path)
+        if saved_dtype != dtype:
+            from jaxserve.loading.weights import cast_params
+
+            params = cast_params(params, dtype)
+        tok = path / "tokenizer.gguf" if (path / "tokenizer.gguf").is_file() else path
+        return LoadedModel(path.name, cfg, params, tok)
+    if (path / "config.json").is_file():
+        from jaxserve.loading.safetensors_dir import count_tensors, iter_hf_dir, read_config
+
+        cfg = read_config(path)
+        params = params_from_hf_tensors(cfg, iter_hf_dir(path), dtype, total=count_tensors(path))
+        return LoadedModel(path.name, cfg, params, path)
+    raise FileNotFoundError(f"{path} is not a GGUF file, an HF model directory (config.json) or an orbax directory")

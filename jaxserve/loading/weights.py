@@ -125,3 +125,8 @@ def params_from_hf_tensors(
             where = "" if missing == {None} else f" (layers {sorted(missing)[:8]})"
             raise ValueError(f"checkpoint is missing weight {name!r}{where}, shape {shape}")
     return params
+
+
+def cast_params(params: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    np_dtype = _NP_DTYPES[dtype]
+    return {k: v.astype(np_dtype) for k, v in params.items()}
