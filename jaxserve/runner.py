@@ -1,0 +1,229 @@
+"""The device side: weights, the KV page pool, and one jitted step per shape bucket.
+
+The runner receives a :class:`~jaxserve.scheduler.SchedulerOutput`, packs it into padded arrays of a
+bucketed shape (tokens in the step, sequences, pages per sequence) and calls
+
+    step(state, k_cache, v_cache, tokens, batch, logits_indices, sampling) -> (sampled, k_cache, v_cache)
+
+with both caches donated, so the pool is updated in place. Everything the step reads is an argument: no
+Python value is frozen into a trace except the static shapes, so one compilation serves every mix of
+requests of the same bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
+from jaxserve.block_manager import NULL_PAGE
+from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.models.llama import AttentionBatch, model_from_params
+from jaxserve.request import Request
+from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, SamplingParams, sample
+from jaxserve.scheduler import SchedulerOutput
+
+_CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _buckets(lo: int, hi: int) -> list[int]:
+    out, b = [], _pow2_at_least(lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [_pow2_at_least(hi)]
+
+
+def _pick(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def default_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+class ModelRunner:
+    """Owns the parameters, the page pool and the compiled steps.
+
+    Args:
+        model_cfg: the model.
+        params: stacked parameter arrays (see ``jaxserve.loading.weights.param_shapes``).
+        cache_cfg / sched_cfg: pool size and batching limits (they fix the bucket set).
+        attention_impl: "auto" | "reference" | "pallas".
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        params: dict,
+        cache_cfg: CacheConfig,
+        sched_cfg: SchedulerConfig,
+        attention_impl: str = "auto",
+    ):
+        self.cfg = model_cfg
+        self.page_size = cache_cfg.page_size
+        self.graphdef, state = model_from_params(model_cfg, params)
+        self.state = jax.device_put(state)
+        self.kv_dtype = jnp.dtype(cache_cfg.dtype or default_dtype())
+        self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
+        shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.k_cache = jnp.zeros(shape, self.kv_dtype)
+        self.v_cache = jnp.zeros(shape, self.kv_dtype)
+        self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
+        self.max_seqs = _pow2_at_least(sched_cfg.max_num_seqs)
+        self.page_buckets = _buckets(min(8, math.ceil(sched_cfg.max_model_len / self.page_size)),
+                                     math.ceil(sched_cfg.max_model_len / self.page_size))
+        self.attention_impl = attention_impl
+        self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
+        self._steps: dict[int, object] = {}
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1))
+
+    # ------------------------------------------------------------------ sizing
+    def _page_bytes(self) -> int:
+        c = self.cfg
+        return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
+
+    def _pages_from_memory(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> int:
+        device = jax.devices()[0]
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] * cache_cfg.kv_cache_memory_fraction - stats.get("bytes_in_use", 0)
+            pages = int(free // self._page_bytes())
+        else:  # CPU: enough for every sequence at full length, within a share of host memory
+            want = sched_cfg.max_num_seqs * math.ceil(sched_cfg.max_model_len / self.page_size) + 1
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cache_cfg.kv_cache_memory_fraction
+            pages = min(want, int(min(_CPU_KV_CAP_BYTES, host / 4) // self._page_bytes()))
+        if pages < 2:
+            raise ValueError(f"not enough memory for a KV cache: {pages} pages of {self._page_bytes()} bytes")
+        return pages
+
+    # ------------------------------------------------------------------ compiled functions
+    def _step_fn(self, max_logprobs: int):
+        if max_logprobs in self._steps:
+            return self._steps[max_logprobs]
+        attention, write = _attention_fns(self.attention_impl)
+        graphdef = self.graphdef
+
+        def step(state, k_cache, v_cache, tokens, batch, logits_indices, meta):
+            self.num_compilations += 1  # runs once per trace
+            model = nnx.merge(graphdef, state)
+            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write)
+            out = sample(model.logits(hidden[logits_indices]), meta, max_logprobs=max_logprobs)
+            return out, k_cache, v_cache
+
+        fn = jax.jit(step, donate_argnums=(1, 2))
+        self._steps[max_logprobs] = fn
+        return fn
+
+    # ------------------------------------------------------------------ packing
+    def pack(self, sched: SchedulerOutput) -> tuple[np.ndarray, AttentionBatch, np.ndarray]:
+        """SchedulerOutput -> (tokens [Tb], AttentionBatch, logits_indices [Sb]) as padded host arrays."""
+        seqs = sched.scheduled
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        tb = _pick(self.token_buckets, num_tokens)
+        sb = max(min(tb, self.max_seqs), len(seqs))
+        kv_lens = np.zeros(sb, np.int32)
+        for i, s in enumerate(seqs):
+            kv_lens[i] = s.start_pos + len(s.token_ids)
+        pb = _pick(self.page_buckets, -(-int(kv_lens.max()) // self.page_size))
+        tokens = np.zeros(tb, np.int32)
+        positions = np.zeros(tb, np.int32)
+        slots = np.full(tb, -1, np.int32)
+        page_indices = np.full((sb, pb), NULL_PAGE, np.int32)
+        cu = np.zeros(sb + 1, np.int32)
+        t = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            table = np.asarray(s.page_table[: -(-int(kv_lens[i]) // self.page_size)], np.int32)
+            page_indices[i, : len(table)] = table
+            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
+            tokens[t: t + n] = s.token_ids
+            positions[t: t + n] = pos
+            slots[t: t + n] = table[pos // self.page_size] * self.page_size + pos % self.page_size
+            t += n
+            cu[i + 1] = t
+        cu[len(seqs) + 1:] = t
+        logits_indices = np.maximum(cu[1:] - 1, 0)
+        batch = AttentionBatch(positions=positions, slot_mapping=slots, kv_lens=kv_lens,
+                               page_indices=page_indices, cu_q_lens=cu, num_seqs=np.int32(len(seqs)))
+        return tokens, batch, logits_indices
+
+    # ------------------------------------------------------------------ execution
+    def execute(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, SampledToken]:
+        """Runs one step; returns the sampled token of every scheduled request whose chunk asks for one."""
+        if sched.copy_ops:
+            src, dst = (np.asarray(x, np.int32) for x in zip(*sched.copy_ops))
+            self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, src, dst)
+        if not sched.scheduled:
+            return {}
+        tokens, batch, logits_indices = self.pack(sched)
+        reqs = [requests[s.req_id] for s in sched.scheduled]
+        params = [r.sampling_params for r in reqs]
+        meta = SamplingMetadata.from_params(
+            params, steps=[r.num_output_tokens for r in reqs],
+            prompt_ids=[r.prompt_token_ids for r in reqs], output_ids=[r.output_token_ids for r in reqs],
+            pad_to=len(logits_indices), eos_token_ids=self.cfg.eos_token_ids,
+        )
+        max_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
+        out, self.k_cache, self.v_cache = self._step_fn(max_logprobs)(
+            self.state, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta)
+        out = jax.device_get(out)
+        result = {}
+        for i, s in enumerate(sched.scheduled):
+            if not s.sample:
+                continue
+            k = params[i].logprobs or 0
+            result[s.req_id] = SampledToken(
+                int(out.tokens[i]), float(out.logprobs[i]),
+                tuple(int(x) for x in out.top_logprob_ids[i, :k]), tuple(float(x) for x in out.top_logprobs[i, :k]),
+            )
+        return result
+
+    def warmup(self, max_logprobs: tuple[int, ...] = (0,)) -> int:
+        """Compiles every (tokens, pages) bucket ahead of traffic. Returns the number of compilations."""
+        before = self.num_compilations
+        for lp in max_logprobs:
+            for tb in self.token_buckets:
+                for pb in self.page_buckets:
+                    sb = min(tb, self.max_seqs)
+                    fn = self._step_fn(lp)
+                    batch = AttentionBatch(
+                        positions=np.zeros(tb, np.int32), slot_mapping=np.full(tb, -1, np.int32),
+                        kv_lens=np.zeros(sb, np.int32), page_indices=np.zeros((sb, pb), np.int32),
+                        cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
+                    meta = SamplingMetadata.from_params([SamplingParams(temperature=0.0)], pad_to=sb)
+                    _, self.k_cache, self.v_cache = fn(self.state, self.k_cache, self.v_cache,
+                                                       np.zeros(tb, np.int32), batch, np.zeros(sb, np.int32), meta)
+        return self.num_compilations - before
+
+
+def _attention_fns(impl: str):
+    # TODO(kernels): dispatch through jaxserve.kernels once the Pallas kernels land.
+    return ragged_paged_attention_ref, write_kv_ref
+
+
+def _copy_pages(k_cache, v_cache, src, dst):
+    """Copy-on-write: pages ``src`` -> ``dst`` in every layer."""
+    return k_cache.at[:, dst].set(k_cache[:, src]), v_cache.at[:, dst].set(v_cache[:, src])
