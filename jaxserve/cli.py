@@ -1,0 +1,141 @@
+"""``jaxserve generate | chat | convert``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF directory, orbax directory, preset or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling_params(args):
+    from jaxserve import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def _engine(args):
+    from jaxserve import LLMEngine
+
+    return LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
+                     max_num_batched_tokens=256, attention_impl=args.attention_impl)
+
+
+def _stream(engine, request_id: str, prompt, params, out=sys.stdout) -> str:
+    """Streams one request's text to ``out`` as it is generated; returns the whole text."""
+    engine.add_request(request_id, prompt, params)
+    shown = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            text = o.outputs[0].text
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
+    return shown
+
+
+def cmd_generate(args) -> int:
+    t0 = time.perf_counter()
+    engine = _engine(args)
+    load_s = time.perf_counter() - t0
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
+    _stream(engine, "cli", prompt, _sampling_params(args))
+    print()
+    if args.verbose:
+        print(f"[model {engine.model_name}: loaded in {load_s:.1f}s; {engine.get_stats()}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _engine(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"jaxserve chat with {engine.model_name}; an empty line or Ctrl-D quits.", file=sys.stderr)
+    for turn in range(10**9):
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        ids = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+        reply = _stream(engine, f"chat-{turn}", ids, _sampling_params(args))
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from pathlib import Path
+
+    from jaxserve.loading import load_model, orbax_ckpt, resolve_model_path
+
+    src = resolve_model_path(args.src)
+    loaded = load_model(src, args.dtype)
+    orbax_ckpt.save(args.dst, loaded.config, loaded.params, args.dtype)
+    orbax_ckpt.copy_tokenizer(src, Path(args.dst))
+    print(f"wrote {args.dst} ({loaded.config.architecture}, {args.dtype})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("-v", "--verbose", action="store_true", help="print load time and engine stats")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat on the terminal")
+    c.add_argument("--system", default=None, help="system prompt")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    v = sub.add_parser("convert", help="write an orbax checkpoint from a GGUF file or HF directory")
+    v.add_argument("src")
+    v.add_argument("dst")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    v.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
