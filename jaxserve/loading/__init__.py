@@ -66,7 +66,7 @@ def load_model(model: str | Path | None = None, dtype: str = "float32") -> Loade
 
         ckpt = GGUFCheckpoint(path)
         cfg = ckpt.model_config()
-        params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(), dtype)
+        params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(progress=False), dtype, total=len(ckpt.tensors))
         return LoadedModel(path.stem, cfg, params, path)
     if orbax_ckpt.is_orbax_dir(path):
         cfg, params, saved_dtype = orbax_ckpt.load(path)

@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jaxserve.config import ModelConfig, RopeScaling
 
-Q = GGMLQuantizationType
+_Q = GGMLQuantizationType
 
 
 def _field_value(field) -> Any:
@@ -171,15 +171,11 @@ def _q8_k(b):  # d: f32 | qs: 256 int8 | bsums: 16 int16 (only used by dot produ
 
 
 _BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
-    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q2_K: _q2_k, Q.Q3_K: _q3_k,
-    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q8_K: _q8_k,
+    _Q.Q4_0: _q4_0, _Q.Q4_1: _q4_1, _Q.Q5_0: _q5_0, _Q.Q5_1: _q5_1, _Q.Q8_0: _q8_0, _Q.Q2_K: _q2_k, _Q.Q3_K: _q3_k,
+    _Q.Q4_K: _q4_k, _Q.Q5_K: _q5_k, _Q.Q6_K: _q6_k, _Q.Q8_K: _q8_k,
 }
-SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (Q.F32, Q.F16, Q.BF16, *_BLOCK_DEQUANT)
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (_Q.F32, _Q.F16, _Q.BF16, *_BLOCK_DEQUANT)
 _CHUNK_VALUES = 1 << 18  # values per dequantization chunk: temporaries of ~1 MiB stay in cache
-
-
-def _type_name(qtype) -> str:
-    return getattr(qtype, "name", str(qtype))
 
 
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, ...], *,
@@ -199,7 +195,8 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[
     Raises:
         ValueError: the type is unsupported, or the byte count does not match ``shape``.
     """
-    what = f" of tensor {name!r}" if name else ""
+    what = f" for tensor {name!r}" if name else ""
+    label = f"tensor {name!r}" if name else "tensor"
     try:
         qtype = GGMLQuantizationType(qtype)
     except ValueError:
@@ -211,17 +208,17 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     count = int(np.prod(shape, dtype=np.int64))
     if shape and shape[-1] % block_size:
-        raise ValueError(f"{qtype.name} tensor{what}: last dimension {shape[-1]} is not a multiple of the "
+        raise ValueError(f"{qtype.name} {label}: last dimension {shape[-1]} is not a multiple of the "
                          f"block size {block_size}")
     buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if buf.size != count // block_size * type_size:
-        raise ValueError(f"{qtype.name} tensor{what} of shape {shape} needs {count // block_size * type_size} "
+        raise ValueError(f"{qtype.name} {label} of shape {shape} needs {count // block_size * type_size} "
                          f"bytes, got {buf.size}")
-    if qtype == Q.F32:
+    if qtype == _Q.F32:
         return buf.view(np.float32).reshape(shape).copy()
-    if qtype == Q.F16:
+    if qtype == _Q.F16:
         return buf.view(np.float16).astype(np.float32).reshape(shape)
-    if qtype == Q.BF16:
+    if qtype == _Q.BF16:
         return (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
     blocks = buf.reshape(-1, type_size)
     out = np.empty((blocks.shape[0], block_size), np.float32)
@@ -464,6 +461,16 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path} is truncated (or corrupt): {e}") from None
         except _Corrupt as e:
             raise ValueError(f"{self.path} is corrupt or not a GGUF file: {e}") from None
+
+    def close(self) -> None:
+        """Unmaps the file. Arrays from :meth:`raw` must be gone by then; dequantized ones are copies."""
+        self._buf.close()
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, architecture={self.architecture!r}, tensors={len(self.tensors)})"

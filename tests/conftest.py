@@ -1,0 +1,38 @@
+"""Shared fixtures. Tests run on the CPU; a fake 8-device mesh is available to tests that ask for it."""
+
+from __future__ import annotations
+
+import os
+
+# Before jax is imported anywhere: eight fake CPU devices for sharding tests, float32 matmuls.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from jaxserve.defaults import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in float32, shared by the session."""
+    from jaxserve import LLM
+
+    return LLM(None, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, num_pages=1024)
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_model_path):
+    """HF transformers' implementation loading the same GGUF file: our reference."""
+    torch = pytest.importorskip("torch", reason="HF reference needs torch (pip install torch==2.13.0)")
+    transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
+    torch.set_num_threads(2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
+    ).eval()
+    return model
