@@ -1,9 +1,27 @@
-"""jaxserve: a JAX/XLA compiled LLM inference engine for TPUs, GPUs and CPUs."""
+"""jaxserve: a JAX/XLA compiled LLM inference engine for TPUs, GPUs and CPUs.
 
-from jaxserve.engine import LLMEngine
-from jaxserve.llm import LLM
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxserve.sampling import SamplingParams
+The public names are imported lazily, so the host-side modules (scheduler, block manager, request) can be
+used and tested without importing jax.
+"""
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "jaxserve.llm",
+    "LLMEngine": "jaxserve.engine",
+    "SamplingParams": "jaxserve.sampling",
+    "RequestOutput": "jaxserve.outputs",
+    "CompletionOutput": "jaxserve.outputs",
+    "Logprob": "jaxserve.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

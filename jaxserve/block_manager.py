@@ -199,7 +199,6 @@ class BlockManager:
             copy_ops.append((src, dst))
             table[i] = dst
             self._release(src)
-        self._num_committed[rid] = min(self._num_committed[rid], start // self.page_size)
         while len(table) < needed:
             table.append(self._take_free())
         return copy_ops

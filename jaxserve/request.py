@@ -113,6 +113,18 @@ class Request:
         """"stop", "length", "abort", or None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 
+    def stop_reason(self, token: int, max_model_len: int) -> str | None:
+        """Why generation ends after ``token`` was appended: "stop" (a stop token, or EOS unless
+        ``ignore_eos``; neither before ``min_tokens`` outputs), "length" (``max_tokens`` or
+        ``max_model_len`` reached), or None to go on."""
+        sp = self.sampling_params
+        if self.num_output_tokens >= sp.min_tokens:
+            if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
+                return "stop"
+        if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
     def sort_key(self, policy: str) -> tuple:
         """Smaller is served first: arrival order ("fcfs"), or (priority, arrival) ("priority")."""
         if policy == "priority":

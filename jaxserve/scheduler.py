@@ -64,6 +64,10 @@ class SchedulerStats:
     prefix_cache_hit_rate: float
 
 
+def _priority(request: Request) -> tuple:
+    return request.sort_key("priority")
+
+
 class Scheduler:
     """Waiting and running queues over a ``BlockManager``.
 
@@ -142,6 +146,8 @@ class Scheduler:
 
         Returns the request, or None if it is unknown or already finished.
         """
+        if reason not in FINISH_STATUS:
+            raise ValueError(f"finish_request: reason must be one of {sorted(FINISH_STATUS)}, got {reason!r}")
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -162,8 +168,8 @@ class Scheduler:
 
     def _push_waiting(self, request: Request, front: bool = False) -> None:
         if self.policy == "priority":
-            key = request.sort_key(self.policy)
-            index = next((i for i, r in enumerate(self.waiting) if key < r.sort_key(self.policy)), len(self.waiting))
+            key = _priority(request)
+            index = next((i for i, r in enumerate(self.waiting) if key < _priority(r)), len(self.waiting))
             self.waiting.insert(index, request)
         elif front:
             self.waiting.appendleft(request)
@@ -186,7 +192,7 @@ class Scheduler:
         chunks: dict[str, tuple[Request, int, int, list[tuple[int, int]]]] = {}  # id -> (req, start, n, copies)
         preempted: list[str] = []
 
-        order = self.running if self.policy == "fcfs" else sorted(self.running, key=lambda r: r.sort_key("priority"))
+        order = self.running if self.policy == "fcfs" else sorted(self.running, key=_priority)
         for request in list(order):
             if budget == 0:
                 break
@@ -196,15 +202,11 @@ class Scheduler:
             if n <= 0:
                 continue
             while (copies := bm.allocate(request, n)) is None:
-                victim = (
-                    self.running[-1]
-                    if self.policy == "fcfs"
-                    else max(self.running, key=lambda r: r.sort_key("priority"))
-                )
+                victim = self.running[-1] if self.policy == "fcfs" else max(self.running, key=_priority)
+                # Victims come after `request` in `order`, so none holds a chunk of this step yet.
+                assert victim.request_id not in chunks
                 self._preempt(victim)
                 preempted.append(victim.request_id)
-                if victim.request_id in chunks:  # give back what it was granted this step
-                    budget += chunks.pop(victim.request_id)[2]
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
@@ -267,9 +269,8 @@ class Scheduler:
         live = []
         for s in scheduler_output.scheduled:
             request = self.requests.get(s.req_id)
-            # Skip requests finished or aborted since schedule().
-            if request is None or request.status is not RequestStatus.RUNNING or request.num_computed_tokens != s.start_pos:
-                continue
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted since schedule()
             if s.sample and not sampled_token_ids.get(s.req_id):
                 raise ValueError(f"update_from_output: no sampled token for request {s.req_id!r}")
             live.append((s, request))
@@ -281,20 +282,11 @@ class Scheduler:
                 continue
             for token in sampled_token_ids[s.req_id]:
                 request.output_token_ids.append(token)
-                reason = self._stop_reason(request, token)
+                reason = request.stop_reason(token, self.config.max_model_len)
                 if reason is not None:
                     finished.append(self.finish_request(request.request_id, reason))
                     break
         return finished
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        sp = request.sampling_params
-        if request.num_output_tokens >= sp.min_tokens:
-            if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in request.eos_token_ids):
-                return "stop"
-        if request.num_output_tokens >= sp.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> SchedulerStats:
