@@ -17,7 +17,8 @@ import jax
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.loading import load_model
+from jaxserve.loading import LoadedModel, load_model
+from jaxserve.loading.weights import cast_params
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, default_dtype
@@ -73,7 +74,7 @@ class LLMEngine:
 
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | LoadedModel | None = None,
         *,
         dtype: str | None = None,
         num_pages: int | None = None,
@@ -92,7 +93,11 @@ class LLMEngine:
         if compilation_cache:
             enable_compilation_cache()
         t0 = time.perf_counter()
-        loaded = load_model(model, dtype or default_dtype())
+        dtype = dtype or default_dtype()
+        if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
+            loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
+        else:
+            loaded = load_model(model, dtype)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = load_tokenizer(loaded.tokenizer_path)
@@ -266,5 +271,6 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
         s = self.scheduler.stats()
-        return {**dataclasses.asdict(s), "num_compilations": self.runner.num_compilations,
-                "num_pages": self.runner.num_pages}
+        r = self.runner
+        return {**dataclasses.asdict(s), "num_compilations": r.num_compilations, "num_pages": r.num_pages,
+                "num_tokens_computed": r.num_tokens_computed, "num_steps": r.num_steps}

@@ -97,6 +97,8 @@ class ModelRunner:
                                      math.ceil(sched_cfg.max_model_len / self.page_size))
         self.attention_impl = attention_impl
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
+        self.num_tokens_computed = 0  # real (unpadded) tokens run through the model
+        self.num_steps = 0
         self._steps: dict[int, object] = {}
         self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1))
 
@@ -179,6 +181,8 @@ class ModelRunner:
         if not sched.scheduled:
             return {}
         tokens, batch, logits_indices = self.pack(sched)
+        self.num_tokens_computed += sched.num_scheduled_tokens
+        self.num_steps += 1
         reqs = [requests[s.req_id] for s in sched.scheduled]
         params = [r.sampling_params for r in reqs]
         meta = SamplingMetadata.from_params(

@@ -24,7 +24,7 @@ import numpy as np
 
 MAX_LOGPROBS = 20  # Most top logprobs a request may ask for (OpenAI's limit); the static K of ``sample``.
 GREEDY_EPS = 1e-5  # Temperatures below this are greedy (argmax), as in vLLM.
-TOP_K_CAP = 256  # Top-k up to this uses lax.top_k instead of a full sort of the vocabulary.
+TOP_K_CAP = 256  # Top-k/top-p read the top this-many logits (lax.top_k); a full vocabulary sort is the fallback.
 PAD_ID = -1  # Pad value of the token-history arrays.
 _MAX_ABS_PENALTY = 2.0
 _MAX_ABS_BIAS = 100.0
@@ -81,6 +81,7 @@ class SamplingParams:
                 fail(name, "must be a finite number")
             if v < lo or v > hi or (lo_open and v == lo):
                 fail(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
+            object.__setattr__(self, name, float(v))  # numpy scalars become plain floats
 
         def check_int(name, lo, optional=False):
             v = getattr(self, name)
@@ -88,6 +89,7 @@ class SamplingParams:
                 return
             if not _is_int(v) or v < lo:
                 fail(name, f"must be an int >= {lo}" + (" or None" if optional else ""))
+            object.__setattr__(self, name, int(v))
 
         check_int("n", 1)
         check_real("temperature", 0.0, float("inf"))
@@ -99,6 +101,8 @@ class SamplingParams:
         check_real("frequency_penalty", -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY)
         if self.seed is not None and not _is_int(self.seed):
             fail("seed", "must be an int or None")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
         check_int("max_tokens", 1, optional=True)
         check_int("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -282,32 +286,40 @@ def _apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Mask to -inf every token outside the row's top-k, then outside the top-p nucleus of what is left.
 
-    top_k: [B] int32 in [1, V] (V = off); top_p: [B] float32 (1 = off). Only the sorted values are needed:
-    tokens are kept by threshold, so ties at the threshold are all kept (as in vLLM's top-k). When every
-    filtering row has top_k <= TOP_K_CAP, ``lax.top_k`` with that static cap replaces the full sort.
+    top_k: [B] int32 in [1, V] (V = off); top_p: [B] float32 (1 = off). Tokens are kept by threshold, so only
+    sorted values are needed, and ties at the threshold are all kept (as in vLLM's top-k). The values come
+    from ``lax.top_k`` with the static cap TOP_K_CAP, which is exact for rows with top_k <= cap and for
+    top-p rows whose nucleus ends inside the top cap (the usual, peaked case); only when some row is not
+    covered does a full sort of the vocabulary run.
     """
     v = logits.shape[-1]
     cap = min(TOP_K_CAP, v)
     off = (top_k >= v) & (top_p >= 1.0)  # [B]
 
-    def threshold(sorted_desc):  # [B, W] descending -> [B, 1] smallest kept logit
-        in_k = jnp.arange(sorted_desc.shape[-1])[None, :] < top_k[:, None]  # [B, W]
-        probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf), axis=-1)  # renormalized top-k
+    def threshold(sorted_desc, lse_all):  # [B, W] the W largest logits, descending
+        w = sorted_desc.shape[-1]
+        in_k = jnp.arange(w)[None, :] < top_k[:, None]  # [B, W]
+        masked = jnp.where(in_k, sorted_desc, -jnp.inf)
+        # Top-p acts on the top-k distribution renormalized (as in vLLM); with top-k off that is the whole
+        # vocabulary, which a truncated W < V does not hold, so normalize by the full logsumexp.
+        lse = jnp.where((top_k <= w)[:, None], jax.nn.logsumexp(masked, -1, keepdims=True), lse_all)  # [B, 1]
+        probs = jnp.exp(masked - lse)
         mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, W]
         keep = in_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))  # a prefix, never empty
-        n_keep = jnp.maximum(keep.sum(-1), 1)
-        thresh = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
-        return jnp.where(off[:, None], -jnp.inf, thresh)
+        n_keep = jnp.maximum(keep.sum(-1), 1)  # [B]
+        thresh = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)  # [B, 1] smallest kept
+        exact = off | (top_k <= w) | ((top_k >= v) & (n_keep < w))  # [B] the true threshold is inside W
+        return jnp.where(off[:, None], -jnp.inf, thresh), exact
 
-    branches = [
-        lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
-        lambda x: threshold(jax.lax.top_k(x, cap)[0]),
-        lambda x: threshold(jnp.sort(x, axis=-1, descending=True)),
-    ]
-    all_capped = jnp.all(off | (top_k <= cap))
-    index = jnp.where(jnp.all(off), 0, jnp.where(all_capped, 1, 2))
-    thresh = jax.lax.switch(index, branches, logits)
-    return jnp.where(logits >= thresh, logits, -jnp.inf)
+    def apply(x):
+        lse_all = jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [B, 1]
+        thresh, exact = threshold(jax.lax.top_k(x, cap)[0], lse_all)
+        if cap < v:
+            full = lambda: threshold(jnp.sort(x, axis=-1, descending=True), lse_all)[0]  # noqa: E731
+            thresh = jax.lax.cond(jnp.all(exact), lambda: thresh, full)
+        return jnp.where(x >= thresh, x, -jnp.inf)
+
+    return jax.lax.cond(jnp.all(off), lambda x: x, apply, logits)
 
 
 def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
@@ -344,6 +356,7 @@ def process_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [T, 1]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]  # [T]
+    k = min(k, logits.shape[-1])
     if k == 0:
         n = logits.shape[0]
         return chosen, jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), jnp.float32)
@@ -358,7 +371,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
     Args:
         logits: [B, V] model logits (cast to float32).
         meta: the batch's ``SamplingMetadata`` with B rows.
-        max_logprobs: static K of the top-logprob outputs (0 skips them; the host slices per request).
+        max_logprobs: static K of the top-logprob outputs, capped at V (0 skips them; the host slices
+            per request).
 
     Returns:
         ``SamplerOutput`` with tokens [B], their raw logprobs [B] and the top-K raw logprobs [B, K].

@@ -1,0 +1,133 @@
+"""Attention and KV-cache kernels: Pallas for GPU (Triton) and TPU (Mosaic), plus the plain-jnp reference.
+
+Imported as ``jaxserve.kernels``. The two entry points the model uses:
+
+    ragged_paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           sm_scale, sliding_window=0, soft_cap=None, impl="auto") -> [T, num_q_heads, head_dim]
+    write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, impl="auto") -> (k_cache, v_cache)
+
+Layouts and semantics are defined once, in ``reference.py``.
+
+``impl``:
+  "auto"       Pallas kernel compiled for the platform on GPU / TPU; the reference on anything else.
+  "pallas"     the Pallas kernel; on a platform it was not written for (the CPU) it runs in interpret
+               mode. ``backend="gpu"|"tpu"`` picks which kernel (default: the platform's, GPU-style on CPU).
+  "reference"  the jnp reference, anywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxserve.kernels._common import validate_attention_inputs
+from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
+from jaxserve.kernels.write_kv import write_kv_gpu, write_kv_tpu
+
+__all__ = [
+    "ragged_paged_attention",
+    "write_kv",
+    "ragged_paged_attention_ref",
+    "write_kv_ref",
+    "ragged_paged_attention_gpu",
+    "ragged_paged_attention_tpu",
+    "write_kv_gpu",
+    "write_kv_tpu",
+]
+
+_IMPLS = ("auto", "pallas", "reference")
+
+
+def _platform() -> str:
+    platform = jax.default_backend()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def _choose(impl: str, backend: str | None, interpret: bool | None) -> tuple[str, bool]:
+    """-> (kernel: "reference" | "gpu" | "tpu", interpret)."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if backend not in (None, "gpu", "tpu"):
+        raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
+    platform = _platform()
+    if impl == "reference" or (impl == "auto" and platform not in ("gpu", "tpu") and backend is None):
+        return "reference", False
+    kernel = backend or (platform if platform in ("gpu", "tpu") else "gpu")
+    return kernel, (kernel != platform) if interpret is None else bool(interpret)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    backend: str | None = None,
+    **kernel_options,
+) -> jax.Array:
+    """Attention of a ragged batch of query chunks over the paged KV cache.
+
+    Args:
+      q: [T, num_q_heads, head_dim], the step's query tokens, sequences back to back.
+      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool.
+      layer: int32 scalar (may be traced), which layer of the pool to read.
+      kv_lens: [S] context length of each sequence including this step's tokens.
+      page_indices: [S, pages_per_seq] page table.
+      cu_q_lens: [S + 1] sequence i owns tokens cu_q_lens[i]:cu_q_lens[i + 1].
+      num_seqs: int32 scalar; sequences past it (and their tokens) are padding.
+      sm_scale: softmax scale (a Python float).
+      sliding_window: 0 = off, else attend to the last ``sliding_window`` positions; may be traced.
+      soft_cap: None or ``cap`` for ``cap * tanh(s / cap)`` on the scores.
+      impl, backend, interpret: see the module docstring.
+      **kernel_options: block sizes etc. for the chosen Pallas kernel (ignored by the reference).
+
+    Returns:
+      [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
+
+    Raises:
+      ValueError: bad impl/backend, inconsistent shapes, head counts that do not divide, or (when kv_lens
+        is concrete) a page table too short for the longest context.
+    """
+    kernel, interp = _choose(impl, backend, interpret)
+    args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if kernel == "reference":
+        validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
+                                  soft_cap=soft_cap)
+        return ragged_paged_attention_ref(*args, **kw)
+    fn = ragged_paged_attention_gpu if kernel == "gpu" else ragged_paged_attention_tpu
+    return fn(*args, **kw, **kernel_options, interpret=interp)
+
+
+def write_kv(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    backend: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Writes the step's new K/V ([T, num_kv_heads, head_dim]) into one layer of the pool.
+
+    ``slot_mapping[t] = page * page_size + offset``; negative slots write nothing. Returns the updated
+    (k_cache, v_cache); donate the caches to the enclosing jit so the update happens in place.
+    """
+    kernel, interp = _choose(impl, backend, interpret)
+    if kernel == "reference":
+        return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, slot_mapping)
+    fn = write_kv_gpu if kernel == "gpu" else write_kv_tpu
+    return fn(k_cache, v_cache, layer, new_k, new_v, slot_mapping, interpret=interp)

@@ -19,11 +19,11 @@ def default_model_path():
 
 
 @pytest.fixture(scope="session")
-def default_llm():
+def default_llm(default_loaded):
     """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in float32, shared by the session."""
     from jaxserve import LLM
 
-    return LLM(None, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, num_pages=1024)
+    return LLM(default_loaded, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, num_pages=1024)
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +36,11 @@ def hf_default(default_model_path):
         str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
     ).eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def default_loaded(default_model_path):
+    """The default model's weights in host memory, loaded once; engines built from it skip reloading."""
+    from jaxserve.loading import load_model
+
+    return load_model(default_model_path, "float32")

@@ -17,17 +17,19 @@ LOGITS = np.log(PROBS).astype(np.float32)
 
 
 def softmax(x):
+    x = np.asarray(x, np.float64)
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
 
 
-def meta_for(params, **kw):
-    return SamplingMetadata.from_params(params, **kw)
+def meta_for(params, *args, **kw):
+    return SamplingMetadata.from_params(params, *args, **kw)
 
 
 def kept_set(logits, params):
-    """Token ids with nonzero probability after filtering (one row)."""
-    out = np.asarray(process_logits(jnp.asarray(logits[None]), meta_for([params])))[0]
+    """Token ids with nonzero probability after filtering (one row, batched with greedy padding rows)."""
+    batch = jnp.asarray(np.tile(logits, (4, 1)))
+    out = np.asarray(process_logits(batch, meta_for([params], pad_to=4)))[0]
     return set(np.flatnonzero(np.isfinite(out)).tolist())
 
 
@@ -76,7 +78,8 @@ def test_invalid_params_name_the_field(kwargs, field):
 
 def test_params_normalization_and_defaults():
     p = SamplingParams()
-    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.stop, p.stop_token_ids) == (1, 1.0, 1.0, 0, 16, [], [])
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens) == (1, 1.0, 1.0, 0, 16, 0)
+    assert (p.stop, p.stop_token_ids, p.logit_bias, p.seed, p.logprobs) == ([], [], None, None, None)
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(logit_bias={"50256": -100, 7: 1}).logit_bias == {50256: -100.0, 7: 1.0}
@@ -120,10 +123,15 @@ def test_top_k_never_leaves_top_k():
     b, v, k = 64, 50, 5
     logits = rng.normal(size=(b, v)).astype(np.float32) * 2
     allowed = np.argsort(-logits, axis=-1)[:, :k]
-    params = [SamplingParams(temperature=1.5, top_k=k, seed=i) for i in range(b)]
+    # Every other row samples unfiltered: a batch mixing filtered and unfiltered rows filters each its own way.
+    params = [SamplingParams(temperature=1.5, top_k=k if i % 2 else 0, seed=i) for i in range(b)]
+    outside = 0
     for step in range(8):
         tokens = np.asarray(sample(jnp.asarray(logits), meta_for(params, steps=[step] * b)).tokens)
-        assert all(t in row for t, row in zip(tokens, allowed))
+        inside = np.array([t in row for t, row in zip(tokens, allowed)])
+        assert inside[1::2].all()
+        outside += (~inside[::2]).sum()
+    assert outside > 0.5 * 8 * b / 2  # the unfiltered rows do leave the top k (~90% of draws here)
 
 
 def test_top_k_zero_and_minus_one_keep_everything():
@@ -150,14 +158,14 @@ def test_top_p_keeps_exact_nucleus(top_p, temperature):
 
 
 def test_top_k_then_top_p_renormalizes_within_top_k():
-    # top_k=3 leaves {0,1,2} with renormalized probs 0.441, 0.324, 0.235; top_p=0.7 then keeps {0, 1}
+    # top_k=3 leaves {0,1,2} with renormalized probs 0.441, 0.324, 0.235; top_p=0.65 then keeps {0, 1}
     # (on the un-renormalized distribution it would keep {0, 1, 2}).
-    assert kept_set(LOGITS, SamplingParams(top_k=3, top_p=0.7)) == {0, 1}
+    assert kept_set(LOGITS, SamplingParams(top_k=3, top_p=0.65)) == {0, 1}
     renorm = PROBS[:3] / PROBS[:3].sum()
-    assert numpy_top_p(renorm, 0.7) == {0, 1} and numpy_top_p(PROBS, 0.7) == {0, 1, 2}
+    assert numpy_top_p(renorm, 0.65) == {0, 1} and numpy_top_p(PROBS, 0.65) == {0, 1, 2}
 
 
-@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.25, 0.5, 1.0])  # none on a boundary but 1.0 (the max)
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_min_p_keeps_exact_set(min_p, temperature):
     probs_t = softmax(LOGITS / temperature)
@@ -169,29 +177,36 @@ def test_min_p_keeps_exact_set(min_p, temperature):
     assert set(tokens.tolist()) <= expected
 
 
-def test_filters_on_large_vocab_both_paths_in_one_batch():
-    # V > TOP_K_CAP: rows mixing a small top_k (lax.top_k path) with top_k off + top_p and top_k > cap
-    # (full-sort path) must each keep exactly what numpy keeps.
+def numpy_filter_set(x, top_k, top_p):
+    """Tokens kept by top-k then top-p (on the renormalized top-k distribution) of logits x."""
+    order = np.argsort(-x)
+    k = top_k if top_k > 0 else len(x)
+    probs = softmax(x[order[:k]])
+    before = np.cumsum(probs) - probs
+    n = max(int((before < top_p).sum()), 1) if top_p < 1 else k
+    return set(order[:n].tolist())
+
+
+def test_filters_on_large_vocab_every_path():
+    # V > TOP_K_CAP. Rows covered by lax.top_k(cap): small top_k, and top-p whose nucleus fits in the cap.
+    # Rows that need the full sort: top_k > cap, and top-p on a flat distribution whose nucleus does not fit.
     rng = np.random.default_rng(1)
-    v = 2 * sampling.TOP_K_CAP + 37
-    logits = (rng.normal(size=(4, v)) * 3).astype(np.float32)
+    cap = sampling.TOP_K_CAP
+    v = 2 * cap + 37
+    logits = rng.normal(size=(5, v)).astype(np.float32) * np.float32([[3], [3], [3], [3], [0.1]])
     params = [
         SamplingParams(top_k=10),
         SamplingParams(top_p=0.8),
-        SamplingParams(top_k=sampling.TOP_K_CAP + 50),
+        SamplingParams(top_k=cap + 50),
         SamplingParams(temperature=0.9, top_k=40, top_p=0.5),
+        SamplingParams(top_p=0.9),
     ]
-    for rows in ([0, 1, 2, 3], [0, 3]):  # [0, 3] has only small top_k, so it takes the lax.top_k path
-        batch = [params[r] for r in rows]
-        out = np.asarray(process_logits(jnp.asarray(logits[rows]), meta_for(batch)))
-        for i, (r, p) in enumerate(zip(rows, batch)):
-            x = logits[r] / p.temperature
-            order = np.argsort(-x)
-            k = p.top_k if p.top_k > 0 else v
-            probs = softmax(x[order[:k]])
-            before = np.cumsum(probs) - probs
-            n = max(int((before < p.top_p).sum()), 1) if p.top_p < 1 else k
-            assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == set(order[:n].tolist()), p
+    expected = [numpy_filter_set(logits[r] / p.temperature, p.top_k, p.top_p) for r, p in enumerate(params)]
+    assert len(expected[1]) < cap < len(expected[4])  # the two top-p rows really take different paths
+    for rows in ([0, 1, 2, 3, 4], [0, 3], [1], [4], [1, 4], [2]):
+        out = np.asarray(process_logits(jnp.asarray(logits[rows]), meta_for([params[r] for r in rows])))
+        for i, r in enumerate(rows):
+            assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == expected[r], (rows, params[r])
 
 
 # ---------------------------------------------------------------- statistics and greedy
@@ -323,7 +338,7 @@ def test_same_seed_same_tokens_alone_and_in_a_batch():
         alone.append(int(out.tokens[0]))
         others = [random_params(rng, int(s)) for s in rng.integers(0, 10_000, 7)]
         batch = others[:row] + [target] + others[row:]
-        hist = [[int(t) for t in rng.integers(0, v, rng.integers(1, 40))] for _ in range(8)]
+        hist = [[int(t) for t in rng.integers(0, v, rng.integers(1, 16))] for _ in range(8)]  # one bucket
         hist[row] = history
         meta = meta_for(batch, None, [step] * 8, hist, hist, pad_to=16)
         out = sample(jnp.asarray(np.concatenate([logits, np.zeros((8, v), np.float32)])), meta)

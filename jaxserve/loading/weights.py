@@ -129,4 +129,4 @@ def params_from_hf_tensors(
 
 def cast_params(params: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
     np_dtype = _NP_DTYPES[dtype]
-    return {k: v.astype(np_dtype) for k, v in params.items()}
+    return {k: v.astype(np_dtype, copy=False) for k, v in params.items()}

@@ -1,0 +1,308 @@
+"""Ragged paged attention as a Mosaic TPU Pallas kernel: K/V stay in HBM, pages are DMA'd double-buffered.
+
+Grid: (kv-head block, query block). Query blocks are ``block_q`` consecutive tokens of the flattened
+batch, so a block may hold the tail of one sequence and the heads of the next ones (decode batches pack
+``block_q`` sequences into one program). The program walks the sequences that overlap its block; for each
+it streams the needed context, ``pages_per_block`` pages at a time, from HBM into a VMEM double buffer
+with async copies (the next block's pages, possibly of the next sequence, are in flight while the current
+one is computed), and runs an online softmax in float32 whose rows belong to exactly one sequence: the
+other rows are masked to -inf, which leaves their running state untouched.
+
+Everything data-dependent is scalar-prefetched into SMEM: layer, sliding window, kv_lens, the flattened
+page table, cu_q_lens and the range of sequences that overlaps each query block. The cache operands are
+the full [L, pages, page_size, kv_heads, head_dim] arrays with ``memory_space=pl.ANY``; the layer is just
+the first index of each DMA source, so no layer is ever copied out.
+
+To keep every in-kernel value 2-D, the wrapper presents q (and takes the output) as
+[kv_heads, T * group, head_dim] (row = token * group + head-in-group); that is one transpose of q and
+one of the output, small next to the K/V traffic.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxserve.kernels._common import cdiv, validate_attention_inputs
+
+_LANES = 128
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    scalars_ref,  # [3]: layer, sliding_window, num_seqs
+    kv_lens_ref,  # [S]
+    page_indices_ref,  # [S * pages_per_seq] (flattened)
+    cu_q_lens_ref,  # [S + 1]
+    blk_seq_lo_ref,  # [num_q_blocks]: first sequence overlapping each query block
+    blk_seq_hi_ref,  # [num_q_blocks]: one past the last
+    # inputs
+    q_ref,  # [kv_heads_per_block, block_q * group, head_dim] (VMEM block)
+    k_hbm,  # [L, num_pages, page_size, num_kv_heads, head_dim] (HBM)
+    v_hbm,
+    # output
+    o_ref,  # [kv_heads_per_block, block_q * group, head_dim]
+    # scratch
+    k_buf,  # [2, pages_per_block * page_size, kv_heads_per_block, head_dim]
+    v_buf,
+    sems,  # DMA semaphores [2 (k, v), 2 (slot)]
+    m_ref,  # [kv_heads_per_block, block_q * group, 128] f32, lane-replicated running max
+    l_ref,  # [kv_heads_per_block, block_q * group, 128] f32, running denominator
+    acc_ref,  # [kv_heads_per_block, block_q * group, head_dim] f32
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    block_q: int,
+    group: int,
+    pages_per_seq: int,
+    pages_per_block: int,
+):
+    head_blk, q_blk = pl.program_id(0), pl.program_id(1)
+    kv_heads_blk, rows, head_dim = q_ref.shape
+    page_size = k_hbm.shape[2]
+    num_pages, num_kv_heads = k_hbm.shape[1], k_hbm.shape[3]
+    blk_tokens = pages_per_block * page_size
+    layer, window = scalars_ref[0], scalars_ref[1]
+    tok_lo = q_blk * block_q
+    tok_hi = tok_lo + block_q
+    seq_lo, seq_hi = blk_seq_lo_ref[q_blk], blk_seq_hi_ref[q_blk]
+
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def seq_info(s):
+        """Scalars for the part of sequence s inside this query block."""
+        q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
+        t0, t1 = jnp.maximum(q_start, tok_lo), jnp.minimum(q_end, tok_hi)
+        first_pos = kv_len - (q_end - q_start)  # absolute position of the sequence's first query token
+        hi = jnp.minimum(first_pos + (t1 - q_start), kv_len)  # context needed: [lo, hi)
+        lo = jnp.where(window > 0, jnp.maximum(first_pos + (t0 - q_start) - window + 1, 0), 0)
+        page_lo, page_hi = lo // page_size, cdiv(hi, page_size)
+        num_blocks = jnp.where(t1 > t0, jnp.maximum(cdiv(page_hi - page_lo, pages_per_block), 0), 0)
+        return dict(q_start=q_start, t0=t0, t1=t1, first_pos=first_pos, lo=lo, hi=hi, page_lo=page_lo,
+                    page_hi=page_hi, num_blocks=num_blocks)
+
+    def copies(s, info, j, slot):
+        """The page DMAs of context block j of sequence s into buffer ``slot``, each guarded by a predicate."""
+        out = []
+        for i in range(pages_per_block):
+            page = info["page_lo"] + j * pages_per_block + i
+            page_id = page_indices_ref[s * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
+            page_id = jnp.clip(page_id, 0, num_pages - 1)  # entries past the sequence's pages may be junk
+            for which, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                src = hbm.at[layer, page_id]
+                if kv_heads_blk != num_kv_heads:
+                    src = src.at[:, pl.ds(head_blk * kv_heads_blk, kv_heads_blk)]
+                dst = buf.at[slot, pl.ds(i * page_size, page_size)]
+                out.append((page < info["page_hi"], pltpu.make_async_copy(src, dst, sems.at[which, slot])))
+        return out
+
+    def start(s, info, j, slot):
+        for pred, c in copies(s, info, j, slot):
+            pl.when(pred)(c.start)
+
+    def wait(s, info, j, slot):
+        for pred, c in copies(s, info, j, slot):
+            pl.when(pred)(c.wait)
+
+    def compute(info, j, slot):
+        blk_tok0 = (info["page_lo"] + j * pages_per_block) * page_size
+        kv_tok = blk_tok0 + lax.broadcasted_iota(jnp.int32, (1, blk_tokens), 1)  # [1, C]
+        kv_ok = (kv_tok >= info["lo"]) & (kv_tok < info["hi"])
+        kv_tok_col = blk_tok0 + lax.broadcasted_iota(jnp.int32, (blk_tokens, 1), 0)  # [C, 1]
+        v_ok = (kv_tok_col >= info["lo"]) & (kv_tok_col < info["hi"])
+        tok = tok_lo + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [R, 1]
+        pos = info["first_pos"] + (tok - info["q_start"])
+        ok = (tok >= info["t0"]) & (tok < info["t1"]) & kv_ok & (kv_tok <= pos)
+        ok &= (window <= 0) | (kv_tok > pos - window)  # [R, C]
+        for h in range(kv_heads_blk):
+            q = q_ref[h]  # [R, D]
+            k = k_buf[slot, :, h, :]  # [C, D]
+            v = v_buf[slot, :, h, :]
+            # Rows of the buffer outside [lo, hi) are stale or never written: zero V so 0 * garbage can't leak.
+            v = jnp.where(v_ok, v, jnp.zeros_like(v))
+            s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32) * sm_scale  # [R, C]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(ok, s, -jnp.inf)
+            m_prev = m_ref[h][:, :1]  # [R, 1]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            alpha = jnp.exp(m_prev - m_safe)
+            p = jnp.exp(s - m_safe)
+            l_next = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)  # [R, D]
+            acc_ref[h] = alpha * acc_ref[h] + pv
+            m_ref[h] = jnp.broadcast_to(m_next, (rows, _LANES))
+            l_ref[h] = jnp.broadcast_to(l_next, (rows, _LANES))
+
+    def seq_body(s, carry):
+        slot, started = carry
+        info = seq_info(s)
+        nxt = jnp.minimum(s + 1, seq_hi - 1)
+        nxt_info = seq_info(nxt)
+        has_next = (s + 1 < seq_hi) & (nxt_info["num_blocks"] > 0)
+
+        @pl.when((info["num_blocks"] > 0) & (started == 0))
+        def _():
+            start(s, info, 0, slot)
+
+        def kv_body(j, slot):
+            @pl.when(j + 1 < info["num_blocks"])
+            def _():
+                start(s, info, j + 1, 1 - slot)
+
+            @pl.when((j + 1 == info["num_blocks"]) & has_next)
+            def _():
+                start(nxt, nxt_info, 0, 1 - slot)
+
+            wait(s, info, j, slot)
+            compute(info, j, slot)
+            return 1 - slot
+
+        slot = lax.fori_loop(0, info["num_blocks"], kv_body, slot)
+        return slot, ((info["num_blocks"] > 0) & has_next).astype(jnp.int32)
+
+    # Carry: (buffer slot of the next block, whether this sequence's first block is already in flight).
+    lax.fori_loop(seq_lo, seq_hi, seq_body, (jnp.int32(0), jnp.int32(0)))
+
+    for h in range(kv_heads_blk):
+        l = l_ref[h][:, :1]
+        o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def default_block_sizes(num_tokens, num_seqs_padded, group, page_size, pages_per_seq, dtype):
+    """(block_q, pages_per_block): query rows a multiple of the sublane tiling; ~256 context tokens a step."""
+    sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)  # 8 for f32, 16 for bf16
+    unit = sublanes // math.gcd(group, sublanes)  # smallest block_q with block_q * group % sublanes == 0
+    target_rows = 16 if num_tokens <= 2 * num_seqs_padded else 128
+    block_q = unit * max(1, target_rows // (unit * group))
+    pages_per_block = max(1, min(pages_per_seq, 256 // page_size))
+    return block_q, pages_per_block
+
+
+def ragged_paged_attention_tpu(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    kv_heads_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Ragged paged attention on a TPU (Pallas Mosaic); same contract as ``ragged_paged_attention_ref``.
+
+    Args:
+      q .. num_seqs, sm_scale, sliding_window, soft_cap: as in ``reference.ragged_paged_attention_ref``.
+      block_q: query tokens per program; block_q * group should be a multiple of 8 (f32) / 16 (bf16).
+      pages_per_block: pages fetched per DMA step (the double buffer holds two such blocks of K and of V).
+      kv_heads_per_block: KV heads per program (a grid axis); None = all heads in one program.
+      vmem_limit_bytes: passed to Mosaic.
+      interpret: run in Pallas' TPU interpret mode (on the CPU), which also simulates the DMAs.
+
+    Returns:
+      [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
+
+    Raises:
+      ValueError: inconsistent shapes or head counts, or a page table too short for a concrete kv_lens.
+    """
+    validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
+                              soft_cap=soft_cap)
+    num_tokens, num_q_heads, _ = q.shape
+    _, _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs_padded, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    dq, dp = default_block_sizes(num_tokens, num_seqs_padded, group, page_size, pages_per_seq, k_cache.dtype)
+    block_q, pages_per_block = block_q or dq, pages_per_block or dp
+    kv_heads_per_block = kv_heads_per_block or num_kv_heads
+    if num_kv_heads % kv_heads_per_block:
+        raise ValueError(f"kv_heads_per_block ({kv_heads_per_block}) must divide num_kv_heads ({num_kv_heads})")
+    return _rpa_tpu(
+        q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lens.astype(jnp.int32),
+        page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
+        jnp.asarray(sliding_window, jnp.int32), sm_scale=float(sm_scale), soft_cap=soft_cap, block_q=block_q,
+        pages_per_block=pages_per_block, kv_heads_per_block=kv_heads_per_block,
+        vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q", "pages_per_block",
+                                             "kv_heads_per_block", "vmem_limit_bytes", "interpret"))
+def _rpa_tpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, *, sm_scale,
+             soft_cap, block_q, pages_per_block, kv_heads_per_block, vmem_limit_bytes, interpret):
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs_padded, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    num_q_blocks = cdiv(num_tokens, block_q)
+    padded_tokens = num_q_blocks * block_q
+
+    # [T, K * G, D] -> [K, T_pad * G, D]: row t * G + g of head block k is token t, query head k * G + g.
+    qt = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+    qt = qt.reshape(padded_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qt = qt.reshape(num_kv_heads, padded_tokens * group, head_dim)
+
+    # Sequences overlapping each query block; only the first num_seqs count.
+    seq = jnp.arange(num_seqs_padded, dtype=jnp.int32)
+    big = jnp.iinfo(jnp.int32).max
+    starts = jnp.where(seq < num_seqs, cu_q_lens[:-1], big)
+    ends = jnp.where(seq < num_seqs, cu_q_lens[1:], big)
+    blk = jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q
+    blk_seq_lo = jnp.searchsorted(ends, blk, side="right").astype(jnp.int32)
+    blk_seq_hi = jnp.searchsorted(starts, blk + block_q, side="left").astype(jnp.int32)
+    blk_seq_hi = jnp.maximum(jnp.minimum(blk_seq_hi, num_seqs), blk_seq_lo)
+    scalars = jnp.stack([layer.reshape(()), sliding_window.reshape(()), num_seqs.reshape(())])
+
+    rows = block_q * group
+    qo_spec = pl.BlockSpec((kv_heads_per_block, rows, head_dim), lambda hb, qb, *_: (hb, qb, 0))
+    buf = pltpu.VMEM((2, pages_per_block * page_size, kv_heads_per_block, head_dim), k_cache.dtype)
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, group=group, pages_per_seq=pages_per_seq,
+        pages_per_block=pages_per_block,
+    )
+    if interpret:
+        interpret = pltpu.InterpretParams(uninitialized_memory="nan")  # unwritten VMEM reads as NaN
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(num_kv_heads // kv_heads_per_block, num_q_blocks),
+            in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=qo_spec,
+            scratch_shapes=[
+                buf,
+                buf,
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((kv_heads_per_block, rows, _LANES), jnp.float32),
+                pltpu.VMEM((kv_heads_per_block, rows, _LANES), jnp.float32),
+                pltpu.VMEM((kv_heads_per_block, rows, head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(scalars, kv_lens, page_indices.reshape(-1), cu_q_lens, blk_seq_lo, blk_seq_hi, qt, k_cache, v_cache)
+    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]  # padding rows: l == 0 -> zeros
