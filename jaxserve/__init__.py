@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxserve.llm",
     "LLMEngine": "jaxserve.engine",
-    "SamplingParams": "jaxserve.sampling",
+    "SamplingParams": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "Logprob": "jaxserve.outputs",

@@ -22,7 +22,7 @@ from jaxserve.loading.weights import cast_params
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, default_dtype
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 

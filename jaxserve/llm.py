@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]

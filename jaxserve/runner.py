@@ -27,7 +27,8 @@ from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.models.llama import AttentionBatch, model_from_params
 from jaxserve.request import Request
-from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, SamplingParams, sample
+from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, sample
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs

@@ -1,0 +1,132 @@
+"""SamplingParams: what a request asks of the sampler, validated on the host.
+
+Plain Python (no jax), so the scheduler side can read a request's parameters without importing jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+
+MAX_LOGPROBS = 20  # Most top logprobs a request may ask for (OpenAI's limit); the static K of ``sample``.
+GREEDY_EPS = 1e-5  # Temperatures below this are greedy (argmax), as in vLLM.
+TOP_K_CAP = 256  # Top-k/top-p read the top this-many logits (lax.top_k); a full vocabulary sort is the fallback.
+PAD_ID = -1  # Pad value of the token-history arrays.
+_MAX_ABS_PENALTY = 2.0
+_MAX_ABS_BIAS = 100.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and np.isfinite(float(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request (the vLLM / OpenAI knobs). Validated at construction.
+
+    ``top_k`` of 0 or -1 and ``top_p`` of 1 are off; ``temperature`` below 1e-5 is greedy. ``logprobs=N``
+    returns the chosen token's logprob and the top N (0: the chosen token only). ``stop`` is normalized to a
+    list of strings, ``stop_token_ids`` to a list of ints and ``logit_bias`` to ``dict[int, float]``
+    (string keys such as OpenAI JSON sends are accepted).
+
+    Raises:
+        ValueError: a field has a wrong type or an out-of-range value; the message names the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def fail(name: str, why: str):
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        def check_real(name, lo, hi, lo_open=False):
+            v = getattr(self, name)
+            if not _is_real(v):
+                fail(name, "must be a finite number")
+            if v < lo or v > hi or (lo_open and v == lo):
+                fail(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
+            object.__setattr__(self, name, float(v))  # numpy scalars become plain floats
+
+        def check_int(name, lo, optional=False):
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not _is_int(v) or v < lo:
+                fail(name, f"must be an int >= {lo}" + (" or None" if optional else ""))
+            object.__setattr__(self, name, int(v))
+
+        check_int("n", 1)
+        check_real("temperature", 0.0, float("inf"))
+        check_real("top_p", 0.0, 1.0, lo_open=True)
+        check_int("top_k", -1)
+        check_real("min_p", 0.0, 1.0)
+        check_real("repetition_penalty", 0.0, float("inf"), lo_open=True)
+        check_real("presence_penalty", -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY)
+        check_real("frequency_penalty", -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY)
+        if self.seed is not None and not _is_int(self.seed):
+            fail("seed", "must be an int or None")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
+        check_int("max_tokens", 1, optional=True)
+        check_int("min_tokens", 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            check_int(name, 0, optional=True)
+            if getattr(self, name) is not None and getattr(self, name) > MAX_LOGPROBS:
+                fail(name, f"must be <= {MAX_LOGPROBS}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a bool")
+
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            fail("stop", "must be a non-empty string, a list of them, or None")
+        object.__setattr__(self, "stop", list(stop))
+
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            fail("stop_token_ids", "must be a list of non-negative ints or None")
+        object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must be a dict {token_id: bias} or None")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+                if not _is_int(tok) or tok < 0:
+                    fail("logit_bias", f"keys must be non-negative token ids (bad key {key!r})")
+                if not _is_real(value) or abs(value) > _MAX_ABS_BIAS:
+                    fail("logit_bias", f"values must be numbers in [-100, 100] (bad value {value!r})")
+                bias[int(tok)] = float(value)
+            object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
