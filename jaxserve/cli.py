@@ -41,8 +41,9 @@ def _engine(args):
                      max_num_batched_tokens=256, attention_impl=args.attention_impl)
 
 
-def _stream(engine, request_id: str, prompt, params, out=sys.stdout) -> str:
-    """Streams one request's text to ``out`` as it is generated; returns the whole text."""
+def _stream(engine, request_id: str, prompt, params, out=None) -> str:
+    """Streams one request's text to ``out`` (stdout) as it is generated; returns the whole text."""
+    out = out or sys.stdout
     engine.add_request(request_id, prompt, params)
     shown = ""
     while engine.has_unfinished_requests():
