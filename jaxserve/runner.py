@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from typing import Mapping
 
 import jax
@@ -98,10 +99,15 @@ class ModelRunner:
                                      math.ceil(sched_cfg.max_model_len / self.page_size))
         self.attention_impl = attention_impl
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
-        self.num_tokens_computed = 0  # real (unpadded) tokens run through the model
-        self.num_steps = 0
+        self.reset_timers()
         self._steps: dict[int, object] = {}
         self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1))
+
+    def reset_timers(self) -> None:
+        self.num_tokens_computed = 0  # real (unpadded) tokens run through the model
+        self.num_steps = 0
+        self.pack_seconds = 0.0  # host: building the padded arrays and sampling metadata
+        self.device_seconds = 0.0  # dispatch to results back on the host
 
     # ------------------------------------------------------------------ sizing
     def _page_bytes(self) -> int:
@@ -181,6 +187,7 @@ class ModelRunner:
             self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, src, dst)
         if not sched.scheduled:
             return {}
+        t0 = time.perf_counter()
         tokens, batch, logits_indices = self.pack(sched)
         self.num_tokens_computed += sched.num_scheduled_tokens
         self.num_steps += 1
@@ -192,9 +199,13 @@ class ModelRunner:
             pad_to=len(logits_indices), eos_token_ids=self.cfg.eos_token_ids,
         )
         max_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
+        t1 = time.perf_counter()
         out, self.k_cache, self.v_cache = self._step_fn(max_logprobs)(
             self.state, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta)
         out = jax.device_get(out)
+        t2 = time.perf_counter()
+        self.pack_seconds += t1 - t0
+        self.device_seconds += t2 - t1
         result = {}
         for i, s in enumerate(sched.scheduled):
             if not s.sample:

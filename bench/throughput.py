@@ -1,0 +1,153 @@
+"""Offline throughput on the default model (issue 3): jaxserve vs HF transformers vs llama.cpp, one invocation.
+
+Workload: N requests (default 64), prompts of 64-512 tokens, 128 output tokens each, greedy, ignore_eos.
+Prints output tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and where
+jaxserve's step time goes (host vs device).
+
+    python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import time
+
+
+def make_workload(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = ("the a of river city light north stone garden music paper window seven quiet market winter bright "
+             "history engine forest number table ocean silver story mountain coffee language science").split()
+    prompts = []
+    for _ in range(n):
+        want = rng.randint(lo, hi)
+        ids = tokenizer.encode(" ".join(rng.choice(words) for _ in range(want * 2)))
+        prompts.append(ids[:want])
+    return prompts
+
+
+def matmul_roofline() -> float:
+    """GFLOP/s of a large float32 jnp.dot on this machine."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((2048, 2048), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(10):
+        out = f(a, a)
+    out.block_until_ready()
+    return 10 * 2 * 2048**3 / (time.perf_counter() - t) / 1e9
+
+
+def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int) -> dict:
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(None, max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens,
+              max_model_len=1024)
+    t = time.perf_counter()
+    compiled = llm.engine.runner.warmup()
+    warm = time.perf_counter() - t
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    runner = llm.engine.runner
+    runner.reset_timers()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    return {"elapsed": elapsed, "warmup_s": warm, "compiled": compiled, "steps": runner.num_steps,
+            "device_s": runner.device_seconds, "pack_s": runner.pack_seconds,
+            "recompiles": runner.num_compilations - compiled}
+
+
+def run_hf(prompts, output_len: int, batch_size: int) -> dict:
+    import torch
+    import transformers
+
+    from jaxserve.defaults import default_model_path
+
+    torch.set_num_threads(os.cpu_count())
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    t = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i: i + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=0)
+            assert out.shape[1] == width + output_len
+    return {"elapsed": time.perf_counter() - t}
+
+
+def run_llamacpp(prompts, output_len: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from jaxserve.defaults import default_model_path
+
+    llm = Llama(model_path=str(default_model_path()), n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
+    t = time.perf_counter()
+    for p in prompts:  # llama-cpp-python serves one sequence at a time
+        llm.reset()
+        n = 0
+        for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+            n += 1
+            if n == output_len:
+                break
+    return {"elapsed": time.perf_counter() - t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--min-prompt", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    args = ap.parse_args()
+
+    from jaxserve.defaults import default_model_path
+    from jaxserve.tokenizer import load_tokenizer
+
+    prompts = make_workload(load_tokenizer(default_model_path()), args.num_requests, args.min_prompt, args.max_prompt)
+    n_in, n_out = sum(map(len, prompts)), args.num_requests * args.output_len
+    roof = matmul_roofline()
+    results = {"jaxserve": run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens)}
+    if not args.skip_hf:
+        results["HF transformers"] = run_hf(prompts, args.output_len, args.hf_batch_size)
+    if not args.skip_llamacpp:
+        r = run_llamacpp(prompts, args.output_len)
+        if r is not None:
+            results["llama.cpp (sequential)"] = r
+
+    params = 134.5e6  # SmolLM2-135M parameters; 2 FLOPs per parameter per token (attention not counted)
+    print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.num_requests} requests, prompts "
+          f"{args.min_prompt}-{args.max_prompt} tokens ({n_in} in), {args.output_len} out each ({n_out}), greedy")
+    print(f"float32 matmul roofline: {roof:.0f} GFLOP/s")
+    js = results["jaxserve"]["elapsed"]
+    print("| engine | seconds | output tok/s | total tok/s | jaxserve speedup |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        e = r["elapsed"]
+        print(f"| {name} | {e:.1f} | {n_out / e:.1f} | {(n_in + n_out) / e:.1f} | {e / js:.2f}x |")
+    j = results["jaxserve"]
+    flops = 2 * params * (n_in + n_out) / js / 1e9
+    print(f"jaxserve: {flops:.0f} GFLOP/s model FLOPs = {flops / roof:.0%} of the matmul roofline; "
+          f"{j['steps']} steps, device {j['device_s']:.1f}s ({j['device_s'] / js:.0%}), host packing "
+          f"{j['pack_s']:.1f}s ({j['pack_s'] / js:.0%}), other host {js - j['device_s'] - j['pack_s']:.1f}s; "
+          f"warm-up compiled {j['compiled']} buckets in {j['warmup_s']:.0f}s, {j['recompiles']} recompiles after")
+
+
+if __name__ == "__main__":
+    main()
