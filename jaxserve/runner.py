@@ -13,6 +13,7 @@ requests of the same bucket.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
+from jaxserve import kernels
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.models.llama import AttentionBatch, model_from_params
@@ -236,8 +237,9 @@ class ModelRunner:
 
 
 def _attention_fns(impl: str):
-    # TODO(kernels): dispatch through jaxserve.kernels once the Pallas kernels land.
-    return ragged_paged_attention_ref, write_kv_ref
+    """(attention, write_kv) for the model: Pallas kernels on GPU/TPU, XLA on the CPU (see jaxserve.kernels)."""
+    return (functools.partial(kernels.ragged_paged_attention, impl=impl),
+            functools.partial(kernels.write_kv, impl=impl))
 
 
 def _copy_pages(k_cache, v_cache, src, dst):
