@@ -179,6 +179,7 @@ class LLMEngine:
             self.scheduler.abort_request(seq.request.request_id)
             seq.request.status = RequestStatus.FINISHED_ABORTED
             self._seq_owner.pop(seq.request.request_id, None)
+            self.runner.prompt_logprobs.pop(seq.request.request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -207,6 +208,7 @@ class LLMEngine:
                 self._tracked.pop(tracked.request_id, None)
                 for seq in tracked.seqs:
                     self._seq_owner.pop(seq.request.request_id, None)
+                    self.runner.prompt_logprobs.pop(seq.request.request_id, None)
         return outputs
 
     def _append(self, tracked: _Tracked, seq: _Sequence, tok) -> None:
@@ -266,7 +268,23 @@ class LLMEngine:
             ))
         finished = all(s.request.is_finished for s in tracked.seqs) and not tracked.pending_forks
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outs, finished,
-                             tracked.seqs[0].request.num_cached_tokens)
+                             tracked.seqs[0].request.num_cached_tokens, self._prompt_logprobs(tracked))
+
+    def _prompt_logprobs(self, tracked: _Tracked) -> list[dict[int, Logprob] | None] | None:
+        if tracked.params.prompt_logprobs is None:
+            return None
+        entries = self.runner.prompt_logprobs.get(tracked.seqs[0].request.request_id, {})
+        out: list[dict[int, Logprob] | None] = [None]
+        for pos in range(1, len(tracked.prompt_token_ids)):
+            e = entries.get(pos)
+            if e is None:
+                out.append(None)
+                continue
+            d = {e.token_id: Logprob(e.logprob, self.tokenizer.decode([e.token_id], False))}
+            for tid, lp in zip(e.top_ids, e.top_logprobs):
+                d.setdefault(tid, Logprob(lp, self.tokenizer.decode([tid], False)))
+            out.append(d)
+        return out
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:

@@ -40,3 +40,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: per prompt position, token id -> Logprob (None for the first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -29,7 +29,7 @@ from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.models.llama import AttentionBatch, model_from_params
 from jaxserve.request import Request
-from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, sample
+from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
 
@@ -101,7 +101,8 @@ class ModelRunner:
         self.attention_impl = attention_impl
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
         self.reset_timers()
-        self._steps: dict[int, object] = {}
+        self._steps: dict[tuple, object] = {}
+        self.prompt_logprobs: dict[str, dict[int, SampledToken]] = {}  # req -> position -> entry; engine pops
         self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1))
 
     def reset_timers(self) -> None:
@@ -130,21 +131,24 @@ class ModelRunner:
         return pages
 
     # ------------------------------------------------------------------ compiled functions
-    def _step_fn(self, max_logprobs: int):
-        if max_logprobs in self._steps:
-            return self._steps[max_logprobs]
+    def _step_fn(self, max_logprobs: int, prompt_logprobs: bool):
+        key = (max_logprobs, prompt_logprobs)
+        if key in self._steps:
+            return self._steps[key]
         attention, write = _attention_fns(self.attention_impl)
         graphdef = self.graphdef
 
-        def step(state, k_cache, v_cache, tokens, batch, logits_indices, meta):
+        def step(state, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens):
             self.num_compilations += 1  # runs once per trace
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write)
             out = sample(model.logits(hidden[logits_indices]), meta, max_logprobs=max_logprobs)
-            return out, k_cache, v_cache
+            # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
+            plp = compute_logprobs(model.logits(hidden), next_tokens, MAX_LOGPROBS) if prompt_logprobs else None
+            return out, plp, k_cache, v_cache
 
         fn = jax.jit(step, donate_argnums=(1, 2))
-        self._steps[max_logprobs] = fn
+        self._steps[key] = fn
         return fn
 
     # ------------------------------------------------------------------ packing
@@ -200,23 +204,43 @@ class ModelRunner:
             pad_to=len(logits_indices), eos_token_ids=self.cfg.eos_token_ids,
         )
         max_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
+        want_plp = [p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
+                    for p, s, r in zip(params, sched.scheduled, reqs)]
+        next_tokens = self._next_tokens(sched, reqs, len(tokens)) if any(want_plp) else None
         t1 = time.perf_counter()
-        out, self.k_cache, self.v_cache = self._step_fn(max_logprobs)(
-            self.state, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta)
-        out = jax.device_get(out)
+        out, plp, self.k_cache, self.v_cache = self._step_fn(max_logprobs, any(want_plp))(
+            self.state, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta, next_tokens)
+        out, plp = jax.device_get((out, plp))
         t2 = time.perf_counter()
         self.pack_seconds += t1 - t0
         self.device_seconds += t2 - t1
         result = {}
-        for i, s in enumerate(sched.scheduled):
-            if not s.sample:
-                continue
-            k = params[i].logprobs or 0
-            result[s.req_id] = SampledToken(
-                int(out.tokens[i]), float(out.logprobs[i]),
-                tuple(int(x) for x in out.top_logprob_ids[i, :k]), tuple(float(x) for x in out.top_logprobs[i, :k]),
-            )
+        offset = 0
+        for i, (s, r) in enumerate(zip(sched.scheduled, reqs)):
+            n, offset = len(s.token_ids), offset + len(s.token_ids)
+            if want_plp[i]:  # positions of this chunk whose next token is still in the prompt
+                k = params[i].prompt_logprobs
+                last = min(s.start_pos + n, r.num_prompt_tokens - 1)
+                for j, pos in enumerate(range(s.start_pos, last)):
+                    t = offset - n + j
+                    entry = _sampled(int(next_tokens[t]), plp[0][t], plp[1][t], plp[2][t], k)
+                    self.prompt_logprobs.setdefault(s.req_id, {})[pos + 1] = entry
+            if s.sample:
+                result[s.req_id] = _sampled(int(out.tokens[i]), out.logprobs[i], out.top_logprob_ids[i],
+                                            out.top_logprobs[i], params[i].logprobs or 0)
         return result
+
+    @staticmethod
+    def _next_tokens(sched: SchedulerOutput, reqs: list[Request], padded: int) -> np.ndarray:
+        """[Tb] the token that follows each position of the step (prompt_logprobs' targets; 0 past the end)."""
+        out = np.zeros(padded, np.int32)
+        t = 0
+        for s, r in zip(sched.scheduled, reqs):
+            n = len(s.token_ids)
+            nxt = r.token_slice(s.start_pos + 1, min(s.start_pos + n + 1, r.num_tokens))
+            out[t: t + len(nxt)] = nxt
+            t += n
+        return out
 
     def warmup(self, max_logprobs: tuple[int, ...] = (0,)) -> int:
         """Compiles every (tokens, pages) bucket ahead of traffic. Returns the number of compilations."""
@@ -225,15 +249,21 @@ class ModelRunner:
             for tb in self.token_buckets:
                 for pb in self.page_buckets:
                     sb = min(tb, self.max_seqs)
-                    fn = self._step_fn(lp)
+                    fn = self._step_fn(lp, False)
                     batch = AttentionBatch(
                         positions=np.zeros(tb, np.int32), slot_mapping=np.full(tb, -1, np.int32),
                         kv_lens=np.zeros(sb, np.int32), page_indices=np.zeros((sb, pb), np.int32),
                         cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
                     meta = SamplingMetadata.from_params([SamplingParams(temperature=0.0)], pad_to=sb)
-                    _, self.k_cache, self.v_cache = fn(self.state, self.k_cache, self.v_cache,
-                                                       np.zeros(tb, np.int32), batch, np.zeros(sb, np.int32), meta)
+                    _, _, self.k_cache, self.v_cache = fn(self.state, self.k_cache, self.v_cache,
+                                                          np.zeros(tb, np.int32), batch, np.zeros(sb, np.int32),
+                                                          meta, None)
         return self.num_compilations - before
+
+
+def _sampled(token: int, logprob, top_ids, top_logprobs, k: int) -> SampledToken:
+    return SampledToken(token, float(logprob), tuple(int(x) for x in top_ids[:k]),
+                        tuple(float(x) for x in top_logprobs[:k]))
 
 
 def _attention_fns(impl: str):

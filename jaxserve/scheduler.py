@@ -216,7 +216,9 @@ class Scheduler:
         # Admit waiting requests, unless memory was so tight that someone was just preempted.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = bm.get_cached_prefix(request)
+            # prompt_logprobs need every prompt position computed, so such requests skip the prefix cache.
+            wants_prompt_logprobs = getattr(request.sampling_params, "prompt_logprobs", None) is not None
+            cached = [] if wants_prompt_logprobs else bm.get_cached_prefix(request)
             num_cached = len(cached) * bm.page_size
             n = min(request.num_tokens - num_cached, budget)
             copies = bm.allocate(request, n, cached)

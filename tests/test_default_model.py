@@ -57,3 +57,21 @@ def test_chat_knows_the_capital_of_france(default_llm):
                            SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_prompt_logprobs_match_hf(default_llm, hf_default):
+    import torch
+
+    prompt = "The quick brown fox jumps over the lazy dog because it was"
+    out = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                               use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    plp = out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for pos in range(1, len(ids)):
+        assert ids[pos] in plp[pos]
+        np.testing.assert_allclose(plp[pos][ids[pos]].logprob, ref[pos - 1, ids[pos]], atol=1e-2)
+        top3 = set(np.argsort(-ref[pos - 1])[:3].tolist())
+        assert top3 <= set(plp[pos])
