@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dst")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.set_defaults(func=cmd_convert)
+
+    from jaxserve.server.cli import add_bench_parser, add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
