@@ -131,11 +131,11 @@ class ModelRunner:
         return pages
 
     # ------------------------------------------------------------------ compiled functions
-    def _step_fn(self, max_logprobs: int, prompt_logprobs: bool):
-        key = (max_logprobs, prompt_logprobs)
+    def _step_fn(self, max_logprobs: int, prompt_logprobs: bool, decode_only: bool):
+        key = (max_logprobs, prompt_logprobs, decode_only)
         if key in self._steps:
             return self._steps[key]
-        attention, write = _attention_fns(self.attention_impl)
+        attention, write = _attention_fns(self.attention_impl, decode_only)
         graphdef = self.graphdef
 
         def step(state, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens):
@@ -208,7 +208,8 @@ class ModelRunner:
                     for p, s, r in zip(params, sched.scheduled, reqs)]
         next_tokens = self._next_tokens(sched, reqs, len(tokens)) if any(want_plp) else None
         t1 = time.perf_counter()
-        out, plp, self.k_cache, self.v_cache = self._step_fn(max_logprobs, any(want_plp))(
+        decode_only = all(len(s.token_ids) == 1 for s in sched.scheduled)
+        out, plp, self.k_cache, self.v_cache = self._step_fn(max_logprobs, any(want_plp), decode_only)(
             self.state, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta, next_tokens)
         out, plp = jax.device_get((out, plp))
         t2 = time.perf_counter()
@@ -242,22 +243,24 @@ class ModelRunner:
             t += n
         return out
 
+    def warmup_shapes(self, max_logprobs: tuple[int, ...] = (0,)) -> list[tuple[int, int, int, bool]]:
+        """(max_logprobs, token bucket, page bucket, decode_only) of every step variant traffic can need."""
+        return [(lp, tb, pb, decode) for lp in max_logprobs for tb in self.token_buckets for pb in self.page_buckets
+                for decode in ((False, True) if tb <= self.max_seqs else (False,))]
+
     def warmup(self, max_logprobs: tuple[int, ...] = (0,)) -> int:
-        """Compiles every (tokens, pages) bucket ahead of traffic. Returns the number of compilations."""
+        """Compiles every step variant ahead of traffic. Returns the number of compilations."""
         before = self.num_compilations
-        for lp in max_logprobs:
-            for tb in self.token_buckets:
-                for pb in self.page_buckets:
-                    sb = min(tb, self.max_seqs)
-                    fn = self._step_fn(lp, False)
-                    batch = AttentionBatch(
-                        positions=np.zeros(tb, np.int32), slot_mapping=np.full(tb, -1, np.int32),
-                        kv_lens=np.zeros(sb, np.int32), page_indices=np.zeros((sb, pb), np.int32),
-                        cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
-                    meta = SamplingMetadata.from_params([SamplingParams(temperature=0.0)], pad_to=sb)
-                    _, _, self.k_cache, self.v_cache = fn(self.state, self.k_cache, self.v_cache,
-                                                          np.zeros(tb, np.int32), batch, np.zeros(sb, np.int32),
-                                                          meta, None)
+        for lp, tb, pb, decode in self.warmup_shapes(max_logprobs):
+            sb = min(tb, self.max_seqs)
+            batch = AttentionBatch(
+                positions=np.zeros(tb, np.int32), slot_mapping=np.full(tb, -1, np.int32),
+                kv_lens=np.zeros(sb, np.int32), page_indices=np.zeros((sb, pb), np.int32),
+                cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
+            meta = SamplingMetadata.from_params([SamplingParams(temperature=0.0)], pad_to=sb)
+            _, _, self.k_cache, self.v_cache = self._step_fn(lp, False, decode)(
+                self.state, self.k_cache, self.v_cache, np.zeros(tb, np.int32), batch, np.zeros(sb, np.int32),
+                meta, None)
         return self.num_compilations - before
 
 
@@ -266,10 +269,17 @@ def _sampled(token: int, logprob, top_ids, top_logprobs, k: int) -> SampledToken
                         tuple(float(x) for x in top_logprobs[:k]))
 
 
-def _attention_fns(impl: str):
-    """(attention, write_kv) for the model: Pallas kernels on GPU/TPU, XLA on the CPU (see jaxserve.kernels)."""
-    return (functools.partial(kernels.ragged_paged_attention, impl=impl),
-            functools.partial(kernels.write_kv, impl=impl))
+def _attention_fns(impl: str, decode_only: bool):
+    """(attention, write_kv) for the model: Pallas kernels on GPU/TPU, XLA on the CPU (see jaxserve.kernels).
+
+    ``decode_only`` (every sequence computes one token) is a static hint: the CPU path then gathers each
+    sequence's context once instead of blocking queries. Otherwise the hint is the token bucket itself.
+    """
+    def attention(q, *args, **kwargs):
+        return kernels.ragged_paged_attention(q, *args, impl=impl, max_q_len=1 if decode_only else q.shape[0],
+                                              **kwargs)
+
+    return attention, functools.partial(kernels.write_kv, impl=impl)
 
 
 def _copy_pages(k_cache, v_cache, src, dst):

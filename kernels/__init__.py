@@ -1,17 +1,20 @@
-"""Attention and KV-cache kernels: Pallas for GPU (Triton) and TPU (Mosaic), plus the plain-jnp reference.
+"""Attention and KV-cache kernels: Pallas for GPU (Triton) and TPU (Mosaic), jnp/lax for the CPU, and the reference.
 
 Imported as ``jaxserve.kernels``. The two entry points the model uses:
 
     ragged_paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=0, soft_cap=None, impl="auto") -> [T, num_q_heads, head_dim]
+                           sm_scale, sliding_window=0, soft_cap=None, impl="auto", max_q_len=None)
+        -> [T, num_q_heads, head_dim]
     write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, impl="auto") -> (k_cache, v_cache)
 
 Layouts and semantics are defined once, in ``reference.py``.
 
 ``impl``:
-  "auto"       Pallas kernel compiled for the platform on GPU / TPU; the reference on anything else.
+  "auto"       Pallas kernel compiled for the platform on GPU / TPU; "xla" on anything else (the CPU).
   "pallas"     the Pallas kernel; on a platform it was not written for (the CPU) it runs in interpret
                mode. ``backend="gpu"|"tpu"`` picks which kernel (default: the platform's, GPU-style on CPU).
+  "xla"        the jnp/lax implementation built to be fast on the CPU (``ragged_paged_attention_xla.py``); writes
+               K/V with the reference.
   "reference"  the jnp reference, anywhere.
 """
 
@@ -22,6 +25,7 @@ import jax
 from jaxserve.kernels._common import validate_attention_inputs
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
 from jaxserve.kernels.write_kv import write_kv_gpu, write_kv_tpu
 
@@ -32,11 +36,12 @@ __all__ = [
     "write_kv_ref",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_tpu",
+    "ragged_paged_attention_xla",
     "write_kv_gpu",
     "write_kv_tpu",
 ]
 
-_IMPLS = ("auto", "pallas", "reference")
+_IMPLS = ("auto", "pallas", "xla", "reference")
 
 
 def _platform() -> str:
@@ -45,14 +50,16 @@ def _platform() -> str:
 
 
 def _choose(impl: str, backend: str | None, interpret: bool | None) -> tuple[str, bool]:
-    """-> (kernel: "reference" | "gpu" | "tpu", interpret)."""
+    """-> (kernel: "reference" | "xla" | "gpu" | "tpu", interpret)."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if backend not in (None, "gpu", "tpu"):
         raise ValueError(f"backend must be None, 'gpu' or 'tpu', got {backend!r}")
     platform = _platform()
-    if impl == "reference" or (impl == "auto" and platform not in ("gpu", "tpu") and backend is None):
+    if impl == "reference":
         return "reference", False
+    if impl == "xla" or (impl == "auto" and platform not in ("gpu", "tpu") and backend is None):
+        return "xla", False
     kernel = backend or (platform if platform in ("gpu", "tpu") else "gpu")
     return kernel, (kernel != platform) if interpret is None else bool(interpret)
 
@@ -73,6 +80,7 @@ def ragged_paged_attention(
     impl: str = "auto",
     interpret: bool | None = None,
     backend: str | None = None,
+    max_q_len: int | None = None,
     **kernel_options,
 ) -> jax.Array:
     """Attention of a ragged batch of query chunks over the paged KV cache.
@@ -89,7 +97,9 @@ def ragged_paged_attention(
       sliding_window: 0 = off, else attend to the last ``sliding_window`` positions; may be traced.
       soft_cap: None or ``cap`` for ``cap * tanh(s / cap)`` on the scores.
       impl, backend, interpret: see the module docstring.
-      **kernel_options: block sizes etc. for the chosen Pallas kernel (ignored by the reference).
+      max_q_len: optional static hint, the longest query chunk of any sequence in this step (1 for pure decode);
+        "xla" picks its block size from it, the others ignore it. Any value gives the same result.
+      **kernel_options: block sizes etc. for the chosen Pallas kernel or for "xla" (ignored by the reference).
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
@@ -105,6 +115,8 @@ def ragged_paged_attention(
         validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
                                   soft_cap=soft_cap)
         return ragged_paged_attention_ref(*args, **kw)
+    if kernel == "xla":
+        return ragged_paged_attention_xla(*args, **kw, max_q_len=max_q_len, **kernel_options)
     fn = ragged_paged_attention_gpu if kernel == "gpu" else ragged_paged_attention_tpu
     return fn(*args, **kw, **kernel_options, interpret=interp)
 
@@ -127,7 +139,7 @@ def write_kv(
     (k_cache, v_cache); donate the caches to the enclosing jit so the update happens in place.
     """
     kernel, interp = _choose(impl, backend, interpret)
-    if kernel == "reference":
+    if kernel in ("reference", "xla"):
         return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, slot_mapping)
     fn = write_kv_gpu if kernel == "gpu" else write_kv_tpu
     return fn(k_cache, v_cache, layer, new_k, new_v, slot_mapping, interpret=interp)

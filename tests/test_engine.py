@@ -128,7 +128,7 @@ def test_stop_strings_across_tokens(small_llm):
 def test_no_recompilation_after_warmup(default_loaded):
     llm = LLM(default_loaded, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, num_pages=300)
     compiled = llm.engine.runner.warmup()
-    assert compiled == len(llm.engine.runner.token_buckets) * len(llm.engine.runner.page_buckets)
+    assert compiled == len(llm.engine.runner.warmup_shapes())
     rng = random.Random(5)
     prompts = [_prompt(rng, rng.randint(1, 120)) for _ in range(100)]
     params = [SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]), top_k=rng.choice([0, 5, 50]),

@@ -1,0 +1,220 @@
+"""Ragged paged attention in plain jnp/lax, fast enough to serve on the CPU.
+
+Same contract as ``reference.ragged_paged_attention_ref``. The reference materializes every token's (or every
+sequence's) whole context at once; on the CPU that is hundreds of MB of gathered K/V per layer, written to freshly
+mapped memory and read back from DRAM. This version walks the batch instead:
+
+    for each query block (B tokens of ONE sequence; the used blocks only, a traced trip count):
+        for each context chunk the block can see (traced bounds: causal, sliding window, kv_len):
+            gather the chunk's K/V rows straight from the cache   # [K, chunk, H], stays in L2
+            scores [K, B*G, chunk] = q_block [K, B*G, H] . K^T     # GQA group folded into the rows
+            online softmax in float32, exp computed once
+        write the block's rows into the output
+
+so the working set of one step stays in the caches (at most a few MB) and every matmul has the batch dim (kv head)
+leading: K/V rows are gathered straight into [K, chunk, H], nothing is transposed. A decode token (a sequence with
+one query token) is a block of 1: it reads only its own sequence's context, once, with the group's G query heads as
+the rows of one [G, H] x [H, chunk] product.
+
+Blocks never straddle sequences; they are packed on device from ``cu_q_lens``. Sequences with a single query
+token (decode) get blocks of 1 and everything longer blocks of ``block_q`` (from the ``max_q_len`` hint), each
+class in its own loop, so a mixed batch of decodes and one prefill chunk pays neither the prefill's block size for
+every decode nor a context gather per prefill token. Static block counts are safe bounds for any batch: a wrong
+``max_q_len`` hint can only cost speed.
+
+Slots past a sequence's ``kv_len`` may hold anything (stale data, NaN): context indices are clamped to the last
+valid slot before the gather, so every K/V row that reaches a matmul is real data and masked probabilities are
+exact zeros. Rows of a block past its sequence's last token compute garbage that is never written. Row indices into
+the flattened pool are int32: the pool must have fewer than 2**31 (layer, page, slot, kv head) rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxserve.kernels._common import cdiv, next_pow2, valid_token_mask, validate_attention_inputs
+
+# Heuristics measured with bench/attention_cpu.py on a 2-core AVX-512 host. One block costs about one context
+# gather plus a matmul that grows with its rows: decode is fastest at 1 token per block, long prefill at 128.
+_MAX_BLOCK_Q = 128
+_DEFAULT_BLOCK_Q = 32  # no hint
+_DECODE_CHUNK = 1024  # context tokens per inner step with 1-token blocks (fewer steps vs. L2-sized K/V chunks)
+_PREFILL_CHUNK = 256  # otherwise (smaller chunks skip more of what the causal mask hides)
+
+
+def default_blocking(num_tokens: int, max_ctx: int, max_q_len: int | None) -> tuple[int, int, int]:
+    """(block_q, ctx_chunk, decode_chunk): block size and context chunks of multi-token and 1-token sequences."""
+    if max_q_len is None or max_q_len <= 1:
+        block_q = _DEFAULT_BLOCK_Q  # with the hint 1 the multi-token loop only runs if the hint was wrong
+    else:
+        block_q = min(next_pow2(max_q_len), _MAX_BLOCK_Q)
+    block_q = min(block_q, next_pow2(num_tokens))  # no chunk is longer than the step
+    return block_q, min(_PREFILL_CHUNK, max_ctx), min(_DECODE_CHUNK, max_ctx)
+
+
+def ragged_paged_attention_xla(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
+    max_q_len: int | None = None,
+    block_q: int | None = None,
+    ctx_chunk: int | None = None,
+    decode_chunk: int | None = None,
+) -> jax.Array:
+    """Ragged paged attention in jnp/lax for the CPU; same contract as ``ragged_paged_attention_ref``.
+
+    Args:
+      q .. num_seqs, sm_scale, sliding_window, soft_cap: as in ``reference.ragged_paged_attention_ref``
+        (``layer`` and ``sliding_window`` may be traced).
+      max_q_len: optional static hint, the longest query chunk of any sequence in this step (1 for pure decode),
+        bucketed. It only picks block sizes; every value gives the same result.
+      block_q: query tokens per block for sequences with more than one query token (overrides the hint).
+      ctx_chunk, decode_chunk: context tokens per online-softmax step for those blocks and for 1-token
+        sequences (override the defaults).
+
+    Returns:
+      [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
+
+    Raises:
+      ValueError: inconsistent shapes or head counts, a bad hint or block size, or a page table too short for a
+        concrete kv_lens.
+    """
+    validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
+                              soft_cap=soft_cap)
+    if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 0):
+        raise ValueError(f"max_q_len must be None or a static int >= 0, got {max_q_len!r}")
+    max_ctx = page_indices.shape[1] * k_cache.shape[2]
+    d_block_q, d_chunk, d_decode_chunk = default_blocking(q.shape[0], max_ctx, max_q_len)
+    sizes = dict(block_q=block_q or d_block_q, ctx_chunk=min(ctx_chunk or d_chunk, max_ctx),
+                 decode_chunk=min(decode_chunk or d_decode_chunk, max_ctx))
+    for name, val in sizes.items():
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    no_window = isinstance(sliding_window, int) and sliding_window <= 0  # statically off: no window mask at all
+    return _rpa_xla(
+        q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lens.astype(jnp.int32),
+        page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
+        jnp.asarray(sliding_window, jnp.int32), sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap), has_window=not no_window, **sizes,
+    )
+
+
+def _pack_blocks(q_lens, cu_q_lens, kv_lens, take, block_q: int, num_blocks: int):
+    """Blocks of ``block_q`` tokens over the sequences with ``take``, in sequence order.
+
+    Returns (seq, tok0, pos0, rows, count): [num_blocks] owner, first token, that token's position in the context,
+    real tokens of each block, and the traced number of blocks in use (the first ``count``; the rest are junk).
+    ``num_blocks`` must bound the count.
+    """
+    per_seq = jnp.where(take, cdiv(q_lens, block_q), 0)  # [S]
+    ends = jnp.cumsum(per_seq)
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), q_lens.shape[0] - 1).astype(jnp.int32)
+    first = (b - (ends[seq] - per_seq[seq])) * block_q  # block's first token within its sequence
+    pos0 = kv_lens[seq] - q_lens[seq] + first
+    return seq, cu_q_lens[seq] + first, pos0, jnp.clip(q_lens[seq] - first, 0, block_q), ends[-1]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "has_window", "block_q", "ctx_chunk",
+                                             "decode_chunk"))
+def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *, sm_scale, soft_cap,
+             has_window, block_q, ctx_chunk, decode_chunk):
+    num_tokens, num_q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[3]
+    num_seqs_padded = page_indices.shape[0]
+    group = num_q_heads // kv_heads
+    seq_ids = jnp.arange(num_seqs_padded, dtype=jnp.int32)
+    q_lens = jnp.where(seq_ids < num_seqs, jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0), 0)  # [S]
+
+    # [T + B, K, G, H]: scaled once; padded so a block's slice never runs off the end.
+    qs = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, kv_heads, group, head_dim)
+    qs = jnp.pad(qs, ((0, block_q), (0, 0), (0, 0), (0, 0)))
+    out = jnp.zeros((num_tokens + block_q, kv_heads, group, head_dim), jnp.float32)
+    attend = functools.partial(_attend_blocks, qs, k_cache, v_cache, layer, kv_lens, page_indices, window,
+                               soft_cap=soft_cap, has_window=has_window)
+
+    # Single-token sequences (decode): one block each.
+    blocks = _pack_blocks(q_lens, cu_q_lens, kv_lens, q_lens == 1, 1, min(num_seqs_padded, num_tokens))
+    out = attend(out, *blocks, block_q=1, ctx_chunk=decode_chunk)
+    if num_tokens >= 2:  # the rest: at most T // 2 sequences, so at most T // B + T // 2 blocks (and T)
+        bound = min(num_tokens, num_tokens // block_q + min(num_seqs_padded, num_tokens // 2))
+        blocks = _pack_blocks(q_lens, cu_q_lens, kv_lens, q_lens >= 2, block_q, bound)
+        out = attend(out, *blocks, block_q=block_q, ctx_chunk=ctx_chunk)
+
+    out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+    valid = valid_token_mask(cu_q_lens, num_seqs, num_tokens)
+    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def _attend_blocks(qs, k_cache, v_cache, layer, kv_lens, page_indices, window, out, blk_seq, blk_tok0, blk_pos0,
+                   blk_rows, count, *, soft_cap, has_window, block_q, ctx_chunk):
+    """Attention of the first ``count`` blocks; writes their real rows into ``out`` [T + pad, K, G, H]."""
+    _, kv_heads, group, head_dim = qs.shape
+    _, num_pages, page_size, _, _ = k_cache.shape
+    rows = block_q * group  # matmul rows per kv head: [block_q tokens x group heads], token-major
+    num_chunks = cdiv(page_indices.shape[1] * page_size, ctx_chunk)
+    # Flat row views of the whole pool (free reshapes): row = ((layer * pages + page) * page_size + slot) * K + head.
+    k_rows = k_cache.reshape(-1, head_dim)
+    v_rows = v_cache.reshape(-1, head_dim)
+    heads = jnp.arange(kv_heads, dtype=jnp.int32)[:, None]
+    row_tok = jnp.arange(rows, dtype=jnp.int32) // group  # [R] token offset of each matmul row
+
+    def block(i, out):
+        tok0, pos0, n_rows = blk_tok0[i], blk_pos0[i], blk_rows[i]
+        kv_len = kv_lens[blk_seq[i]]
+        pages = page_indices[blk_seq[i]]  # [P]
+        qb = lax.dynamic_slice_in_dim(qs, tok0, block_q).transpose(1, 0, 2, 3).reshape(kv_heads, rows, head_dim)
+        pos = pos0 + row_tok  # [R] position of each row's token in its context
+
+        def chunk(j, carry):
+            m, denom, acc = carry  # [K, R, 1] running max, [K, R, 1] running sum, [K, R, H]
+            ctx = j * ctx_chunk + jnp.arange(ctx_chunk, dtype=jnp.int32)  # [C']
+            c = jnp.clip(ctx, 0, jnp.maximum(kv_len - 1, 0))  # past kv_len: re-read the last real slot
+            slot = (layer * num_pages + pages[c // page_size]) * page_size + c % page_size
+            idx = slot[None, :] * kv_heads + heads  # [K, C']
+            k = k_rows.at[idx].get(mode="promise_in_bounds").astype(jnp.float32)  # [K, C', H]
+            v = v_rows.at[idx].get(mode="promise_in_bounds").astype(jnp.float32)
+            s = jnp.einsum("krh,kch->krc", qb, k)  # [K, R, C']
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            allowed = ctx[None, :] <= pos[:, None]  # [R, C']
+            if has_window:
+                allowed &= (window <= 0) | (ctx[None, :] > pos[:, None] - window)
+            s = jnp.where(allowed[None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row that saw nothing yet stays all-zero
+            e = jnp.exp(s - m_safe)
+            alpha = jnp.exp(m - m_safe)
+            denom = alpha * denom + jnp.sum(e, axis=-1, keepdims=True)
+            acc = alpha * acc + jnp.einsum("krc,kch->krh", e, v)
+            return m_new, denom, acc
+
+        init = (jnp.full((kv_heads, rows, 1), -jnp.inf, jnp.float32), jnp.zeros((kv_heads, rows, 1), jnp.float32),
+                jnp.zeros((kv_heads, rows, head_dim), jnp.float32))
+        if num_chunks == 1:
+            _, denom, acc = chunk(0, init)
+        else:  # only the chunks some real row can see
+            last = jnp.minimum(pos0 + n_rows, kv_len)  # one past the last visible position
+            first = jnp.where(window > 0, jnp.maximum(pos0 - window + 1, 0), 0) if has_window else 0
+            _, denom, acc = lax.fori_loop(first // ctx_chunk, cdiv(last, ctx_chunk), chunk, init)
+        o = acc / jnp.where(denom > 0, denom, 1.0)  # [K, R, H]; rows that saw nothing: 0
+        o = o.reshape(kv_heads, block_q, group, head_dim).transpose(1, 0, 2, 3)  # [B, K, G, H]
+        if block_q > 1:  # rows past the sequence's end keep what is there (another sequence's tokens)
+            keep = jnp.arange(block_q) >= n_rows
+            o = jnp.where(keep[:, None, None, None], lax.dynamic_slice_in_dim(out, tok0, block_q), o)
+        return lax.dynamic_update_slice_in_dim(out, o, tok0, 0)
+
+    return lax.fori_loop(0, count, block, out)

@@ -1,0 +1,226 @@
+"""The XLA (jnp/lax) ragged paged attention against the jnp reference, on the CPU.
+
+Inputs are random normal, never zeros, and poisoned so that reading anything the contract says is junk fails:
+cache pages no sequence owns and slots past a sequence's kv_len are NaN, page-table entries past a sequence's
+pages point out of range (-1 for padding sequences), and layer 1 is compared while layer 0 holds other data.
+Tolerance: float32 atol = rtol = 1e-5. Small ``ctx_chunk`` / ``decode_chunk`` / ``block_q`` overrides make the
+short test contexts take the multi-chunk online-softmax path and multi-block sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import kernels
+from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+from jaxserve.kernels.reference import ragged_paged_attention_ref
+
+PAGE = 16
+TOL = 1e-5
+SM_SCALE = 0.125
+
+# Every edge at once: full prefills of 15 / 16 / 17 tokens (page boundaries), an empty sequence (q_len 0), decode
+# tokens at and past a page boundary and as a sequence's first token, a chunk starting mid-page (positions
+# 20..24), one starting on a page boundary (32..47), one of 3 tokens (odd against small blocks).
+MIXED_Q = [15, 16, 17, 0, 1, 1, 1, 5, 16, 3]
+MIXED_KV = [15, 16, 17, 15, 16, 17, 1, 25, 48, 40]
+DECODE_Q = [1] * 7
+DECODE_KV = [1, 15, 16, 17, 33, 70, 129]
+PREFILL_Q = [15, 16, 17, 40]
+PREFILL_KV = [15, 16, 17, 56]  # the last one is a second chunk starting mid-page
+
+
+@dataclasses.dataclass
+class Batch:
+    q: jax.Array
+    k_cache: jax.Array
+    v_cache: jax.Array
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+
+    def args(self, layer=1):
+        return (self.q, self.k_cache, self.v_cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
+                self.num_seqs)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.cu_q_lens[int(self.num_seqs)])
+
+
+def make_batch(q_lens, kv_lens, *, hq=9, hk=3, d=64, pad_seqs=2, pad_tokens=5, seed=0, dtype=jnp.float32) -> Batch:
+    rng = np.random.default_rng(seed)
+    num_seqs = len(q_lens)
+    need = [-(-k // PAGE) for k in kv_lens]
+    pages_per_seq = max(max(need), 1) + 1  # a spare column of junk in every row
+    num_pages = sum(need) + 3
+    perm = rng.permutation(num_pages).astype(np.int32)
+    k_cache = rng.standard_normal((2, num_pages, PAGE, hk, d)).astype(np.float32)
+    v_cache = rng.standard_normal((2, num_pages, PAGE, hk, d)).astype(np.float32)
+    table = np.full((num_seqs + pad_seqs, pages_per_seq), -1, np.int32)
+    owned = np.zeros(num_pages, bool)
+    start = 0
+    for s in range(num_seqs):
+        table[s, :] = num_pages + 1000 + s  # out of range: following it would read junk
+        table[s, : need[s]] = perm[start : start + need[s]]
+        owned[perm[start : start + need[s]]] = True
+        start += need[s]
+        for p in range(kv_lens[s], need[s] * PAGE):  # slots past kv_len inside owned pages
+            k_cache[:, table[s, p // PAGE], p % PAGE] = np.nan
+            v_cache[:, table[s, p // PAGE], p % PAGE] = np.nan
+    k_cache[:, ~owned] = np.nan
+    v_cache[:, ~owned] = np.nan
+    q = rng.standard_normal((sum(q_lens) + pad_tokens, hq, d)).astype(np.float32)
+    cu = np.full(num_seqs + pad_seqs + 1, sum(q_lens), np.int32)
+    cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    kv = np.zeros(num_seqs + pad_seqs, np.int32)
+    kv[:num_seqs] = kv_lens
+    return Batch(jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), jnp.asarray(kv),
+                 jnp.asarray(table), jnp.asarray(cu), jnp.int32(num_seqs))
+
+
+_reference = jax.jit(ragged_paged_attention_ref, static_argnames=("sm_scale", "soft_cap"))
+
+
+def reference(b: Batch, layer=1, sliding_window=0, soft_cap=None):
+    return _reference(*b.args(layer), sm_scale=SM_SCALE, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def check(out, b: Batch, expected, tol=TOL):
+    out, expected = np.asarray(out, np.float32), np.asarray(expected, np.float32)
+    n = b.num_real_tokens
+    assert n < out.shape[0], "test batches have padding tokens"
+    np.testing.assert_array_equal(out[n:], 0.0)  # padding tokens: exact zeros
+    assert np.isfinite(out).all(), f"{np.count_nonzero(~np.isfinite(out))} non-finite outputs"
+    np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
+
+
+# ------------------------------------------------------------------------------------------ against the reference
+SIZES = {  # block and chunk overrides: defaults (one context chunk here), then small ones (many chunks and blocks)
+    "default": {},
+    "chunked": dict(block_q=4, ctx_chunk=16, decode_chunk=32),
+    "tiny": dict(block_q=2, ctx_chunk=8, decode_chunk=8),
+}
+
+
+@pytest.mark.parametrize("sizes", ["default", "chunked"])
+@pytest.mark.parametrize(
+    "name, q_lens, kv_lens, hint",
+    [
+        ("decode-hint1", DECODE_Q, DECODE_KV, 1),
+        ("decode-nohint", DECODE_Q, DECODE_KV, None),
+        ("prefill", PREFILL_Q, PREFILL_KV, 64),
+        ("prefill-nohint", PREFILL_Q, PREFILL_KV, None),
+        ("mixed", MIXED_Q, MIXED_KV, 32),
+        ("mixed-nohint", MIXED_Q, MIXED_KV, None),
+    ],
+)
+def test_matches_reference(name, q_lens, kv_lens, hint, sizes):
+    b = make_batch(q_lens, kv_lens)
+    out = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=hint, **SIZES[sizes])
+    check(out, b, reference(b))
+
+
+def test_tiny_blocks_and_chunks():
+    """Blocks of 2 (a 3-token chunk needs 2 blocks, a 17-token one 9) and 8-token context chunks."""
+    b = make_batch(MIXED_Q, MIXED_KV)
+    check(ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, **SIZES["tiny"]), b, reference(b))
+
+
+@pytest.mark.parametrize("hq, hk, d", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 64)],
+                         ids=["gqa1", "gqa3", "gqa4-d128", "gqa8"])
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_head_layouts(hq, hk, d, batch):
+    q_lens, kv_lens, hint = (DECODE_Q, DECODE_KV, 1) if batch == "decode" else (MIXED_Q, MIXED_KV, 32)
+    b = make_batch(q_lens, kv_lens, hq=hq, hk=hk, d=d, seed=1)
+    out = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=hint, **SIZES["chunked"])
+    check(out, b, reference(b))
+
+
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+@pytest.mark.parametrize("sizes", list(SIZES))
+def test_window_and_soft_cap_traced_under_jit(sizes, soft_cap):
+    """Layer and sliding_window are traced (arguments of the jitted function); soft_cap is static."""
+    b = make_batch(MIXED_Q, MIXED_KV, seed=2)
+    q, kc, vc, _, *rest = b.args()
+    fn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap, max_q_len=32,
+                                   **SIZES[sizes]))
+    for window in (0, 1, 7, 20):
+        for layer in (0, 1):
+            out = fn(q, kc, vc, jnp.int32(layer), *rest, sliding_window=jnp.int32(window))
+            check(out, b, reference(b, layer, sliding_window=jnp.int32(window), soft_cap=soft_cap))
+
+
+def test_many_sequences_and_decode_window():
+    """More sequence slots than tokens per sequence, long decode contexts, a window cutting whole chunks."""
+    rng = np.random.default_rng(3)
+    kv_lens = [int(x) for x in rng.integers(1, 300, 24)]
+    b = make_batch([1] * 24, kv_lens, seed=3, pad_seqs=8)
+    for window, sizes in ((0, {}), (40, {}), (40, dict(decode_chunk=32))):
+        out = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, sliding_window=window, max_q_len=1, **sizes)
+        check(out, b, reference(b, sliding_window=window))
+
+
+def test_wrong_hint_only_costs_speed():
+    """max_q_len=1 on a batch with prefill chunks still gives the right answer."""
+    b = make_batch(MIXED_Q, MIXED_KV, seed=4)
+    check(ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=1), b, reference(b))
+    check(ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=2), b, reference(b))
+
+
+@pytest.mark.parametrize("q_lens, kv_lens, hint", [(DECODE_Q, DECODE_KV, 1), (MIXED_Q, MIXED_KV, 32),
+                                                   (PREFILL_Q, PREFILL_KV, 64)], ids=["decode", "mixed", "prefill"])
+def test_no_hint_equals_hint(q_lens, kv_lens, hint):
+    b = make_batch(q_lens, kv_lens, seed=5)
+    hinted = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=hint)
+    plain = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE)
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(hinted), atol=1e-6, rtol=1e-6)
+
+
+def test_empty_and_all_padding():
+    b = make_batch([0, 1, 0], [5, 9, 0], seed=6)  # empty chunks around one decode token
+    check(ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=1), b, reference(b))
+    b = dataclasses.replace(b, num_seqs=jnp.int32(0))  # nothing real at all
+    out = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_bfloat16_cache():
+    b = make_batch(MIXED_Q, MIXED_KV, seed=7, dtype=jnp.bfloat16)
+    out = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=32)
+    assert out.dtype == jnp.bfloat16
+    check(out, b, reference(b), tol=1e-2)
+
+
+def test_bad_arguments():
+    b = make_batch(DECODE_Q, DECODE_KV)
+    with pytest.raises(ValueError, match="max_q_len"):
+        ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=-1)
+    with pytest.raises(ValueError, match="block_q"):
+        ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, block_q=-4)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        ragged_paged_attention_xla(b.q[:, :4], *b.args()[1:], sm_scale=SM_SCALE)
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+def test_dispatch_auto_is_xla_on_cpu():
+    assert kernels._choose("auto", None, None)[0] == "xla"
+    assert kernels._choose("xla", None, None)[0] == "xla"
+    assert kernels._choose("reference", None, None)[0] == "reference"
+    b = make_batch(MIXED_Q, MIXED_KV, seed=8)
+    expected = reference(b)
+    for impl in ("auto", "xla", "reference"):
+        out = kernels.ragged_paged_attention(*b.args(), sm_scale=SM_SCALE, impl=impl, max_q_len=32)
+        check(out, b, expected)
+    # write_kv under "auto" on the CPU still works (the reference scatter)
+    slots = jnp.array([0, 17, -1], jnp.int32)
+    new = jnp.ones((3, 3, 64), jnp.float32)
+    kc, vc = kernels.write_kv(b.k_cache, b.v_cache, 1, new, new * 2, slots)
+    assert float(kc[1, 1, 1, 0, 0]) == 1.0 and float(vc[1, 0, 0, 2, 5]) == 2.0
