@@ -1,0 +1,320 @@
+"""AsyncEngine: the LLMEngine (not thread-safe) in one background thread, streamed to asyncio handlers.
+
+The engine thread owns the engine: it drains an inbox of add/abort commands between steps, runs ``step()``
+while there is work, and hands each step's outputs to the event loop in one ``call_soon_threadsafe``. The event
+loop side keeps one mailbox per request (its newest output: outputs are cumulative, so a slow reader skips
+ahead and holds one output, not a backlog), the admission limit and the latency metrics. Nothing but the inbox
+and those callbacks crosses between the two threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger("jaxserve.server")
+
+_ABORTED = object()  # the end of a stream the engine aborted (shutdown, drain)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; no request can be served (answered 503)."""
+
+
+class ServerBusyError(RuntimeError):
+    """Too many requests are waiting, or the server is shutting down (answered 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclasses.dataclass
+class _Stream:
+    request_id: str
+    num_prompt_tokens: int
+    arrival: float
+    added: asyncio.Future
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    latest: RequestOutput | None = None  # the newest output not yet read
+    end: object = None  # _ABORTED or an exception, after ``latest``
+    waiting: bool = True  # admitted, no token yet: what the admission limit counts
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_tokens: int = 0
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative ``RequestOutput``s; the last one is ``finished``.
+
+    A reader that falls behind skips to the newest output (each holds all text so far). ``close()`` aborts
+    the request in the engine unless it finished; callers put it in a ``finally``.
+    """
+
+    def __init__(self, engine: AsyncEngine, stream: _Stream):
+        self._engine, self._stream = engine, stream
+        self.request_id = stream.request_id
+        self.done = False
+        self.last: RequestOutput | None = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        st = self._stream
+        if st.latest is None and st.end is None:
+            await st.ready.wait()
+        st.ready.clear()
+        item, st.latest = st.latest, None
+        if item is None:  # nothing new: the stream ended
+            if isinstance(st.end, BaseException):
+                self.done = True
+                raise st.end
+            item = _aborted(self.last, self.request_id)
+        self.last = item
+        self.done = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self._engine.abort(self.request_id)
+
+
+def _aborted(last: RequestOutput | None, request_id: str) -> RequestOutput:
+    """The final output of a request the engine aborted: what it had, each unfinished sequence ``abort``."""
+    if last is None:
+        return RequestOutput(request_id, None, [], [], True)
+    outs = [o if o.finish_reason else dataclasses.replace(o, finish_reason="abort") for o in last.outputs]
+    return dataclasses.replace(last, outputs=outs, finished=True)
+
+
+class AsyncEngine:
+    """Serves an ``LLMEngine`` to coroutines.
+
+    Args:
+        engine: the engine; from ``start()`` on only the engine thread touches it.
+        model_name: the name metrics are labeled with.
+        max_waiting: admitted requests without a first token beyond which new ones get ``ServerBusyError``.
+    """
+
+    def __init__(self, engine, model_name: str | None = None, max_waiting: int = 256):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.stats: dict = engine.get_stats()  # the engine thread replaces it after every step
+        self.metrics = ServerMetrics(model_name or engine.model_name, lambda: self.stats)
+        self.draining = False
+        self.dead: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._num_waiting = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle (event loop)
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Aborts what is left in the engine and stops its thread."""
+        self.draining = True
+        if self._thread is None:
+            return
+        self._inbox.put(("stop",))
+        await asyncio.to_thread(self._thread.join, timeout)
+
+    def begin_drain(self, grace: float) -> None:
+        """Thread-safe (a signal handler calls it): new requests are refused from now on, and those still running
+        after ``grace`` seconds are aborted, so their streams end with ``finish_reason: "abort"``."""
+        self.draining = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.call_later, max(grace, 0.0), self.abort_all)
+
+    def abort_all(self) -> None:
+        """Aborts every request; each stream ends with ``finish_reason: "abort"``."""
+        self._inbox.put(("abort_all",))
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    # ------------------------------------------------------------------ requests (event loop)
+    async def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                          priority: int = 0, arrival: float | None = None) -> RequestStream:
+        """Queues a request; returns its stream once the engine has accepted it.
+
+        Raises:
+            ServerBusyError: too many requests waiting, or shutting down.
+            EngineDeadError: the engine thread has failed.
+            ValueError: the engine rejected the request.
+        """
+        if self.dead is not None or not self.alive:
+            raise EngineDeadError(f"the engine is not running ({self.dead!r})")
+        if self.draining:
+            raise ServerBusyError("the server is shutting down", retry_after=5)
+        if self._num_waiting >= self.max_waiting:
+            raise ServerBusyError(f"{self._num_waiting} requests are already waiting (limit {self.max_waiting}); "
+                                  "retry later")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        st = _Stream(request_id, len(prompt_ids), arrival or time.perf_counter(), self._loop.create_future())
+        self._streams[request_id] = st
+        self._num_waiting += 1
+        self._inbox.put(("add", request_id, list(prompt_ids), params, priority))
+        if self.dead is not None:  # the engine thread died after the check above: it may never read the inbox
+            self._fail_all(EngineDeadError(f"the engine is not running ({self.dead!r})"))
+        try:
+            await st.added
+        except BaseException:  # rejected by the engine, or the caller was cancelled meanwhile
+            self.abort(request_id, count=False)
+            raise
+        return RequestStream(self, st)
+
+    def abort(self, request_id: str, count: bool = True) -> None:
+        """Stops a request (e.g. its client went away); the engine frees its pages at its next command drain."""
+        st = self._streams.pop(request_id, None)
+        if st is None:
+            return
+        self._unwait(st)
+        if count:
+            self.metrics.finished("abort")
+        self._inbox.put(("abort", request_id))
+
+    def _unwait(self, st: _Stream) -> None:
+        if st.waiting:
+            st.waiting = False
+            self._num_waiting -= 1
+
+    # ------------------------------------------------------------------ callbacks from the engine thread
+    def _acked(self, acks: list[tuple[str, BaseException | None]]) -> None:
+        for rid, err in acks:
+            st = self._streams.get(rid)
+            if st is None or st.added.done():
+                if err is None and st is None:
+                    self._inbox.put(("abort", rid))  # its caller is gone (aborted, or failed by abort_all)
+                continue
+            if err is None:
+                st.added.set_result(None)
+            else:
+                st.added.set_exception(err)
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        m = self.metrics
+        for out in outputs:
+            st = self._streams.get(out.request_id)
+            if st is None:
+                continue  # aborted meanwhile
+            ntok = sum(len(o.token_ids) for o in out.outputs)
+            if ntok > st.num_tokens:
+                if st.first_token is None:
+                    st.first_token = now
+                    m.ttft.observe(now - st.arrival)
+                    m.prompt_tokens.inc(st.num_prompt_tokens)
+                    self._unwait(st)
+                else:
+                    m.itl.observe(now - st.last_token)
+                m.generation_tokens.inc(ntok - st.num_tokens)
+                st.num_tokens, st.last_token = ntok, now
+            st.latest = out
+            st.ready.set()
+            if out.finished:
+                del self._streams[out.request_id]
+                self._unwait(st)
+                m.e2e.observe(now - st.arrival)
+                m.finished((out.outputs[0].finish_reason or "stop") if out.outputs else "abort")
+
+    def _fail_all(self, err: BaseException | None) -> None:
+        """The engine aborted (err None: shutdown) or lost (err: it died) every request it had or was sent."""
+        for rid in list(self._streams):
+            st = self._streams.pop(rid)
+            self._unwait(st)
+            if not st.added.done():
+                st.added.set_exception(err or ServerBusyError("the server is shutting down", retry_after=5))
+            st.end = _ABORTED if err is None else err
+            st.ready.set()
+            self.metrics.finished("abort")
+
+    # ------------------------------------------------------------------ the engine thread
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        live: set[str] = set()  # requests the engine holds
+        try:
+            self._serve(live)
+        except BaseException as e:  # whatever broke the loop, no request may wait forever
+            logger.exception("the engine loop failed; the engine is dead")
+            self.dead = e
+            self._call(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))
+
+    def _serve(self, live: set[str]) -> None:
+        engine = self.engine
+        while True:
+            cmds = [self._inbox.get()] if not engine.has_unfinished_requests() else []
+            while True:
+                try:
+                    cmds.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            acks, stop = [], False
+            for cmd in cmds:
+                if cmd[0] == "add":
+                    _, rid, ids, params, priority = cmd
+                    try:
+                        engine.add_request(rid, ids, params, priority=priority)
+                        live.add(rid)
+                        acks.append((rid, None))
+                    except Exception as e:  # noqa: BLE001 - every rejection goes back to its caller
+                        acks.append((rid, e))
+                elif cmd[0] == "abort":
+                    if cmd[1] in live:
+                        engine.abort_request(cmd[1])
+                        live.discard(cmd[1])
+                elif cmd[0] == "abort_all":
+                    for rid in live:
+                        engine.abort_request(rid)
+                    live.clear()
+                    self._call(self._fail_all, None)
+                else:
+                    stop = True
+            if acks:
+                self._call(self._acked, acks)
+            if stop:
+                for rid in live:
+                    engine.abort_request(rid)
+                self.stats = engine.get_stats()
+                self._call(self._fail_all, None)
+                return
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                now = time.perf_counter()
+                for out in outputs:
+                    if out.finished:
+                        live.discard(out.request_id)
+                if outputs:
+                    self._call(self._dispatch, outputs, now)
+            self.stats = engine.get_stats()

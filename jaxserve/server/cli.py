@@ -1,0 +1,95 @@
+"""``jaxserve serve`` and ``jaxserve bench serve``: registered on the main parser by ``jaxserve.cli``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+logger = logging.getLogger("jaxserve.server")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``jaxserve serve``."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions).")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF directory, orbax directory, preset or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients send as 'model' (default: the model's name)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from memory)")
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: requests' 'priority' field orders the queue (lower first)")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests queued without a first token beyond which new ones get 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before serving")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args) -> int:
+    from jaxserve import LLMEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.launch import make_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    engine = LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_pages=args.num_pages,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       attention_impl=args.attention_impl, policy=args.scheduling_policy)
+    if not args.no_warmup:
+        n = engine.runner.warmup()
+        logger.info("compiled %d step buckets", n)
+    logger.info("model %s ready in %.1fs (max_model_len %d, %d KV pages)", engine.model_name,
+                time.perf_counter() - t0, engine.scheduler_config.max_model_len, engine.runner.num_pages)
+    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
+                    max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting_requests,
+                    shutdown_timeout=args.shutdown_timeout)
+    server = make_server(app, args.host, args.port, log_level=args.log_level,
+                         shutdown_timeout=args.shutdown_timeout)
+    server.run()
+    return 0 if server.started else 1
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``jaxserve bench serve`` (``bench`` is a group, so more benchmarks can join it)."""
+    b = subparsers.add_parser("bench", help="benchmarks")
+    sub = b.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser("serve", help="online benchmark against a running server (Poisson arrivals)",
+                       description="Sends requests at Poisson-distributed times to a running OpenAI-compatible "
+                                   "server; reports TTFT, TPOT, ITL (mean/median/p99) and throughput per rate.")
+    from jaxserve.server.bench import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench_serve)
+    return b
+
+
+def cmd_bench_serve(args) -> int:
+    from jaxserve.server.bench import main
+
+    return main(args)
+
+
+if __name__ == "__main__":  # python -m jaxserve.server.cli serve ...
+    parser = argparse.ArgumentParser(prog="jaxserve")
+    subs = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(subs)
+    add_bench_parser(subs)
+    ns = parser.parse_args()
+    sys.exit(ns.func(ns))

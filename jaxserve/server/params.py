@@ -1,0 +1,126 @@
+"""From OpenAI request fields to ``SamplingParams``, and from engine logprobs back to OpenAI's shapes."""
+
+from __future__ import annotations
+
+import re
+
+from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.errors import APIError
+from jaxserve.server.protocol import _SamplingRequest
+
+_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
+                    vocab_size: int) -> SamplingParams:
+    """The engine's parameters for ``req`` (max_tokens and logprobs resolved by the endpoint).
+
+    Raises:
+        APIError: 400 for a token id past the vocabulary or a combination the engine rejects (min_tokens >
+            max_tokens, ...); the message names the field.
+    """
+    bias = None
+    if req.logit_bias:
+        bias = {int(k): v for k, v in req.logit_bias.items()}
+        check_token_ids(bias, vocab_size, "logit_bias")
+    check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
+    # Any 64-bit seed (OpenAI's are signed) maps onto the engine's unsigned 64-bit seeds.
+    seed = None if req.seed is None else req.seed & (2**64 - 1)
+    try:
+        return SamplingParams(
+            n=req.n or 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=bias,
+            seed=seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens or 0,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        )
+    except ValueError as e:
+        m = _FIELD.search(str(e))
+        raise APIError(400, str(e).replace("SamplingParams.", ""), param=m.group(1) if m else None) from e
+
+
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> None:
+    """400 (naming both lengths) unless the prompt, plus max_tokens when given, fits the context."""
+    if num_prompt >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                            f"{num_prompt} tokens, which leaves no room for a completion. Shorten the prompt.",
+                       param="prompt", code="context_length_exceeded")
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                            f"completion). Shorten the prompt or reduce {param}.",
+                       param=param, code="context_length_exceeded")
+
+
+# ---------------------------------------------------------------------------------------------------- logprobs
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+
+def _lp(x: float) -> float:
+    return max(float(x), -9999.0)  # JSON has no -Infinity (a masked token's logprob), as vLLM clamps
+
+
+def _text(lp: Logprob | None) -> str:
+    return (lp.decoded_token if lp is not None else None) or ""
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int, offset: int) -> dict:
+    """/v1/completions ``logprobs`` of these tokens; ``offset`` is the text offset of the first one."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        tok = _text(chosen)
+        tokens.append(tok)
+        token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
+        top = {_text(lp): _lp(lp.logprob) for _, lp in _top(entry, k)}
+        if chosen is not None:
+            top.setdefault(tok, _lp(chosen.logprob))  # the chosen token is always listed
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> list[dict]:
+    """/v1/chat/completions ``logprobs.content`` entries of these tokens (top ``k`` alternatives each)."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        tok = _text(chosen)
+        content.append({
+            "token": tok, "logprob": _lp(chosen.logprob) if chosen is not None else -9999.0,
+            "bytes": list(tok.encode()),
+            "top_logprobs": [{"token": _text(lp), "logprob": _lp(lp.logprob), "bytes": list(_text(lp).encode())}
+                             for _, lp in _top(entry, k)],
+        })
+    return content
+
+
+def prompt_logprobs(entries) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt position ``{token_id: {logprob, decoded_token}}`` (None first)."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]

@@ -1,0 +1,184 @@
+"""What the endpoint handlers share: the served model, tokenizing, admission, SSE and client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerBusyError
+from jaxserve.server.errors import APIError, error_body
+
+_LONG_TEXT = 64 * 1024  # characters beyond which tokenizing moves off the event loop
+
+
+@dataclasses.dataclass
+class ServerState:
+    """One server's engine and settings (``app.state.server``)."""
+
+    engine: AsyncEngine
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.scheduler_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model_config.vocab_size
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        """The served name ``name`` asks for (None: the first); 404 for any other."""
+        if name is None or name in self.served_model_names:
+            return name or self.model_name
+        raise APIError(404, f"The model {name!r} does not exist; this server serves {self.served_model_names}.",
+                       param="model", code="model_not_found")
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:  # JSON can carry a lone surrogate ("\\ud800"); no tokenizer can
+            raise APIError(400, f"the text is not valid Unicode: {e.reason} at character {e.start}") from e
+        if len(text) > _LONG_TEXT:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int,
+                  arrival: float) -> RequestStream:
+        """Admits a request, mapping refusals to HTTP errors (503 + Retry-After when busy, 400 when invalid)."""
+        try:
+            return await self.engine.add_request(request_id, prompt_ids, params, priority, arrival)
+        except ServerBusyError as e:
+            self.engine.metrics.rejected(503)
+            raise APIError(503, str(e), code="server_busy", headers={"Retry-After": str(e.retry_after)}) from e
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead", headers={"Retry-After": "30"}) from e
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    async def add_all(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                      arrival: float) -> list[RequestStream]:
+        """Admits every prompt of a request, or none (the admitted ones are aborted if one is refused)."""
+        streams = []
+        try:
+            for k, ids in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{k}"
+                streams.append(await self.add(rid, ids, params, priority, arrival))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several request streams as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, s: RequestStream):
+        try:
+            async for out in s:
+                q.put_nowait((k, out))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            q.put_nowait((k, e))
+        finally:
+            q.put_nowait((k, None))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            k, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for k, out in merge(streams):
+        finals[k] = out
+    return finals
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"  # ASCII: see errors.JSONResponse
+
+
+def sse_error(e: BaseException) -> str:
+    status = 503 if isinstance(e, (EngineDeadError, ServerBusyError)) else 400
+    return sse(error_body(status, str(e)))
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that runs ``on_close`` however it ends (done, client gone, cancelled), so a
+    request whose client disconnected is aborted even if its body iterator never started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Runs ``work`` unless the client goes away first; then cancels it (its ``finally`` aborts its requests)
+    and returns None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+def close_all(streams: list[RequestStream]) -> Callable[[], None]:
+    def close():
+        for s in streams:
+            s.close()
+    return close

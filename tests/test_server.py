@@ -1,0 +1,410 @@
+"""The OpenAI-compatible server against the official ``openai`` client, raw HTTP and a schema fuzzer.
+
+One server (the default model, small batching settings) is started in-process for the whole module, on a free
+loopback port; before it starts, the same engine generates the reference outputs of the concurrency test
+offline, so the comparison is against ``LLMEngine`` run directly on the same weights and settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from jaxserve import LLMEngine, SamplingParams
+from jaxserve.server.app import build_app
+from jaxserve.server.launch import ServerThread
+
+pytestmark = pytest.mark.slow  # loads the default model
+
+NUM_CONCURRENT = 64
+CONCURRENT_MAX_TOKENS = 16
+TOPICS = ["rivers", "cities", "light", "stone", "gardens", "music", "paper", "windows", "markets", "winter",
+          "history", "engines", "forests", "oceans"]
+
+
+def _concurrent_prompts() -> list[str]:
+    return [f"Write a short note about {TOPICS[i % len(TOPICS)]}, item {i}:" for i in range(NUM_CONCURRENT)]
+
+
+class Served:
+    def __init__(self, thread: ServerThread, app, reference: dict[str, tuple[str, list[int]]]):
+        self.thread, self.url, self.app = thread, thread.url, app
+        self.state = app.state.server
+        self.reference = reference  # prompt -> (text, token ids) generated offline
+
+    @property
+    def model(self) -> str:
+        return self.state.model_name
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
+                             timeout=120, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"^(jaxserve:[\w:]+)(\{[^}]*\})? ([0-9.e+-]+|NaN)$", line)
+            if m:
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+                key = m.group(1) + "".join(f"|{v}" for k, v in sorted(labels.items()) if k != "model_name")
+                out[key] = float(m.group(3))
+        return out
+
+
+@pytest.fixture(scope="module")
+def served(default_loaded):
+    engine = LLMEngine(default_loaded, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=512)
+    # Offline reference for the concurrency test: the same engine, before the server owns it.
+    params = SamplingParams(temperature=0.0, max_tokens=CONCURRENT_MAX_TOKENS)
+    prompts = _concurrent_prompts()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"ref-{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    reference = {p: (done[f"ref-{i}"].text, done[f"ref-{i}"].token_ids) for i, p in enumerate(prompts)}
+    app = build_app(engine, max_waiting=256, shutdown_timeout=5)
+    with ServerThread(app) as thread:
+        yield Served(thread, app, reference)
+
+
+def wait_idle(served: Served, timeout: float = 20.0) -> dict:
+    """Metrics once no request is running or waiting and no KV page is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = served.metrics()
+        idle = (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
+                and m["jaxserve:kv_cache_used_pages"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------------- basics
+def test_models_health_version(served):
+    assert [m.id for m in served.client().models.list().data] == [served.model]
+    assert httpx.get(served.url + "/health").status_code == 200
+    assert httpx.get(served.url + "/version").json()["version"]
+    r = httpx.get(f"{served.url}/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_completion_usage_and_length(served):
+    c = served.client()
+    r = c.completions.create(model=served.model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    n_prompt = len(httpx.post(served.url + "/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"])
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 8 and r.usage.total_tokens == n_prompt + 8
+    assert r.choices[0].text
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_equals_non_streamed(served, endpoint):
+    c = served.client()
+    kw = {"model": served.model, "max_tokens": 24, "temperature": 0}
+    if endpoint == "chat":
+        kw["messages"] = [{"role": "user", "content": "Name three colors."}]
+        whole = c.chat.completions.create(**kw)
+        chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        expected = whole.choices[0].message.content
+    else:
+        kw["prompt"] = "Once upon a time"
+        whole = c.completions.create(**kw)
+        chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        expected = whole.choices[0].text
+    assert text == expected and text
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_n2_streamed_and_not(served):
+    c = served.client()
+    kw = {"model": served.model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12,
+              "temperature": 0.9, "seed": 7, "n": 2}
+    whole = c.chat.completions.create(**kw)
+    assert sorted(ch.index for ch in whole.choices) == [0, 1]
+    assert whole.usage.completion_tokens == 24 or all(ch.finish_reason for ch in whole.choices)
+    texts = {0: "", 1: ""}
+    for ch in c.chat.completions.create(stream=True, **kw):
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {ch.index: ch.message.content for ch in whole.choices}  # the same seed, the same samples
+    r = c.completions.create(model=served.model, prompt=["One", "Two"], n=2, max_tokens=4, temperature=1, seed=1)
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2, 3]
+
+
+def test_stop_strings(served):
+    c = served.client()
+    kw = {"model": served.model, "prompt": "List the numbers: 1, 2, 3,", "max_tokens": 24, "temperature": 0}
+    full = c.completions.create(**kw).choices[0].text
+    stop = full.strip()[2:5]  # a piece of what greedy decoding writes anyway
+    assert stop and stop in full
+    r = c.completions.create(stop=[stop], **kw)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(stop=stop, stream=True, **kw))
+    assert streamed == r.choices[0].text
+    r = c.completions.create(stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw)
+    assert r.choices[0].text == full[: full.index(stop) + len(stop)]
+
+
+def test_logprobs(served):
+    c = served.client()
+    r = c.completions.create(model=served.model, prompt="Hello, my name is", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert p <= 0 and len(top) >= 3 and max(top.values()) == pytest.approx(p)  # greedy picks the top token
+    chat = c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    streamed = [e for ch in c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}],
+                                                      max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                                      stream=True)
+                for choice in ch.choices if choice.logprobs for e in choice.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_sampling_extras_and_seed(served):
+    c = served.client()
+    extra = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 6, "ignore_eos": True}
+    kw = {"model": served.model, "prompt": "In the forest", "max_tokens": 10, "temperature": 0.8, "top_p": 0.9,
+          "seed": 1234, "presence_penalty": 0.5, "frequency_penalty": 0.3, "logit_bias": {"13": -100},
+          "extra_body": extra}
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 10
+    chat = c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}],
+                                     max_completion_tokens=3, temperature=0)
+    assert chat.usage.completion_tokens <= 3
+
+
+def test_tokenize_detokenize(served):
+    ids = httpx.post(served.url + "/tokenize", json={"prompt": "hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 512
+    assert httpx.post(served.url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "hello world"
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat_ids = httpx.post(served.url + "/tokenize", json={"messages": msgs}).json()
+    r = served.client().chat.completions.create(model=served.model, messages=msgs, max_tokens=1)
+    assert r.usage.prompt_tokens == chat_ids["count"]
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+LONG = "word " * 600  # > 512 tokens
+
+BAD = [
+    ("malformed json", "/v1/completions", b'{"prompt": "x",', 400),
+    ("not an object", "/v1/completions", b"[1, 2]", 400),
+    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400),
+    ("fraction for int", "/v1/completions", {"prompt": "x", "n": 1.5}, 400),
+    ("string for int", "/v1/completions", {"prompt": "x", "n": "1"}, 400),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
+    ("absurd max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -0.5}, 400),
+    ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400),
+    ("n zero", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400),
+    ("too many logprobs", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400),
+    ("token out of vocab", "/v1/completions", {"prompt": [1, 10**7]}, 400),
+    ("logit_bias out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400),
+    ("min_tokens > max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400),
+    ("prompt too long", "/v1/completions", {"prompt": LONG, "max_tokens": 1}, 400),
+    ("prompt + max_tokens too long", "/v1/completions", {"prompt": "word " * 300, "max_tokens": 400}, 400),
+    ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400),
+    ("no messages", "/v1/chat/completions", {"messages": []}, 400),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400),
+    ("image part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+    ("json_object format", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400),
+    ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404),
+    ("detokenize out of vocab", "/detokenize", {"tokens": [-1]}, 400),
+    ("unknown route", "/v1/embeddings", {"input": "x"}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(served, name, path, body, status):
+    if isinstance(body, bytes):
+        kw = {"content": body, "headers": {"content-type": "application/json"}}
+    else:
+        kw = {"json": body}
+    r = httpx.post(served.url + path, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if name == "prompt too long" or name == "prompt + max_tokens too long":
+        assert "512" in err["message"] and re.search(r"\b(6\d\d|7\d\d|30\d)\b", err["message"]), err["message"]
+
+
+def test_body_limit_method_and_oversize(served):
+    r = httpx.post(served.url + "/v1/completions", content=b"x" * (served.state.max_body_bytes + 1),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(served.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_api_key(served):
+    served.state.api_key = "sekret"
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            served.client(api_key="wrong").models.list()
+        r = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert served.client(api_key="sekret").models.list().data
+        assert httpx.get(served.url + "/health").status_code == 200  # probes need no key
+    finally:
+        served.state.api_key = None
+
+
+def test_overload_answers_503_with_retry_after(served):
+    engine = served.state.engine
+    engine.max_waiting = 2
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+            return await asyncio.gather(*[
+                client.post("/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 4}) for i in range(24)])
+
+    try:
+        responses = asyncio.run(burst())
+    finally:
+        engine.max_waiting = 256
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
+    busy = next(r for r in responses if r.status_code == 503)
+    assert int(busy.headers["retry-after"]) >= 1 and busy.json()["error"]["code"] == "server_busy"
+    wait_idle(served)
+
+
+# ---------------------------------------------------------------------------------------------------- load
+def test_64_concurrent_streams_match_offline_and_are_counted(served):
+    before = served.metrics()
+    prompts = _concurrent_prompts()
+
+    async def one(client: openai.AsyncOpenAI, prompt: str):
+        text, usage, reason = "", None, None
+        stream = await client.completions.create(model=served.model, prompt=prompt, max_tokens=CONCURRENT_MAX_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True})
+        async for ch in stream:
+            for choice in ch.choices:
+                text += choice.text
+                reason = choice.finish_reason or reason
+            usage = ch.usage or usage
+        return text, usage, reason
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=300,
+                                    http_client=openai.DefaultAsyncHttpxClient(
+                                        limits=httpx.Limits(max_connections=NUM_CONCURRENT * 2)))
+        async with client:
+            return await asyncio.gather(*[one(client, p) for p in prompts])
+
+    results = asyncio.run(run())
+    for prompt, (text, usage, reason) in zip(prompts, results):
+        ref_text, ref_ids = served.reference[prompt]
+        assert text == ref_text, prompt
+        assert usage.completion_tokens == len(ref_ids) and reason in ("stop", "length")
+    after = wait_idle(served)
+    finished = sum(v - before.get(k, 0) for k, v in after.items() if k.startswith("jaxserve:request_success_total"))
+    assert finished == NUM_CONCURRENT
+    generated = sum(len(served.reference[p][1]) for p in prompts)
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] == generated
+    assert after["jaxserve:time_to_first_token_seconds_count"] - before["jaxserve:time_to_first_token_seconds_count"] \
+        == NUM_CONCURRENT
+    assert after["jaxserve:kv_cache_used_pages"] == 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(served):
+    before = served.metrics()
+    body = {"prompt": "Tell me a very long story about the sea.", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=served.url, timeout=60) as client, \
+            client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data: ")
+            if lines >= 3:
+                break  # leaving the block closes the connection mid-stream
+    # A non-streaming request whose client gives up (times out) is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    after = wait_idle(served)
+    assert after["jaxserve:kv_cache_used_pages"] == 0 and after["jaxserve:num_requests_running"] == 0
+    key = "jaxserve:request_success_total|abort"
+    aborted = after.get(key, 0) - before.get(key, 0)
+    assert aborted == 2
+    assert served.state.engine.num_in_flight == 0
+
+
+# ---------------------------------------------------------------------------------------------------- fuzz
+FUZZ_MAX_TOKENS = 4
+FUZZ_EXAMPLES = 30  # per operation and mode
+
+
+def _cheap(body) -> None:
+    """Keeps a generated request cheap, valid values staying valid: at most 4 tokens and 2 choices."""
+    if not isinstance(body, dict):
+        return
+    for key in ("max_tokens", "max_completion_tokens", "n", "min_tokens"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 2:
+            body[key] = 2 if key == "n" else FUZZ_MAX_TOKENS
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = FUZZ_MAX_TOKENS  # null: up to the context length
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_fuzz_openapi_no_server_errors(served, mode):
+    """Schema-derived requests, valid (positive) and not (negative), for every operation in /openapi.json: each
+    answer conforms to the schema, schema-invalid data is rejected, and nothing is a 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis.generation.modes import GenerationMode
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+    schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    statuses: dict[int, int] = {}
+    for op in ops:
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=op.as_strategy(GenerationMode(mode)))
+        def check(case):
+            _cheap(case.body)
+            # Checked: no 5xx, documented status, content type and body (streamed events too), schema-invalid
+            # data rejected. Not checked: that every schema-valid body is accepted, since some limits are
+            # semantic (prompt + max_tokens within the context, min_tokens <= max_tokens): those are 400s.
+            response = case.call_and_validate(timeout=60, excluded_checks=[positive_data_acceptance])
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            assert response.status_code < 500, response.text
+
+        try:
+            check()
+        except Unsatisfiable:
+            assert mode == "negative"  # an operation without inputs (GET /health) has no invalid requests
+    print(f"fuzz {mode}: answers by status {dict(sorted(statuses.items()))}")
+    assert statuses and max(statuses) < 500, statuses
+    wait_idle(served)

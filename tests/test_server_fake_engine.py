@@ -1,0 +1,143 @@
+"""The server's failure paths over a fake engine (no model, no jax): an engine that dies, a drain that aborts,
+the admission limit, and the schema's token-id bounds. Fast: these run in every test pass."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.server.app import below_pattern, build_app
+
+VOCAB = 1000
+
+
+class FakeTokenizer:
+    eos_token_ids = (0,)
+
+    def encode(self, text, add_special_tokens=True):
+        return [1 + ord(c) % (VOCAB - 1) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" t{i}" for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
+        return self.encode(text) if tokenize else text
+
+
+class FakeEngine:
+    """Generates token ``7`` forever (until max_tokens) for each request; ``fail_at_step`` makes a step raise."""
+
+    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.002):
+        self.model_name = "fake"
+        self.model_config = SimpleNamespace(vocab_size=VOCAB)
+        self.scheduler_config = SimpleNamespace(max_model_len=256)
+        self.tokenizer = FakeTokenizer()
+        self.fail_at_step, self.step_s = fail_at_step, step_s
+        self.requests: dict[str, tuple[list[int], object, list[int]]] = {}
+        self.steps = 0
+
+    def add_request(self, rid, prompt, params, priority=0):
+        if rid in self.requests:
+            raise ValueError("duplicate")
+        self.requests[rid] = (list(prompt), params, [])
+
+    def abort_request(self, rid):
+        return self.requests.pop(rid, None) is not None
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def get_stats(self):
+        return {"num_running": len(self.requests), "num_waiting": 0, "num_used_pages": len(self.requests)}
+
+    def step(self):
+        self.steps += 1
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise RuntimeError("device lost")
+        time.sleep(self.step_s)
+        outs = []
+        for rid, (prompt, params, toks) in list(self.requests.items()):
+            toks.append(7)
+            done = len(toks) >= params.max_tokens
+            comp = CompletionOutput(0, " t7" * len(toks), list(toks), None, None, "length" if done else None)
+            outs.append(RequestOutput(rid, None, prompt, [comp], done))
+            if done:
+                del self.requests[rid]
+        return outs
+
+
+def _events(response) -> list:
+    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_fake_engine_serves():
+    with TestClient(build_app(FakeEngine())) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " t7 t7 t7"
+        with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}) as r:
+            events = _events(r)
+        assert events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) \
+            == " t7 t7 t7"
+
+
+def test_engine_death_answers_503_not_a_hang():
+    with TestClient(build_app(FakeEngine(fail_at_step=5))) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 50, "stream": True}) as r:
+            events = _events(r)
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])  # the stream says why it ended
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 50})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead" and "retry-after" in r.headers
+        assert client.get("/health").status_code == 503
+
+
+def test_drain_aborts_running_streams_and_refuses_new_requests():
+    app = build_app(FakeEngine(step_s=0.01))
+    with TestClient(app) as client:
+        engine = app.state.server.engine
+        with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 10_000 // 100,
+                                                            "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            engine.begin_drain(0.0)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "abort"
+        r = client.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
+        assert client.get("/health").status_code == 503
+        assert engine.num_in_flight == 0 and not app.state.server.engine.engine.requests
+
+
+def test_admission_limit_counts_waiting_requests():
+    app = build_app(FakeEngine(), max_waiting=0)
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+        assert "jaxserve:request_rejected_total" in client.get("/metrics").text
+
+
+def test_schema_bounds_token_ids_by_the_vocabulary():
+    with TestClient(build_app(FakeEngine())) as client:
+        schema = client.get("/openapi.json").json()
+        text = json.dumps(schema)
+        assert '"maximum": 999' in text and "x-token-id" not in text and '"422"' not in text
+        bias = schema["components"]["schemas"]["CompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]
+        assert bias["propertyNames"]["pattern"] == below_pattern(VOCAB)
+        r = client.post("/v1/completions", json={"prompt": [5, VOCAB]})
+        assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 10, 11, 100, 101, 999, 1000, 49152, 151936])
+def test_below_pattern(n):
+    p = re.compile(below_pattern(n))
+    probe = list(range(min(n + 50, 3000))) + [n - 1, n, n + 1, 10 * n]
+    assert all(bool(p.match(str(i))) == (i < n) for i in probe)
+    assert not p.match("01") and not p.match("-1") and not p.match("")
