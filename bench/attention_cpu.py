@@ -8,7 +8,7 @@
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), page 16, float32. A case is T tokens over
 S sequence slots with P pages per slot; each real sequence has a full context of P * 16 tokens with its query
 chunk at the end of it; the hint passed to the XLA version is the longest chunk rounded up to a power of two
-(``--no-hint``: none). The page table is random: with ``--pool 140``
+(``--hint none``: no hint; ``--hint tokens``: T). The page table is random: with ``--pool 140``
 (the default) it draws from a 140-page pool, so the cache stays in the last-level cache; ``--pool full`` gives
 every sequence its own pages (S * P + 1 of them), the way the engine's pool looks.
 
@@ -104,7 +104,8 @@ def main():
     ap.add_argument("--mode", choices=("call", "scan"), default="call")
     ap.add_argument("--layers", type=int, default=4, help="layers per timed loop in --mode scan")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--no-hint", action="store_true", help="do not pass max_q_len to the XLA implementation")
+    ap.add_argument("--hint", choices=("chunk", "none", "tokens"), default="chunk",
+                    help="max_q_len for the XLA version: longest chunk (pow2), None, or T (a loose bound)")
     ap.add_argument("--block-q", type=int, default=None)
     ap.add_argument("--ctx-chunk", type=int, default=None)
     ap.add_argument("--decode-chunk", type=int, default=None)
@@ -117,7 +118,7 @@ def main():
         if a.cases and not any(c in label for c in a.cases.split(",")):
             continue
         args, kv_bytes = make_inputs(t, s, p, q_lens, pool=a.pool)
-        hint = None if a.no_hint else 1 << (max(q_lens) - 1).bit_length()
+        hint = {"chunk": 1 << (max(q_lens) - 1).bit_length(), "none": None, "tokens": t}[a.hint]
         fns = {
             "reference": functools.partial(ragged_paged_attention_ref, sm_scale=SM_SCALE),
             "xla": functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, max_q_len=hint,

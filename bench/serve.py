@@ -168,9 +168,13 @@ def main() -> None:
             offline = Offline(args)
             over_ns = client_args(args, port, [float("inf")], args.overhead_prompts, seed=1)
             off_s, srv_s, srv_runs = [], [], []
-            for rep in range(args.overhead_reps):
-                srv_run, prompts = asyncio.run(sweep(over_ns))
+            prompts = asyncio.run(sweep(client_args(args, port, [], args.overhead_prompts, seed=1)))[1]
+            for rep in range(args.overhead_reps):  # the order flips each time, so a drifting load evens out
+                if rep % 2:
+                    srv_run = asyncio.run(sweep(over_ns))[0]
                 off = offline.run([ids for ids, _ in prompts])
+                if rep % 2 == 0:
+                    srv_run = asyncio.run(sweep(over_ns))[0]
                 assert srv_run[0]["output_tokens"] == off["output_tokens"], (srv_run[0], off)
                 off_s.append(off["elapsed"])
                 srv_s.append(srv_run[0]["duration_s"])

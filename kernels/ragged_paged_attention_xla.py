@@ -17,10 +17,10 @@ one query token) is a block of 1: it reads only its own sequence's context, once
 the rows of one [G, H] x [H, chunk] product.
 
 Blocks never straddle sequences; they are packed on device from ``cu_q_lens``. Sequences with a single query
-token (decode) get blocks of 1 and everything longer blocks of ``block_q`` (from the ``max_q_len`` hint), each
-class in its own loop, so a mixed batch of decodes and one prefill chunk pays neither the prefill's block size for
-every decode nor a context gather per prefill token. Static block counts are safe bounds for any batch: a wrong
-``max_q_len`` hint can only cost speed.
+token (decode) get blocks of 1, chunks of 2..16 tokens one block of 16, and longer chunks blocks of ``block_q``
+(from the ``max_q_len`` hint, up to 128), each class in its own loop: a mixed batch of decodes, short chunks and a
+long prefill chunk pays neither the prefill's block size for every decode nor a context gather per prefill token.
+Static block counts are safe bounds for any batch: a wrong ``max_q_len`` hint can only cost speed.
 
 Slots past a sequence's ``kv_len`` may hold anything (stale data, NaN): context indices are clamped to the last
 valid slot before the gather, so every K/V row that reaches a matmul is real data and masked probabilities are
@@ -42,6 +42,7 @@ from jaxserve.kernels._common import cdiv, next_pow2, valid_token_mask, validate
 # gather plus a matmul that grows with its rows: decode is fastest at 1 token per block, long prefill at 128.
 _MAX_BLOCK_Q = 128
 _DEFAULT_BLOCK_Q = 32  # no hint
+_SHORT_BLOCK_Q = 16  # chunks of 2..16 tokens get their own loop, so a loose hint cannot blow up their blocks
 _DECODE_CHUNK = 1024  # context tokens per inner step with 1-token blocks (fewer steps vs. L2-sized K/V chunks)
 _PREFILL_CHUNK = 256  # otherwise (smaller chunks skip more of what the causal mask hides)
 
@@ -146,13 +147,19 @@ def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
     attend = functools.partial(_attend_blocks, qs, k_cache, v_cache, layer, kv_lens, page_indices, window,
                                soft_cap=soft_cap, has_window=has_window)
 
-    # Single-token sequences (decode): one block each.
-    blocks = _pack_blocks(q_lens, cu_q_lens, kv_lens, q_lens == 1, 1, min(num_seqs_padded, num_tokens))
-    out = attend(out, *blocks, block_q=1, ctx_chunk=decode_chunk)
-    if num_tokens >= 2:  # the rest: at most T // 2 sequences, so at most T // B + T // 2 blocks (and T)
-        bound = min(num_tokens, num_tokens // block_q + min(num_seqs_padded, num_tokens // 2))
-        blocks = _pack_blocks(q_lens, cu_q_lens, kv_lens, q_lens >= 2, block_q, bound)
-        out = attend(out, *blocks, block_q=block_q, ctx_chunk=ctx_chunk)
+    # Classes of sequences by query length (lo, hi, block size), each in its own loop: decode tokens one per block;
+    # short chunks one block of `short` each; longer ones blocks of block_q.
+    short = min(_SHORT_BLOCK_Q, block_q)
+    classes = [(1, 1, 1)]
+    classes += [(2, None, block_q)] if block_q <= short else [(2, short, short), (short + 1, None, block_q)]
+    for lo, hi, size in classes:
+        if num_tokens < lo:
+            continue
+        seqs = min(num_seqs_padded, num_tokens // lo)  # static bounds: sequences, then blocks, of the class
+        blocks = seqs if hi is not None and hi <= size else min(num_tokens, num_tokens // size + seqs)
+        take = (q_lens >= lo) if hi is None else (q_lens >= lo) & (q_lens <= hi)
+        out = attend(out, *_pack_blocks(q_lens, cu_q_lens, kv_lens, take, size, blocks), block_q=size,
+                     ctx_chunk=decode_chunk if size == 1 else ctx_chunk)
 
     out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
     valid = valid_token_mask(cu_q_lens, num_seqs, num_tokens)

@@ -183,6 +183,21 @@ def test_logprobs(served):
     assert [e.token for e in streamed] == [e.token for e in content]
 
 
+def test_echo_with_prompt_logprobs(served):
+    c = served.client()
+    prompt = "The sky is blue and"
+    r = c.completions.create(model=served.model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    choice, usage = r.choices[0], r.usage
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert lp.token_logprobs[0] is None and all(p <= 0 for p in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=served.model, prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True))
+    assert streamed == choice.text
+
+
 def test_sampling_extras_and_seed(served):
     c = served.client()
     extra = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 6, "ignore_eos": True}

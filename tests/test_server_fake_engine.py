@@ -36,12 +36,12 @@ class FakeTokenizer:
 class FakeEngine:
     """Generates token ``7`` forever (until max_tokens) for each request; ``fail_at_step`` makes a step raise."""
 
-    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.002):
+    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.002, silent_steps: int = 0):
         self.model_name = "fake"
         self.model_config = SimpleNamespace(vocab_size=VOCAB)
         self.scheduler_config = SimpleNamespace(max_model_len=256)
         self.tokenizer = FakeTokenizer()
-        self.fail_at_step, self.step_s = fail_at_step, step_s
+        self.fail_at_step, self.step_s, self.silent_steps = fail_at_step, step_s, silent_steps
         self.requests: dict[str, tuple[list[int], object, list[int]]] = {}
         self.steps = 0
 
@@ -64,6 +64,8 @@ class FakeEngine:
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             raise RuntimeError("device lost")
         time.sleep(self.step_s)
+        if self.steps <= self.silent_steps:  # a long prefill: no token yet
+            return []
         outs = []
         for rid, (prompt, params, toks) in list(self.requests.items()):
             toks.append(7)
@@ -114,6 +116,21 @@ def test_drain_aborts_running_streams_and_refuses_new_requests():
         assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
         assert client.get("/health").status_code == 503
         assert engine.num_in_flight == 0 and not app.state.server.engine.engine.requests
+
+
+def test_drain_before_the_first_token_still_ends_every_choice():
+    app = build_app(FakeEngine(step_s=0.01, silent_steps=10**6))
+    with TestClient(app) as client:
+        body = {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # the role chunks come first
+            app.state.server.engine.begin_drain(0.0)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        finals = [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
+        assert sorted((c["index"], c["finish_reason"]) for c in finals if c["finish_reason"]) == [(0, "abort"),
+                                                                                                  (1, "abort")]
+        assert events[-1] == "[DONE]"
 
 
 def test_admission_limit_counts_waiting_requests():

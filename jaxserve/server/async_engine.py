@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
@@ -42,6 +42,7 @@ class ServerBusyError(RuntimeError):
 class _Stream:
     request_id: str
     num_prompt_tokens: int
+    n: int  # sequences
     arrival: float
     added: asyncio.Future
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -81,7 +82,7 @@ class RequestStream:
             if isinstance(st.end, BaseException):
                 self.done = True
                 raise st.end
-            item = _aborted(self.last, self.request_id)
+            item = _aborted(self.last, self.request_id, st.n)
         self.last = item
         self.done = item.finished
         return item
@@ -92,10 +93,11 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
 
-def _aborted(last: RequestOutput | None, request_id: str) -> RequestOutput:
+def _aborted(last: RequestOutput | None, request_id: str, n: int) -> RequestOutput:
     """The final output of a request the engine aborted: what it had, each unfinished sequence ``abort``."""
     if last is None:
-        return RequestOutput(request_id, None, [], [], True)
+        outs = [CompletionOutput(i, "", [], None, None, "abort") for i in range(n)]
+        return RequestOutput(request_id, None, [], outs, True)
     outs = [o if o.finish_reason else dataclasses.replace(o, finish_reason="abort") for o in last.outputs]
     return dataclasses.replace(last, outputs=outs, finished=True)
 
@@ -178,7 +180,8 @@ class AsyncEngine:
                                   "retry later")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        st = _Stream(request_id, len(prompt_ids), arrival or time.perf_counter(), self._loop.create_future())
+        st = _Stream(request_id, len(prompt_ids), params.n, arrival or time.perf_counter(),
+                     self._loop.create_future())
         self._streams[request_id] = st
         self._num_waiting += 1
         self._inbox.put(("add", request_id, list(prompt_ids), params, priority))
