@@ -6,8 +6,9 @@ client (``jaxserve/server/bench.py``):
      throughput per rate, and a PNG of latency vs rate;
   2. the overhead run: --overhead-prompts requests sent at once, streamed, through the server, and the same
      requests (same token ids, greedy, ignore_eos, the same engine settings) through offline ``LLM.generate``
-     in this process while the server idles, alternated --overhead-reps times (a shared machine's load drifts;
-     pairs run back to back see about the same). Ratio = offline time / server time (the target is >= 0.9).
+     in this process while the server idles; --overhead-reps pairs, each on fresh prompts, the order alternating
+     (a shared machine's load drifts; a pair run back to back sees about the same). Ratio = offline time /
+     server time, the median over the pairs (the target is >= 0.9).
 
     python bench/serve.py [--rates 1 4 16] [--out-dir bench/out]
 """
@@ -73,20 +74,28 @@ def client_args(args, port: int, rates: list[float], num_prompts: int, seed: int
     return ns
 
 
+def requests_per_rate(ns, rate: float) -> int:
+    """The same seconds of arrivals at every rate (so more requests at higher rates), capped."""
+    n = ns.num_prompts if not math.isfinite(rate) else max(16, int(rate * ns.seconds_per_rate))
+    return min(n, ns.max_requests_per_rate)
+
+
 async def sweep(ns) -> tuple[list[dict], list]:
+    """Runs ``ns.request_rate`` one after the other, each on prompts of its own (no prefix-cache hits from an
+    earlier rate). Returns the results and every prompt made."""
     import httpx
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30),
                                  limits=httpx.Limits(max_connections=None)) as client:
         model = (await client.get(f"{ns.base_url}/v1/models")).json()["data"][0]["id"]
+        sizes = [requests_per_rate(ns, rate) for rate in ns.request_rate]
+        ns.num_prompts = sum(sizes) or ns.num_prompts
         prompts = await bench._prompts(client, ns, {})
         work = [(ids, ns.output_len, None) for ids, _ in prompts]  # fixed output length: TPOT is comparable
-        results = []
-        for rate in ns.request_rate:
-            # Each rate gets the same number of seconds of arrivals (more requests at higher rates), capped.
-            n = len(work) if not math.isfinite(rate) else max(16, int(rate * ns.seconds_per_rate))
-            n = min(n, len(work), ns.max_requests_per_rate)
-            results.append(await bench.run_rate(client, ns, model, work[:n], {}, rate))
+        results, start = [], 0
+        for rate, n in zip(ns.request_rate, sizes):
+            results.append(await bench.run_rate(client, ns, model, work[start: start + n], {}, rate))
+            start += n
             bench.print_result(results[-1])
     return results, prompts
 
@@ -144,7 +153,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-requests-per-rate", type=int, default=160)
     ap.add_argument("--overhead-prompts", type=int, default=64, help="0 skips the overhead run")
-    ap.add_argument("--overhead-reps", type=int, default=3)
+    ap.add_argument("--overhead-reps", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -160,16 +169,16 @@ def main() -> None:
     print(f"server up in {time.perf_counter() - t:.0f}s (load + compile)")
     over = None
     try:
-        n = max(min(int(max(args.rates) * args.seconds_per_rate), args.max_requests_per_rate),
-                args.overhead_prompts, 16)
-        ns = client_args(args, port, args.rates, n, seed=0)
+        ns = client_args(args, port, args.rates, args.max_requests_per_rate, seed=0)
         results, _ = asyncio.run(sweep(ns))
         if args.overhead_prompts:
             offline = Offline(args)
-            over_ns = client_args(args, port, [float("inf")], args.overhead_prompts, seed=1)
             off_s, srv_s, srv_runs = [], [], []
-            prompts = asyncio.run(sweep(client_args(args, port, [], args.overhead_prompts, seed=1)))[1]
-            for rep in range(args.overhead_reps):  # the order flips each time, so a drifting load evens out
+            for rep in range(args.overhead_reps):
+                # Fresh prompts each time (neither side has them in its prefix cache), the order flipping so a
+                # drifting machine load evens out.
+                over_ns = client_args(args, port, [float("inf")], args.overhead_prompts, seed=100 + rep)
+                prompts = asyncio.run(sweep(client_args(args, port, [], args.overhead_prompts, seed=100 + rep)))[1]
                 if rep % 2:
                     srv_run = asyncio.run(sweep(over_ns))[0]
                 off = offline.run([ids for ids, _ in prompts])

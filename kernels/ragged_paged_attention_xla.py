@@ -17,9 +17,10 @@ one query token) is a block of 1: it reads only its own sequence's context, once
 the rows of one [G, H] x [H, chunk] product.
 
 Blocks never straddle sequences; they are packed on device from ``cu_q_lens``. Sequences with a single query
-token (decode) get blocks of 1, chunks of 2..16 tokens one block of 16, and longer chunks blocks of ``block_q``
-(from the ``max_q_len`` hint, up to 128), each class in its own loop: a mixed batch of decodes, short chunks and a
-long prefill chunk pays neither the prefill's block size for every decode nor a context gather per prefill token.
+token (decode) get blocks of 1, chunks of 2..16 (17..64) tokens one block of 16 (64), and longer chunks blocks of
+``block_q`` (from the ``max_q_len`` hint, up to 128), each class in its own loop: a mixed batch of decodes, short
+chunks and a long prefill chunk pays neither the prefill's block size for every decode nor a context gather per
+prefill token.
 Static block counts are safe bounds for any batch: a wrong ``max_q_len`` hint can only cost speed.
 
 Slots past a sequence's ``kv_len`` may hold anything (stale data, NaN): context indices are clamped to the last
@@ -42,7 +43,7 @@ from jaxserve.kernels._common import cdiv, next_pow2, valid_token_mask, validate
 # gather plus a matmul that grows with its rows: decode is fastest at 1 token per block, long prefill at 128.
 _MAX_BLOCK_Q = 128
 _DEFAULT_BLOCK_Q = 32  # no hint
-_SHORT_BLOCK_Q = 16  # chunks of 2..16 tokens get their own loop, so a loose hint cannot blow up their blocks
+_CLASS_BLOCK_Q = (16, 64)  # chunks of 2..16 and 17..64 tokens get loops of their own: a loose hint wastes <= 4x
 _DECODE_CHUNK = 1024  # context tokens per inner step with 1-token blocks (fewer steps vs. L2-sized K/V chunks)
 _PREFILL_CHUNK = 256  # otherwise (smaller chunks skip more of what the causal mask hides)
 
@@ -148,10 +149,12 @@ def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
                                soft_cap=soft_cap, has_window=has_window)
 
     # Classes of sequences by query length (lo, hi, block size), each in its own loop: decode tokens one per block;
-    # short chunks one block of `short` each; longer ones blocks of block_q.
-    short = min(_SHORT_BLOCK_Q, block_q)
-    classes = [(1, 1, 1)]
-    classes += [(2, None, block_q)] if block_q <= short else [(2, short, short), (short + 1, None, block_q)]
+    # chunks up to 16 (64) tokens one block of 16 (64), when block_q is larger; the longest blocks of block_q.
+    classes, lo = [(1, 1, 1)], 2
+    for size in [b for b in _CLASS_BLOCK_Q if b < block_q]:
+        classes.append((lo, size, size))
+        lo = size + 1
+    classes.append((lo, None, block_q))
     for lo, hi, size in classes:
         if num_tokens < lo:
             continue

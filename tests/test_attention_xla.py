@@ -32,8 +32,8 @@ MIXED_Q = [15, 16, 17, 0, 1, 1, 1, 5, 16, 3]
 MIXED_KV = [15, 16, 17, 15, 16, 17, 1, 25, 48, 40]
 DECODE_Q = [1] * 7
 DECODE_KV = [1, 15, 16, 17, 33, 70, 129]
-PREFILL_Q = [15, 16, 17, 40]
-PREFILL_KV = [15, 16, 17, 56]  # the last one is a second chunk starting mid-page
+PREFILL_Q = [15, 16, 17, 70]
+PREFILL_KV = [15, 16, 17, 86]  # the last one is a second chunk starting mid-page
 
 
 @dataclasses.dataclass
@@ -169,10 +169,12 @@ def test_many_sequences_and_decode_window():
 
 
 def test_wrong_hint_only_costs_speed():
-    """max_q_len=1 on a batch with prefill chunks still gives the right answer."""
+    """Hints that are too small (1, 2) or loose (128: a loop per class 2..16, 17..64, 65+) give the right answer."""
     b = make_batch(MIXED_Q, MIXED_KV, seed=4)
     check(ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=1), b, reference(b))
     check(ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=2), b, reference(b))
+    b = make_batch(PREFILL_Q + [1, 3], PREFILL_KV + [30, 20], seed=4)
+    check(ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=128), b, reference(b))
 
 
 @pytest.mark.parametrize("q_lens, kv_lens, hint", [(DECODE_Q, DECODE_KV, 1), (MIXED_Q, MIXED_KV, 32),

@@ -8,6 +8,7 @@ offline, so the comparison is against ``LLMEngine`` run directly on the same wei
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -371,6 +372,21 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(served):
     aborted = after.get(key, 0) - before.get(key, 0)
     assert aborted == 2
     assert served.state.engine.num_in_flight == 0
+
+
+def test_bench_serve_cli_reports_and_plots(served, tmp_path):
+    from jaxserve.cli import build_parser
+
+    png, js = tmp_path / "latency.png", tmp_path / "bench.json"
+    args = build_parser().parse_args(
+        ["bench", "serve", "--base-url", served.url, "--num-prompts", "6", "--request-rate", "inf", "20",
+         "--input-len", "16", "--output-len", "8", "--plot", str(png), "--result-json", str(js)])
+    assert args.func(args) == 0
+    results = json.loads(js.read_text())["results"]
+    assert [r["completed"] for r in results] == [6, 6] and all(r["output_tokens"] == 48 for r in results)
+    for r in results:
+        assert 0 < r["ttft_ms"]["median"] <= r["ttft_ms"]["p99"] and r["tpot_ms"]["mean"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------------------------------------- fuzz

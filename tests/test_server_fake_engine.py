@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -158,3 +160,11 @@ def test_below_pattern(n):
     probe = list(range(min(n + 50, 3000))) + [n - 1, n, n + 1, 10 * n]
     assert all(bool(p.match(str(i))) == (i < n) for i in probe)
     assert not p.match("01") and not p.match("-1") and not p.match("")
+
+
+def test_server_layer_imports_no_jax():
+    """The HTTP layer is host code: it gets an engine and never touches jax itself."""
+    code = ("import sys, jaxserve.server.app, jaxserve.server.launch, jaxserve.server.cli, jaxserve.server.bench; "
+            "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]; assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -43,8 +42,9 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], add_gener
     try:
         text = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=not cont and add_generation_prompt
                                                    is not False, tokenize=False, **kwargs)
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from e
+    except Exception as e:
+        raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                       param="messages") from e
     if cont:  # end the text right after the last message's content, so the model carries on from there
         last = msgs[-1]["content"] or ""
         at = text.rfind(last) if last else -1
