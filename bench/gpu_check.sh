@@ -24,19 +24,19 @@ LOG="${OUT:-$SHIM}/gpu_check.log"
 {
   echo "== $(date -u +%FT%TZ) $(hostname)"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv 2>/dev/null || true
-  python -c "import jax, jaxserve.kernels as k; print('jax', jax.__version__, jax.devices(), k.__file__)"
+  python3 -c "import jax, jaxserve.kernels as k; print('jax', jax.__version__, jax.devices(), k.__file__)"
 } 2>&1 | tee -a "$LOG"
 
-timeout --signal=INT --kill-after=15 450 python "$REPO/bench/kernels.py" \
+timeout --signal=INT --kill-after=15 $(( ${KERNEL_BUDGET:-390} + 60 )) python3 "$REPO/bench/kernels.py" \
   --check \
-  --impls pallas,reference \
+  --impls pallas,xla,reference \
   --batches 1,32,128 \
   --contexts 512,2048,8192 \
   --extra-cases 64x2048 \
-  --extra-impls pallas,reference,jax_paged \
+  --extra-impls pallas,xla,jax_paged \
   --iters 20 \
   --copy-mb 2048 \
-  --time-budget 390 \
+  --time-budget ${KERNEL_BUDGET:-390} \
   2>&1 | tee -a "$LOG"
 status=${PIPESTATUS[0]}
 echo "== exit status $status (log: $LOG)"

@@ -1,0 +1,160 @@
+"""The whole engine on one GPU (bfloat16), for a device check: the issue-3 workload, random weights.
+
+The default model's GGUF (98 MB) is too big to travel to the device machine, so this builds SmolLM2-135M's
+architecture (``configs/smollm2-135m.json``) with random weights and takes the vocabulary from a tensor-free
+``tokenizer.gguf`` (``--tokenizer``; ``python bench/gpu_engine.py --write-tokenizer DIR`` makes one here).
+Token ids are random: throughput does not depend on the weights' values, only on their shapes.
+
+Runs, each engine in this process one after the other:
+  1. agreement: 8 prompts x 24 greedy tokens in float32 with attention "pallas" (Triton on GPU), "xla" and
+     "reference"; prints how many tokens each matches the reference (random weights give small logit gaps,
+     so a rare flip near a tie is possible; a kernel bug flips most of them);
+  2. throughput: 64 requests, prompts 64-512 tokens, 128 output tokens each, greedy, ignore_eos, bf16, per
+     attention impl: run once to compile the shapes it meets, then timed; output tok/s, steps, the split of
+     step time between host packing, device (dispatch to results on the host) and the rest of the host loop.
+A table is printed last.
+
+    python bench/gpu_engine.py --tokenizer .gpu/tokenizer.gguf [--impls pallas,xla] [--time-budget 240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+ROWS: list[str] = []
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def write_tokenizer(out_dir: str) -> None:
+    from jaxserve.defaults import default_model_path
+    from jaxserve.loading.orbax_ckpt import copy_tokenizer
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(default_model_path(), Path(out_dir))
+    log(f"wrote {out_dir}/tokenizer.gguf")
+
+
+def random_model(tokenizer: str, seed: int = 0):
+    import numpy as np
+
+    from jaxserve.config import load_preset
+    from jaxserve.loading import LoadedModel
+    from jaxserve.loading.weights import param_shapes
+
+    cfg = load_preset("smollm2-135m")
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            params[name] = (rng.standard_normal(shape, np.float32) * 0.05).astype(np.float32)
+    return LoadedModel("smollm2-135m-random", cfg, params, Path(tokenizer))
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def agreement(loaded, impls: list[str]) -> None:
+    from jaxserve import LLM, SamplingParams
+
+    prompts = workload(8, 5, 200, loaded.config.vocab_size, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    toks = {}
+    for impl in ["reference"] + [i for i in impls if i != "reference"]:
+        t = time.perf_counter()
+        try:
+            llm = LLM(loaded, dtype="float32", attention_impl=impl, num_pages=512, max_num_seqs=8,
+                      max_num_batched_tokens=256, max_model_len=512, compilation_cache=False)
+            toks[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            del llm
+        except Exception as e:  # noqa: BLE001 - report and go on
+            log(f"agreement {impl}: ERROR {type(e).__name__}: {str(e)[:1500]}")
+            ROWS.append(f"| agreement f32 | {impl} | ERROR {type(e).__name__} | |")
+            continue
+        ref = toks["reference"]
+        same = sum(a == b for x, y in zip(toks[impl], ref) for a, b in zip(x, y))
+        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(toks[impl], ref)]
+        log(f"agreement {impl}: {same}/{sum(map(len, ref))} tokens equal the reference; first differing index per "
+            f"prompt {first_diff}; {time.perf_counter() - t:.0f}s")
+        ROWS.append(f"| agreement f32 | {impl} | {same}/{sum(map(len, ref))} tokens = reference | |")
+
+
+def throughput(loaded, impl: str, n: int, out_len: int) -> None:
+    from jaxserve import LLM, SamplingParams
+
+    prompts = workload(n, 64, 512, loaded.config.vocab_size, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    try:
+        t = time.perf_counter()
+        llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=n * 48 + 1, max_num_seqs=n,
+                  max_num_batched_tokens=512, max_model_len=768, compilation_cache=False,
+                  enable_prefix_caching=False)
+        llm.generate(prompts, params, use_tqdm=False)  # compiles the shapes this workload meets
+        first = time.perf_counter() - t
+        runner = llm.engine.runner
+        compiled = runner.num_compilations
+        runner.reset_timers()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        e = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
+    except Exception as ex:  # noqa: BLE001
+        log(f"throughput {impl}: ERROR {type(ex).__name__}: {str(ex)[:1500]}")
+        ROWS.append(f"| throughput bf16 | {impl} | ERROR {type(ex).__name__} | |")
+        return
+    n_in, n_out = sum(map(len, prompts)), n * out_len
+    steps = runner.num_steps
+    other = e - runner.device_seconds - runner.pack_seconds
+    log(f"throughput {impl}: {e:.2f}s, {n_out / e:.0f} output tok/s, {(n_in + n_out) / e:.0f} total tok/s; "
+        f"{steps} steps, {1e3 * e / steps:.2f} ms/step: device {1e3 * runner.device_seconds / steps:.2f}, "
+        f"packing {1e3 * runner.pack_seconds / steps:.2f}, other host {1e3 * other / steps:.2f}; first run "
+        f"(with compiles) {first:.0f}s, {compiled} step variants, {runner.num_compilations - compiled} recompiles")
+    ROWS.append(f"| throughput bf16 | {impl} | {n_out / e:.0f} out tok/s, {(n_in + n_out) / e:.0f} total tok/s | "
+                f"{1e3 * e / steps:.2f} ms/step (device {1e3 * runner.device_seconds / steps:.2f}, packing "
+                f"{1e3 * runner.pack_seconds / steps:.2f}) |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default=".gpu/tokenizer.gguf")
+    ap.add_argument("--write-tokenizer", metavar="DIR")
+    ap.add_argument("--impls", default="pallas,xla")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--time-budget", type=float, default=240.0)
+    a = ap.parse_args()
+    if a.write_tokenizer:
+        write_tokenizer(a.write_tokenizer)
+        return 0
+    import jax
+
+    t0 = time.perf_counter()
+    log(f"jax {jax.__version__} {jax.devices()}")
+    loaded = random_model(a.tokenizer)
+    impls = a.impls.split(",")
+    agreement(loaded, impls)
+    for impl in impls:
+        if time.perf_counter() - t0 > a.time_budget:
+            ROWS.append(f"| throughput bf16 | {impl} | skipped (time budget) | |")
+            continue
+        throughput(loaded, impl, a.num_requests, a.output_len)
+    log(f"\nSmolLM2-135M shapes, random weights; {a.num_requests} requests, prompts 64-512, {a.output_len} out, "
+        f"greedy, ignore_eos; {time.perf_counter() - t0:.0f}s in all")
+    log("| check | impl | result | step time |\n|---|---|---|---|")
+    for r in ROWS:
+        log(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
