@@ -89,7 +89,7 @@ class ModelRunner:
         self.page_size = cache_cfg.page_size
         self.graphdef, state = model_from_params(model_cfg, params)
         self.state = jax.device_put(state)
-        self.kv_dtype = jnp.dtype(cache_cfg.dtype or default_dtype())
+        self.kv_dtype = jnp.dtype(cache_cfg.dtype or params["embed"].dtype)  # default: the weights' dtype
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.k_cache = jnp.zeros(shape, self.kv_dtype)

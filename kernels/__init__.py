@@ -118,6 +118,9 @@ def ragged_paged_attention(
     if kernel == "xla":
         return ragged_paged_attention_xla(*args, **kw, max_q_len=max_q_len, **kernel_options)
     fn = ragged_paged_attention_gpu if kernel == "gpu" else ragged_paged_attention_tpu
+    if q.dtype != k_cache.dtype:  # the kernels' products take one element type: q in the cache's (as vLLM does)
+        out = fn(q.astype(k_cache.dtype), *args[1:], **kw, **kernel_options, interpret=interp)
+        return out.astype(q.dtype)
     return fn(*args, **kw, **kernel_options, interpret=interp)
 
 

@@ -306,6 +306,20 @@ def test_dispatch_auto_on_cpu_is_the_xla_path():
     assert kernels._choose("reference", "tpu", None) == ("reference", False)
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_pallas_float32_queries_over_a_bfloat16_cache(backend):
+    """float32 weights with a bfloat16 pool (kv_cache_dtype): the dispatch casts q for the kernels' products and
+    gives float32 back. Seen on an H200: Triton refused the f32 x bf16 product before this."""
+    b = make_batch(MIXED_Q, MIXED_KV, hq=8, hk=2, d=64)
+    k, v = b.k_cache.astype(jnp.bfloat16), b.v_cache.astype(jnp.bfloat16)
+    args = (b.q, k, v, *b.args(1)[3:])
+    out = kernels.ragged_paged_attention(*args, sm_scale=SM_SCALE, impl="pallas", backend=backend)
+    expected = reference.ragged_paged_attention_ref(b.q.astype(jnp.bfloat16), *args[1:], sm_scale=SM_SCALE)
+    assert out.dtype == jnp.float32
+    assert_close(out, expected, jnp.bfloat16)
+    assert_padding_zero(out, b)
+
+
 def test_dispatch_rejects_unknown_impl_and_backend():
     b = make_batch(DECODE_Q, DECODE_KV)
     with pytest.raises(ValueError, match="impl"):
