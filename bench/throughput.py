@@ -60,6 +60,7 @@ def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int) -> dict:
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
     return {"elapsed": elapsed, "warmup_s": warm, "compiled": compiled, "steps": runner.num_steps,
             "device_s": runner.device_seconds, "pack_s": runner.pack_seconds,
+            "decode_steps": runner.decode_steps, "decode_device_s": runner.decode_device_seconds,
             "recompiles": runner.num_compilations - compiled}
 
 
@@ -123,13 +124,19 @@ def main() -> None:
     prompts = make_workload(load_tokenizer(default_model_path()), args.num_requests, args.min_prompt, args.max_prompt)
     n_in, n_out = sum(map(len, prompts)), args.num_requests * args.output_len
     roof = matmul_roofline()
-    results = {"jaxserve": run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens)}
-    if not args.skip_hf:
-        results["HF transformers"] = run_hf(prompts, args.output_len, args.hf_batch_size)
-    if not args.skip_llamacpp:
-        r = run_llamacpp(prompts, args.output_len)
+    print(f"float32 matmul roofline: {roof:.0f} GFLOP/s; {n_in} prompt tokens, {n_out} output tokens", flush=True)
+    results = {}
+
+    def done(name: str, r: dict | None) -> None:
         if r is not None:
-            results["llama.cpp (sequential)"] = r
+            results[name] = r
+            print(f"{name}: {r['elapsed']:.1f}s, {n_out / r['elapsed']:.1f} output tok/s", flush=True)
+
+    done("jaxserve", run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens))
+    if not args.skip_llamacpp:
+        done("llama.cpp (sequential)", run_llamacpp(prompts, args.output_len))
+    if not args.skip_hf:
+        done("HF transformers", run_hf(prompts, args.output_len, args.hf_batch_size))
 
     params = 134.5e6  # SmolLM2-135M parameters; 2 FLOPs per parameter per token (attention not counted)
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.num_requests} requests, prompts "
@@ -146,6 +153,9 @@ def main() -> None:
     print(f"jaxserve: {flops:.0f} GFLOP/s model FLOPs = {flops / roof:.0%} of the matmul roofline; "
           f"{j['steps']} steps, device {j['device_s']:.1f}s ({j['device_s'] / js:.0%}), host packing "
           f"{j['pack_s']:.1f}s ({j['pack_s'] / js:.0%}), other host {js - j['device_s'] - j['pack_s']:.1f}s; "
+          f"decode-only steps {j['decode_steps']} ({j['decode_device_s']:.1f}s device, "
+          f"{1e3 * j['decode_device_s'] / max(j['decode_steps'], 1):.0f} ms each), the other "
+          f"{j['steps'] - j['decode_steps']} steps {j['device_s'] - j['decode_device_s']:.1f}s; "
           f"warm-up compiled {j['compiled']} buckets in {j['warmup_s']:.0f}s, {j['recompiles']} recompiles after")
 
 

@@ -110,6 +110,8 @@ class ModelRunner:
         self.num_steps = 0
         self.pack_seconds = 0.0  # host: building the padded arrays and sampling metadata
         self.device_seconds = 0.0  # dispatch to results back on the host
+        self.decode_steps = 0  # steps where every sequence computes one token, and their device seconds
+        self.decode_device_seconds = 0.0
 
     # ------------------------------------------------------------------ sizing
     def _page_bytes(self) -> int:
@@ -215,6 +217,9 @@ class ModelRunner:
         t2 = time.perf_counter()
         self.pack_seconds += t1 - t0
         self.device_seconds += t2 - t1
+        if decode_only:
+            self.decode_steps += 1
+            self.decode_device_seconds += t2 - t1
         result = {}
         offset = 0
         for i, (s, r) in enumerate(zip(sched.scheduled, reqs)):

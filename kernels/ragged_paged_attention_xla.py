@@ -44,7 +44,7 @@ from jaxserve.kernels._common import cdiv, next_pow2, valid_token_mask, validate
 _MAX_BLOCK_Q = 128
 _DEFAULT_BLOCK_Q = 32  # no hint
 _CLASS_BLOCK_Q = (16, 64)  # chunks of 2..16 and 17..64 tokens get loops of their own: a loose hint wastes <= 4x
-_DECODE_CHUNK = 1024  # context tokens per inner step with 1-token blocks (fewer steps vs. L2-sized K/V chunks)
+_DECODE_CHUNK = 128  # context tokens per inner step with 1-token blocks: only the used chunks are gathered
 _PREFILL_CHUNK = 256  # otherwise (smaller chunks skip more of what the causal mask hides)
 
 
