@@ -209,7 +209,9 @@ def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.
     b, v = logits.shape
     logits = logits.astype(jnp.float32)
     rows = jnp.arange(b)[:, None]
-    logits = logits.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop")
+    biased = jnp.any(meta.bias_values != 0.0)  # a scatter over [B, V] only when some row has a bias
+    logits = jax.lax.cond(biased, lambda x: x.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop"),
+                          lambda x: x, logits)
     penalized = (meta.repetition_penalty != 1.0) | (meta.presence_penalty != 0.0) | (meta.frequency_penalty != 0.0)
     logits = jax.lax.cond(jnp.any(penalized), _apply_penalties, lambda x, _: x, logits, meta)
     greedy = meta.temperature < GREEDY_EPS  # [B]
