@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.kernels import cpu_ffi
 from jaxserve.kernels._common import cdiv, next_pow2, valid_token_mask, validate_attention_inputs
 
 # Heuristics measured with bench/attention_cpu.py on a 2-core AVX-512 host. One block costs about one context
@@ -75,6 +76,7 @@ def ragged_paged_attention_xla(
     block_q: int | None = None,
     ctx_chunk: int | None = None,
     decode_chunk: int | None = None,
+    decode_impl: str = "auto",
 ) -> jax.Array:
     """Ragged paged attention in jnp/lax for the CPU; same contract as ``ragged_paged_attention_ref``.
 
@@ -86,6 +88,8 @@ def ragged_paged_attention_xla(
       block_q: query tokens per block for sequences with more than one query token (overrides the hint).
       ctx_chunk, decode_chunk: context tokens per online-softmax step for those blocks and for 1-token
         sequences (override the defaults).
+      decode_impl: who computes the 1-token (decode) sequences: "ffi" the C++ kernel (``cpu_ffi.py``, float32
+        caches on the CPU), "xla" the blocks here, "auto" the C++ kernel where it applies and could be built.
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
@@ -106,11 +110,23 @@ def ragged_paged_attention_xla(
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     no_window = isinstance(sliding_window, int) and sliding_window <= 0  # statically off: no window mask at all
+    if decode_impl not in ("auto", "ffi", "xla"):
+        raise ValueError(f"decode_impl must be 'auto', 'ffi' or 'xla', got {decode_impl!r}")
+    fits = k_cache.dtype == jnp.float32 and v_cache.dtype == jnp.float32 and jax.default_backend() == "cpu"
+    if decode_impl == "ffi":
+        if not fits:
+            raise ValueError("decode_impl='ffi' needs float32 caches on the CPU backend, got "
+                             f"{k_cache.dtype} on {jax.default_backend()}")
+        if not cpu_ffi.available():
+            raise RuntimeError(f"decode_impl='ffi': the C++ decode attention is unavailable: "
+                               f"{cpu_ffi.unavailable_reason()}")
+    decode_ffi = decode_impl == "ffi" or (decode_impl == "auto" and fits and cpu_ffi.available())
     return _rpa_xla(
         q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lens.astype(jnp.int32),
         page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
         jnp.asarray(sliding_window, jnp.int32), sm_scale=float(sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), has_window=not no_window, **sizes,
+        soft_cap=None if soft_cap is None else float(soft_cap), has_window=not no_window, decode_ffi=decode_ffi,
+        **sizes,
     )
 
 
@@ -131,9 +147,9 @@ def _pack_blocks(q_lens, cu_q_lens, kv_lens, take, block_q: int, num_blocks: int
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "has_window", "block_q", "ctx_chunk",
-                                             "decode_chunk"))
+                                             "decode_chunk", "decode_ffi"))
 def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *, sm_scale, soft_cap,
-             has_window, block_q, ctx_chunk, decode_chunk):
+             has_window, block_q, ctx_chunk, decode_chunk, decode_ffi=False):
     num_tokens, num_q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[3]
     num_seqs_padded = page_indices.shape[0]
@@ -156,7 +172,7 @@ def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
         lo = size + 1
     classes.append((lo, None, block_q))
     for lo, hi, size in classes:
-        if num_tokens < lo:
+        if num_tokens < lo or (decode_ffi and size == 1):
             continue
         seqs = min(num_seqs_padded, num_tokens // lo)  # static bounds: sequences, then blocks, of the class
         blocks = seqs if hi is not None and hi <= size else min(num_tokens, num_tokens // size + seqs)
@@ -165,6 +181,10 @@ def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
                      ctx_chunk=decode_chunk if size == 1 else ctx_chunk)
 
     out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+    if decode_ffi:  # decode rows from C++ (zeros elsewhere); the blocks above left those rows at zero
+        out = out + cpu_ffi.decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                             window if has_window else jnp.int32(0), sm_scale=sm_scale,
+                                             soft_cap=soft_cap)
     valid = valid_token_mask(cu_q_lens, num_seqs, num_tokens)
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
 

@@ -225,3 +225,47 @@ def test_dispatch_auto_is_xla_on_cpu():
     new = jnp.ones((3, 3, 64), jnp.float32)
     kc, vc = kernels.write_kv(b.k_cache, b.v_cache, 1, new, new * 2, slots)
     assert float(kc[1, 1, 1, 0, 0]) == 1.0 and float(vc[1, 0, 0, 2, 5]) == 2.0
+
+
+# ------------------------------------------------------------------------------------------ decode: C++ vs XLA blocks
+def test_cpp_decode_kernel_builds_here():
+    """The C++ decode attention must build on a machine like CI's (g++ and jaxlib's FFI headers); without it
+    impl="auto" silently loses its fast decode path, so a build failure fails here with the compiler's message."""
+    from jaxserve.kernels import cpu_ffi
+
+    assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
+
+
+@pytest.mark.parametrize("decode_impl", ["xla", "ffi"])
+@pytest.mark.parametrize("case", ["decode", "mixed", "many-window-softcap", "gqa8-d128", "empty"])
+def test_decode_impls_match_reference(decode_impl, case):
+    """Both decode paths, on NaN-poisoned pools with out-of-range junk past every page table's used columns."""
+    window, soft_cap = 0, None
+    if case == "decode":
+        b = make_batch(DECODE_Q, DECODE_KV, seed=11)
+    elif case == "mixed":
+        b = make_batch(MIXED_Q, MIXED_KV, seed=12)
+    elif case == "many-window-softcap":
+        rng = np.random.default_rng(13)
+        b = make_batch([1] * 20 + [5], [int(x) for x in rng.integers(1, 200, 20)] + [30], seed=13, pad_seqs=5)
+        window, soft_cap = jnp.int32(23), 4.0
+    elif case == "gqa8-d128":
+        b = make_batch(DECODE_Q + [3], DECODE_KV + [40], hq=16, hk=2, d=128, seed=14)
+    else:
+        b = make_batch([0, 1, 0], [5, 9, 0], seed=15)
+    fn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap,
+                                   decode_impl=decode_impl, decode_chunk=32))
+    check(fn(*b.args(), sliding_window=window), b, reference(b, sliding_window=window, soft_cap=soft_cap))
+
+
+def test_ffi_decode_refuses_what_it_cannot_do():
+    b = make_batch(DECODE_Q, DECODE_KV, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32 caches"):
+        ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, decode_impl="ffi")
+    with pytest.raises(ValueError, match="decode_impl"):
+        ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, decode_impl="cpp")
+    b = make_batch(DECODE_Q, DECODE_KV)  # a page index outside the pool in a used column: an error, not a wild read
+    table = b.page_indices.at[0, 0].set(10_000)
+    with pytest.raises(Exception, match="page index out of range"):
+        ragged_paged_attention_xla(*dataclasses.replace(b, page_indices=table).args(), sm_scale=SM_SCALE,
+                                   decode_impl="ffi").block_until_ready()

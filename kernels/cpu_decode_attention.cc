@@ -1,0 +1,220 @@
+// Decode attention over the paged KV cache for the CPU, as an XLA FFI custom call (jaxserve.kernels.cpu_ffi).
+//
+// Only the sequences whose query chunk is one token (decode) are computed; every other output row is written as
+// zeros, and the XLA path (ragged_paged_attention_xla.py) fills those. Why C++: XLA's CPU backend moves gathered
+// K/V at about 1 ns per float whatever the access pattern, so a 64-sequence decode step spent more time gathering
+// context than in all its matmuls. Here each page slot's K/V rows are read in place, once, with the page loop
+// outermost, so a page's [page_size, kv_heads, head_dim] block is streamed from memory a single time.
+//
+// Per sequence, per page: scores for all query heads of all KV heads, one online-softmax update per page
+// (max, rescale, exp, accumulate P.V), float32 throughout. Sequences are split over up to kMaxThreads threads.
+// Layouts (see reference.py): q [T, Nq, H]; caches [L, P, S, K, H]; page_indices [Sb, PB]; cu_q_lens [Sb + 1].
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxThreads = 8;
+constexpr int kLanes = 8;
+
+inline float Dot(const float* a, const float* b, int n) {
+  float part[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int u = 0; u < kLanes; ++u) part[u] += a[j + u] * b[j + u];
+  }
+  float s = 0;
+  for (; j < n; ++j) s += a[j] * b[j];
+  for (int u = 0; u < kLanes; ++u) s += part[u];
+  return s;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2,
+// p a degree-6 polynomial (relative error < 2e-7 over the range); x < -87 (and -inf) gives exactly 0.
+inline float ExpNonPositive(float x) {
+  const float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  const bool tiny = x < -87.0f;
+  x = tiny ? 0.0f : x;
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return tiny ? 0.0f : out;
+}
+
+struct Geometry {
+  int64_t num_tokens, num_q_heads, head_dim;
+  int64_t num_pages, page_size, kv_heads;
+  int64_t pages_per_seq;
+  int64_t layer;
+  int32_t window;
+  float sm_scale, soft_cap;
+};
+
+// One decode sequence: writes out[tok, :, :].
+void AttendOne(const Geometry& g, const float* q, const float* k_cache, const float* v_cache, const int32_t* pages,
+               int32_t kv_len, int64_t tok, float* out, std::vector<float>& scratch) {
+  const int64_t H = g.head_dim, K = g.kv_heads, Nq = g.num_q_heads, S = g.page_size;
+  const int64_t group = Nq / K;
+  const float* qt = q + tok * Nq * H;
+  float* ot = out + tok * Nq * H;
+  if (kv_len <= 0) {
+    std::fill(ot, ot + Nq * H, 0.0f);
+    return;
+  }
+  const int64_t pos = kv_len - 1;
+  const int64_t lo = g.window > 0 ? std::max<int64_t>(pos - g.window + 1, 0) : 0;
+  // scratch: m [Nq], l [Nq], acc [Nq, H], scores [Nq, S]
+  scratch.assign(Nq * (2 + H + S), 0.0f);
+  float* m = scratch.data();
+  float* l = m + Nq;
+  float* acc = l + Nq;
+  float* sc = acc + Nq * H;
+  std::fill(m, m + Nq, -std::numeric_limits<float>::infinity());
+  const int64_t layer_base = g.layer * g.num_pages;
+  for (int64_t first = (lo / S) * S; first < kv_len; first += S) {
+    const int64_t page = pages[std::min<int64_t>(first / S, g.pages_per_seq - 1)];
+    const int64_t c0 = std::max(first, lo), c1 = std::min(first + S, static_cast<int64_t>(kv_len));
+    const int64_t n = c1 - c0;
+    const float* kp = k_cache + ((layer_base + page) * S + (c0 - first)) * K * H;
+    const float* vp = v_cache + ((layer_base + page) * S + (c0 - first)) * K * H;
+    for (int64_t kh = 0; kh < K; ++kh) {
+      for (int64_t gi = 0; gi < group; ++gi) {
+        const int64_t h = kh * group + gi;
+        const float* qh = qt + h * H;
+        float* s = sc + h * S;
+        float mx = m[h];
+        for (int64_t c = 0; c < n; ++c) {
+          float x = Dot(qh, kp + (c * K + kh) * H, static_cast<int>(H)) * g.sm_scale;
+          if (g.soft_cap > 0) x = g.soft_cap * std::tanh(x / g.soft_cap);
+          s[c] = x;
+          mx = std::max(mx, x);
+        }
+        const float alpha = ExpNonPositive(m[h] - mx);  // m[h] = -inf on the first page: alpha = 0
+        float sum = 0;
+        for (int64_t c = 0; c < n; ++c) s[c] = ExpNonPositive(s[c] - mx);
+        for (int64_t c = 0; c < n; ++c) sum += s[c];
+        l[h] = l[h] * alpha + sum;
+        m[h] = mx;
+        float* a = acc + h * H;
+        for (int64_t d = 0; d < H; ++d) a[d] *= alpha;
+        for (int64_t c = 0; c < n; ++c) {
+          const float p = s[c];
+          const float* vr = vp + (c * K + kh) * H;
+          for (int64_t d = 0; d < H; ++d) a[d] += p * vr[d];
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < Nq; ++h) {
+    const float inv = l[h] > 0 ? 1.0f / l[h] : 0.0f;
+    for (int64_t d = 0; d < H; ++d) ot[h * H + d] = acc[h * H + d] * inv;
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                               ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                               ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float sm_scale,
+                               float soft_cap, int64_t num_threads, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto cd = k_cache.dimensions();
+  auto pd = page_indices.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || pd.size() != 2) {
+    return ffi::Error::InvalidArgument("decode attention: q must be rank 3, caches rank 5, page_indices rank 2");
+  }
+  Geometry g{qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], pd[1], 0, 0, sm_scale, soft_cap};
+  if (cd[4] != g.head_dim || g.num_q_heads % g.kv_heads != 0) {
+    return ffi::Error::InvalidArgument("decode attention: head_dim or head counts do not match");
+  }
+  g.layer = layer.typed_data()[0];
+  g.window = window.typed_data()[0];
+  if (g.layer < 0 || g.layer >= cd[0]) return ffi::Error::InvalidArgument("decode attention: layer out of range");
+  const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], pd[0]);
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* table = page_indices.typed_data();
+  float* o = out->typed_data();
+  const float* qp = q.typed_data();
+  const float* kc = k_cache.typed_data();
+  const float* vc = v_cache.typed_data();
+
+  std::vector<char> is_decode(g.num_tokens, 0);
+  std::vector<int64_t> work;  // sequence ids with exactly one query token
+  for (int64_t s = 0; s < seqs; ++s) {
+    if (cu[s + 1] - cu[s] == 1 && cu[s] >= 0 && cu[s] < g.num_tokens) {
+      work.push_back(s);
+      is_decode[cu[s]] = 1;
+    }
+  }
+  const int64_t row = g.num_q_heads * g.head_dim;
+  for (int64_t t = 0; t < g.num_tokens; ++t) {
+    if (!is_decode[t]) std::fill(o + t * row, o + (t + 1) * row, 0.0f);
+  }
+  for (int64_t s : work) {  // a page table entry outside the pool would read out of bounds: refuse the call
+    const int64_t used = std::min<int64_t>((lens[s] + g.page_size - 1) / g.page_size, g.pages_per_seq);
+    if (lens[s] > g.pages_per_seq * g.page_size) {
+      return ffi::Error::InvalidArgument("decode attention: kv_len longer than the page table");
+    }
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t p = table[s * g.pages_per_seq + i];
+      if (p < 0 || p >= g.num_pages) return ffi::Error::InvalidArgument("decode attention: page index out of range");
+    }
+  }
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = work[i];
+      AttendOne(g, qp, kc, vc, table + s * g.pages_per_seq, lens[s], cu[s], o, scratch);
+    }
+  };
+  const int64_t n = static_cast<int64_t>(work.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({num_threads, kMaxThreads, n / 2}));
+  if (threads <= 1) {
+    run(0, n);
+  } else {
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, n * t / threads, n * (t + 1) / threads);
+    run(0, n / threads);
+    for (auto& th : pool) th.join();
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("num_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

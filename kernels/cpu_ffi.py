@@ -1,0 +1,124 @@
+"""The C++ decode attention for the CPU (``cpu_decode_attention.cc``), built on first use and called through XLA FFI.
+
+``decode_attention`` computes the rows of the sequences that have exactly one query token (decode) and writes
+zeros everywhere else; ``ragged_paged_attention_xla`` adds the rows of longer chunks from its own blocks.
+
+The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
+ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
+``~/.cache/jaxserve/ffi``). ``available()`` says whether it could be built and loaded, and ``unavailable_reason()``
+says why not; ``impl="auto"`` then keeps the pure-XLA path, and asking for it explicitly
+(``decode_impl="ffi"``) raises with that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "jaxserve_decode_attention"
+_SOURCE = Path(__file__).with_name("cpu_decode_attention.cc")
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-pthread"]
+_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
+    return Path(root) / "ffi"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_id() -> bytes:
+    """What -march=native depends on (a shared cache dir may be seen by machines with other CPUs)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
+
+
+def _build() -> Path:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    flags = _FLAGS + (["-march=native"] if os.environ.get("JAXSERVE_FFI_NATIVE", "1") == "1" else [])
+    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.ffi.include_dir().encode(), cxx.encode(),
+                                     " ".join(flags).encode(), jax.__version__.encode(), _cpu_id()])).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_decode_attention-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_out)]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders each move a complete file
+    return out
+
+
+@functools.cache
+def _load() -> bool:
+    global _error
+    if sys.platform == "win32":
+        _error = "the C++ decode attention is built for Linux/macOS only"
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveDecodeAttention), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
+        _error = f"{type(e).__name__}: {e}"
+        warnings.warn(f"jaxserve: the C++ decode attention is unavailable, using the XLA path ({_error})",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def available() -> bool:
+    """True when the library is built (or was built before) and registered with XLA."""
+    return _load()
+
+
+def unavailable_reason() -> str | None:
+    return None if _load() else _error
+
+
+def _threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
+                     sm_scale: float, soft_cap: float | None) -> jax.Array:
+    """[T, Nq, H] float32: attention rows of one-token sequences, zeros elsewhere. float32 inputs only."""
+    if not _load():
+        raise RuntimeError(f"the C++ decode attention is unavailable: {_error}")
+    if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
+        raise ValueError(f"the C++ decode attention needs float32 caches, got {k_cache.dtype}")
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    return call(q.astype(jnp.float32), k_cache, v_cache, i32(layer), i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+                i32(num_seqs), i32(window), sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(0.0 if soft_cap is None else soft_cap), num_threads=np.int64(_threads()))
