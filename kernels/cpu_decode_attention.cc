@@ -27,16 +27,32 @@ namespace {
 constexpr int kMaxThreads = 8;
 constexpr int kLanes = 8;
 
+// 8 floats, unaligned loads and stores allowed: GCC/Clang vector extensions, lowered to AVX/AVX-512/NEON.
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+
+inline V8 Load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+
 inline float Dot(const float* a, const float* b, int n) {
-  float part[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  V8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
   int j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int u = 0; u < kLanes; ++u) part[u] += a[j + u] * b[j + u];
-  }
+  for (; j + kLanes <= n; j += kLanes) acc += Load8(a + j) * Load8(b + j);
   float s = 0;
   for (; j < n; ++j) s += a[j] * b[j];
-  for (int u = 0; u < kLanes; ++u) s += part[u];
+  for (int u = 0; u < kLanes; ++u) s += acc[u];
   return s;
+}
+
+// a[0:n] = a * scale + p * v
+inline void ScaleAdd(float* a, float scale, float p, const float* v, int n) {
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) Store8(a + j, Load8(a + j) * scale + Load8(v + j) * p);
+  for (; j < n; ++j) a[j] = a[j] * scale + v[j] * p;
 }
 
 // exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2,
@@ -98,6 +114,15 @@ void AttendOne(const Geometry& g, const float* q, const float* k_cache, const fl
     const int64_t n = c1 - c0;
     const float* kp = k_cache + ((layer_base + page) * S + (c0 - first)) * K * H;
     const float* vp = v_cache + ((layer_base + page) * S + (c0 - first)) * K * H;
+    if (first + S < kv_len) {  // the next page is elsewhere in the pool: start fetching it now
+      const int64_t next = pages[std::min<int64_t>(first / S + 1, g.pages_per_seq - 1)];
+      const char* kn = reinterpret_cast<const char*>(k_cache + (layer_base + next) * S * K * H);
+      const char* vn = reinterpret_cast<const char*>(v_cache + (layer_base + next) * S * K * H);
+      for (int64_t b = 0; b < S * K * H * 4; b += 64) {
+        __builtin_prefetch(kn + b);
+        __builtin_prefetch(vn + b);
+      }
+    }
     for (int64_t kh = 0; kh < K; ++kh) {
       for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = kh * group + gi;
@@ -117,11 +142,8 @@ void AttendOne(const Geometry& g, const float* q, const float* k_cache, const fl
         l[h] = l[h] * alpha + sum;
         m[h] = mx;
         float* a = acc + h * H;
-        for (int64_t d = 0; d < H; ++d) a[d] *= alpha;
-        for (int64_t c = 0; c < n; ++c) {
-          const float p = s[c];
-          const float* vr = vp + (c * K + kh) * H;
-          for (int64_t d = 0; d < H; ++d) a[d] += p * vr[d];
+        for (int64_t c = 0; c < n; ++c) {  // the first product also applies the rescale by alpha
+          ScaleAdd(a, c == 0 ? alpha : 1.0f, s[c], vp + (c * K + kh) * H, static_cast<int>(H));
         }
       }
     }
