@@ -63,10 +63,19 @@ def _build() -> Path:
     flags = _FLAGS + (["-march=native"] if os.environ.get("JAXSERVE_FFI_NATIVE", "1") == "1" else [])
     key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.ffi.include_dir().encode(), cxx.encode(),
                                      " ".join(flags).encode(), jax.__version__.encode(), _cpu_id()])).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_decode_attention-{key}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    name = f"cpu_decode_attention-{key}.so"
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "jaxserve-ffi"):  # a read-only home: /tmp
+        if (folder / name).is_file():
+            return folder / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no writable folder for the build: {_cache_dir()} or {folder}")
+    out = folder / name
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_out)]
