@@ -20,7 +20,6 @@ import asyncio
 import json
 import math
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -31,17 +30,7 @@ from serve import client_args, start_server, stop_server
 
 from jaxserve.server import bench
 from jaxserve.server.launch import free_port
-
-
-def metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^(jaxserve:[\w:]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            key = m.group(1) + "".join(f"|{v}" for k, v in sorted(labels.items()) if k != "model_name")
-            out[key] = out.get(key, 0.0) + float(m.group(3))
-    return out
+from jaxserve.server.metrics import parse_metrics as metrics
 
 
 async def sample_rss(pid: int, samples: list, stop: asyncio.Event, every: float) -> None:

@@ -21,6 +21,7 @@ pytest.importorskip("fastapi")
 from jaxserve import LLMEngine, SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.launch import ServerThread
+from jaxserve.server.metrics import parse_metrics
 
 pytestmark = pytest.mark.slow  # loads the default model
 
@@ -49,15 +50,7 @@ class Served:
                              timeout=120, **kw)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r"^(jaxserve:[\w:]+)(\{[^}]*\})? ([0-9.e+-]+|NaN)$", line)
-            if m:
-                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-                key = m.group(1) + "".join(f"|{v}" for k, v in sorted(labels.items()) if k != "model_name")
-                out[key] = float(m.group(3))
-        return out
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
 
 
 @pytest.fixture(scope="module")

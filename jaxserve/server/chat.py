@@ -9,18 +9,15 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from jaxserve.outputs import RequestOutput
-from jaxserve.server.errors import APIError, JSONResponse
+from jaxserve.server.errors import APIError
 from jaxserve.server.params import chat_logprobs, check_context, prompt_logprobs, sampling_params
 from jaxserve.server.protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.server.serving import (
     ServerState,
-    SSEResponse,
-    close_all,
-    final_outputs,
     merge,
+    respond,
     sse,
     sse_error,
-    until_disconnect,
 )
 
 
@@ -74,19 +71,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await state.add_all(rid, [ids], params, req.priority or 0, arrival)
     ctx = _Ctx(req, rid, model, len(ids), k)
-    if req.stream:
-        return SSEResponse(ctx.events(streams), on_close=close_all(streams))
-
-    async def wait():
-        try:
-            return await final_outputs(streams)
-        finally:
-            close_all(streams)()
-
-    finals = await until_disconnect(raw, wait())
-    if finals is None:
-        return Response(status_code=499)
-    return JSONResponse(ctx.response(finals[0]))
+    return await respond(raw, streams, bool(req.stream), ctx.events, lambda finals: ctx.response(finals[0]))
 
 
 class _Ctx:

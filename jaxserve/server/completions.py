@@ -9,18 +9,15 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from jaxserve.outputs import RequestOutput
-from jaxserve.server.errors import APIError, JSONResponse
+from jaxserve.server.errors import APIError
 from jaxserve.server.params import check_context, check_token_ids, completion_logprobs, prompt_logprobs, sampling_params
 from jaxserve.server.protocol import CompletionRequest
 from jaxserve.server.serving import (
     ServerState,
-    SSEResponse,
-    close_all,
-    final_outputs,
     merge,
+    respond,
     sse,
     sse_error,
-    until_disconnect,
 )
 
 
@@ -52,19 +49,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await state.add_all(rid, prompts, params, req.priority or 0, arrival)
     ctx = _Ctx(state, req, rid, model, prompts)
-    if req.stream:
-        return SSEResponse(ctx.events(streams), on_close=close_all(streams))
-
-    async def wait():
-        try:
-            return await final_outputs(streams)
-        finally:
-            close_all(streams)()
-
-    finals = await until_disconnect(raw, wait())
-    if finals is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(ctx.response(finals))
+    return await respond(raw, streams, bool(req.stream), ctx.events, ctx.response)
 
 
 class _Ctx:

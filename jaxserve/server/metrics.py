@@ -6,6 +6,7 @@ Latencies and token counters are observed by the async engine as outputs arrive;
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -14,6 +15,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A /metrics scrape as {"jaxserve:name|label value|...": value}, labels sorted by name and model_name
+    left out; series that differ only by model_name are summed. For tests and benchmarks."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(jaxserve:[\w:]+)(\{[^}]*\})? ([0-9.e+-]+|NaN)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            key = m.group(1) + "".join(f"|{v}" for k, v in sorted(labels.items()) if k != "model_name")
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
 
 
 class _EngineCollector:

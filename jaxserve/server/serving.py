@@ -9,13 +9,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerBusyError
-from jaxserve.server.errors import APIError, error_body
+from jaxserve.server.errors import APIError, JSONResponse, error_body
 
 _LONG_TEXT = 64 * 1024  # characters beyond which tokenizing moves off the event loop
 
@@ -182,3 +182,23 @@ def close_all(streams: list[RequestStream]) -> Callable[[], None]:
         for s in streams:
             s.close()
     return close
+
+
+async def respond(raw: Request, streams: list[RequestStream], stream: bool,
+                  events: Callable[[list[RequestStream]], AsyncIterator[str]],
+                  body: Callable[[list[RequestOutput]], dict]) -> Response:
+    """A handler's answer: the SSE ``events`` when ``stream``, else ``body`` of every stream's final output as
+    JSON (499 when the client left first). However it ends, the streams are closed: unfinished requests abort."""
+    if stream:
+        return SSEResponse(events(streams), on_close=close_all(streams))
+
+    async def wait():
+        try:
+            return await final_outputs(streams)
+        finally:
+            close_all(streams)()
+
+    finals = await until_disconnect(raw, wait())
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(body(finals))
