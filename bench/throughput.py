@@ -5,6 +5,11 @@ Prints output tokens/s, total tokens/s, the ratios, the machine's float32 matmul
 jaxserve's step time goes (host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
+                               [--matmul-dtype float32 bfloat16]
+
+Each ``--matmul-dtype`` runs jaxserve once: "float32" is the exact default; "bfloat16" runs the weights'
+matrix products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``). For each
+bfloat16 run the script also reports how often its greedy tokens agree with the float32 run's.
 """
 
 from __future__ import annotations
@@ -28,13 +33,13 @@ def make_workload(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[li
     return prompts
 
 
-def matmul_roofline() -> float:
-    """GFLOP/s of a large float32 jnp.dot on this machine."""
+def matmul_roofline(dtype: str = "float32") -> float:
+    """GFLOP/s of a large jnp.dot with inputs in ``dtype`` (float32 accumulation) on this machine."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((2048, 2048), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
+    a = jnp.ones((2048, 2048), dtype)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     f(a, a).block_until_ready()
     t = time.perf_counter()
     for _ in range(10):
@@ -43,11 +48,11 @@ def matmul_roofline() -> float:
     return 10 * 2 * 2048**3 / (time.perf_counter() - t) / 1e9
 
 
-def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int) -> dict:
+def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, matmul_dtype: str) -> dict:
     from jaxserve import LLM, SamplingParams
 
     llm = LLM(None, max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens,
-              max_model_len=1024)
+              max_model_len=1024, matmul_dtype=matmul_dtype)
     t = time.perf_counter()
     compiled = llm.engine.runner.warmup()
     warm = time.perf_counter() - t
@@ -61,7 +66,8 @@ def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int) -> dict:
     return {"elapsed": elapsed, "warmup_s": warm, "compiled": compiled, "steps": runner.num_steps,
             "device_s": runner.device_seconds, "pack_s": runner.pack_seconds,
             "decode_steps": runner.decode_steps, "decode_device_s": runner.decode_device_seconds,
-            "recompiles": runner.num_compilations - compiled}
+            "recompiles": runner.num_compilations - compiled,
+            "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
 def run_hf(prompts, output_len: int, batch_size: int) -> dict:
@@ -116,6 +122,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--matmul-dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = ap.parse_args()
 
     from jaxserve.defaults import default_model_path
@@ -123,8 +130,8 @@ def main() -> None:
 
     prompts = make_workload(load_tokenizer(default_model_path()), args.num_requests, args.min_prompt, args.max_prompt)
     n_in, n_out = sum(map(len, prompts)), args.num_requests * args.output_len
-    roof = matmul_roofline()
-    print(f"float32 matmul roofline: {roof:.0f} GFLOP/s; {n_in} prompt tokens, {n_out} output tokens", flush=True)
+    roof = {dt: matmul_roofline(dt) for dt in args.matmul_dtype}
+    print(f"matmul roofline: {roofline_text(roof)}; {n_in} prompt tokens, {n_out} output tokens", flush=True)
     results = {}
 
     def done(name: str, r: dict | None) -> None:
@@ -132,7 +139,8 @@ def main() -> None:
             results[name] = r
             print(f"{name}: {r['elapsed']:.1f}s, {n_out / r['elapsed']:.1f} output tok/s", flush=True)
 
-    done("jaxserve", run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens))
+    for dt in args.matmul_dtype:
+        done(jaxserve_name(dt), run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens, dt))
     if not args.skip_llamacpp:
         done("llama.cpp (sequential)", run_llamacpp(prompts, args.output_len))
     if not args.skip_hf:
@@ -141,22 +149,45 @@ def main() -> None:
     params = 134.5e6  # SmolLM2-135M parameters; 2 FLOPs per parameter per token (attention not counted)
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.num_requests} requests, prompts "
           f"{args.min_prompt}-{args.max_prompt} tokens ({n_in} in), {args.output_len} out each ({n_out}), greedy")
-    print(f"float32 matmul roofline: {roof:.0f} GFLOP/s")
-    js = results["jaxserve"]["elapsed"]
-    print("| engine | seconds | output tok/s | total tok/s | jaxserve speedup |")
-    print("|---|---|---|---|---|")
+    print(f"matmul roofline: {roofline_text(roof)}")
+    peers = [name for name in results if not name.startswith("jaxserve")]
+    print("| engine | seconds | output tok/s | total tok/s | " + " | ".join(f"vs {p}" for p in peers) + " |")
+    print("|---|---|---|---|" + "---|" * len(peers))
     for name, r in results.items():
         e = r["elapsed"]
-        print(f"| {name} | {e:.1f} | {n_out / e:.1f} | {(n_in + n_out) / e:.1f} | {e / js:.2f}x |")
-    j = results["jaxserve"]
-    flops = 2 * params * (n_in + n_out) / js / 1e9
-    print(f"jaxserve: {flops:.0f} GFLOP/s model FLOPs = {flops / roof:.0%} of the matmul roofline; "
-          f"{j['steps']} steps, device {j['device_s']:.1f}s ({j['device_s'] / js:.0%}), host packing "
-          f"{j['pack_s']:.1f}s ({j['pack_s'] / js:.0%}), other host {js - j['device_s'] - j['pack_s']:.1f}s; "
-          f"decode-only steps {j['decode_steps']} ({j['decode_device_s']:.1f}s device, "
-          f"{1e3 * j['decode_device_s'] / max(j['decode_steps'], 1):.0f} ms each), the other "
-          f"{j['steps'] - j['decode_steps']} steps {j['device_s'] - j['decode_device_s']:.1f}s; "
-          f"warm-up compiled {j['compiled']} buckets in {j['warmup_s']:.0f}s, {j['recompiles']} recompiles after")
+        ratios = " | ".join(f"{results[p]['elapsed'] / e:.2f}x" for p in peers)
+        print(f"| {name} | {e:.1f} | {n_out / e:.1f} | {(n_in + n_out) / e:.1f} | {ratios} |")
+    for dt in args.matmul_dtype:
+        j = results[jaxserve_name(dt)]
+        js = j["elapsed"]
+        flops = 2 * params * (n_in + n_out) / js / 1e9
+        print(f"{jaxserve_name(dt)}: {flops:.0f} GFLOP/s model FLOPs = {flops / roof[dt]:.0%} of the {dt} matmul "
+              f"roofline; {j['steps']} steps, device {j['device_s']:.1f}s ({j['device_s'] / js:.0%}), host packing "
+              f"{j['pack_s']:.1f}s ({j['pack_s'] / js:.0%}), other host {js - j['device_s'] - j['pack_s']:.1f}s; "
+              f"decode-only steps {j['decode_steps']} ({j['decode_device_s']:.1f}s device, "
+              f"{1e3 * j['decode_device_s'] / max(j['decode_steps'], 1):.0f} ms each), the other "
+              f"{j['steps'] - j['decode_steps']} steps {j['device_s'] - j['decode_device_s']:.1f}s; "
+              f"warm-up compiled {j['compiled']} buckets in {j['warmup_s']:.0f}s, {j['recompiles']} recompiles after")
+    exact = results.get(jaxserve_name("float32"))
+    for dt in args.matmul_dtype:
+        if exact is not None and dt != "float32":
+            same, first = greedy_agreement(exact["tokens"], results[jaxserve_name(dt)]["tokens"])
+            print(f"{jaxserve_name(dt)} vs float32 greedy: {same}/{len(first)} requests token-identical; median "
+                  f"first divergence at output token {sorted(first)[len(first) // 2]} of {args.output_len}")
+
+
+def jaxserve_name(matmul_dtype: str) -> str:
+    return "jaxserve" if matmul_dtype == "float32" else f"jaxserve ({matmul_dtype} matmuls)"
+
+
+def roofline_text(roof: dict[str, float]) -> str:
+    return ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in roof.items())
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int]]:
+    """(requests whose tokens are identical, index of the first differing token of each request)."""
+    first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b)]
+    return sum(s == t for s, t in zip(a, b)), first
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file, HF directory, orbax directory, preset or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--matmul-dtype", default=None, choices=["bfloat16"],
+                   help="bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation "
+                        "(about 2x faster on the CPU; default: exact, in --dtype)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
 
@@ -37,7 +40,8 @@ def _sampling_params(args):
 def _engine(args):
     from jaxserve import LLMEngine
 
-    return LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
+    return LLMEngine(args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, max_model_len=args.max_model_len,
+                     max_num_seqs=1,
                      max_num_batched_tokens=256, attention_impl=args.attention_impl)
 
 

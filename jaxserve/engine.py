@@ -66,6 +66,8 @@ class LLMEngine:
     Args:
         model: GGUF file, HF directory, orbax directory, preset name or hub id; None = the default model.
         dtype: weights/activations dtype; None = float32 on CPU, bfloat16 on GPU/TPU.
+        matmul_dtype: None (= ``dtype``) or "bfloat16": dtype of the weights in the matrix products. "bfloat16"
+            with float32 ``dtype`` on the CPU about doubles the matmul rate at bfloat16 input precision.
         num_pages, page_size, kv_cache_memory_fraction, kv_cache_dtype: the KV page pool.
         max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, policy: batching.
         attention_impl: "auto" | "reference" | "pallas".
@@ -77,6 +79,7 @@ class LLMEngine:
         model: str | Path | LoadedModel | None = None,
         *,
         dtype: str | None = None,
+        matmul_dtype: str | None = None,
         num_pages: int | None = None,
         page_size: int = 16,
         kv_cache_memory_fraction: float = 0.9,
@@ -94,6 +97,9 @@ class LLMEngine:
             enable_compilation_cache()
         t0 = time.perf_counter()
         dtype = dtype or default_dtype()
+        if matmul_dtype not in (None, dtype, "bfloat16"):
+            raise ValueError(f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', "
+                             f"got {matmul_dtype!r}")
         if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
             loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
         else:
@@ -108,7 +114,8 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                                 enable_prefix_caching, policy)
         cache_cfg = CacheConfig(page_size, num_pages, kv_cache_memory_fraction, kv_cache_dtype)
-        self.runner = ModelRunner(loaded.config, loaded.params, cache_cfg, self.scheduler_config, attention_impl)
+        self.runner = ModelRunner(loaded.config, loaded.params, cache_cfg, self.scheduler_config, attention_impl,
+                                  matmul_dtype)
         self.scheduler = Scheduler(self.scheduler_config,
                                    BlockManager(self.runner.num_pages, page_size, enable_prefix_caching))
         self.load_seconds = time.perf_counter() - t0

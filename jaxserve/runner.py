@@ -75,6 +75,10 @@ class ModelRunner:
         params: stacked parameter arrays (see ``jaxserve.loading.weights.param_shapes``).
         cache_cfg / sched_cfg: pool size and batching limits (they fix the bucket set).
         attention_impl: "auto" | "reference" | "pallas".
+        matmul_dtype: None or "bfloat16": dtype of the weights in the matrix products (None: the weights'
+            own). On the CPU, "bfloat16" with float32 weights runs the products of steps of 8 rows or more on
+            bfloat16 inputs with float32 accumulation (about 2x faster); norms, residuals, attention, the KV
+            cache and the sampler stay float32.
     """
 
     def __init__(
@@ -84,11 +88,15 @@ class ModelRunner:
         cache_cfg: CacheConfig,
         sched_cfg: SchedulerConfig,
         attention_impl: str = "auto",
+        matmul_dtype: str | None = None,
     ):
         self.cfg = model_cfg
         self.page_size = cache_cfg.page_size
         self.graphdef, state = model_from_params(model_cfg, params)
         self.state = jax.device_put(state)
+        self.matmul_weights = None
+        if matmul_dtype is not None and jnp.dtype(matmul_dtype) != params["embed"].dtype:
+            self.matmul_weights = jax.jit(lambda s: nnx.merge(self.graphdef, s).matmul_weights())(self.state)
         self.kv_dtype = jnp.dtype(cache_cfg.dtype or params["embed"].dtype)  # default: the weights' dtype
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
@@ -140,16 +148,16 @@ class ModelRunner:
         attention, write = _attention_fns(self.attention_impl, decode_only)
         graphdef = self.graphdef
 
-        def step(state, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens):
+        def step(state, mm, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens):
             self.num_compilations += 1  # runs once per trace
             model = nnx.merge(graphdef, state)
-            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write)
-            out = sample(model.logits(hidden[logits_indices]), meta, max_logprobs=max_logprobs)
+            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, mm)
+            out = sample(model.logits(hidden[logits_indices], mm), meta, max_logprobs=max_logprobs)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
-            plp = compute_logprobs(model.logits(hidden), next_tokens, MAX_LOGPROBS) if prompt_logprobs else None
+            plp = compute_logprobs(model.logits(hidden, mm), next_tokens, MAX_LOGPROBS) if prompt_logprobs else None
             return out, plp, k_cache, v_cache
 
-        fn = jax.jit(step, donate_argnums=(1, 2))
+        fn = jax.jit(step, donate_argnums=(2, 3))
         self._steps[key] = fn
         return fn
 
@@ -212,7 +220,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         decode_only = all(len(s.token_ids) == 1 for s in sched.scheduled)
         out, plp, self.k_cache, self.v_cache = self._step_fn(max_logprobs, any(want_plp), decode_only)(
-            self.state, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta, next_tokens)
+            self.state, self.matmul_weights, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta,
+            next_tokens)
         out, plp = jax.device_get((out, plp))
         t2 = time.perf_counter()
         self.pack_seconds += t1 - t0
@@ -264,8 +273,8 @@ class ModelRunner:
                 cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
             meta = SamplingMetadata.from_params([SamplingParams(temperature=0.0)], pad_to=sb)
             _, _, self.k_cache, self.v_cache = self._step_fn(lp, False, decode)(
-                self.state, self.k_cache, self.v_cache, np.zeros(tb, np.int32), batch, np.zeros(sb, np.int32),
-                meta, None)
+                self.state, self.matmul_weights, self.k_cache, self.v_cache, np.zeros(tb, np.int32), batch,
+                np.zeros(sb, np.int32), meta, None)
         return self.num_compilations - before
 
 

@@ -7,14 +7,18 @@
 // outermost, so a page's [page_size, kv_heads, head_dim] block is streamed from memory a single time.
 //
 // Per sequence, per page: scores for all query heads of all KV heads, one online-softmax update per page
-// (max, rescale, exp, accumulate P.V), float32 throughout. Sequences are split over up to kMaxThreads threads.
+// (max, rescale, exp, accumulate P.V), float32 throughout. Sequences are claimed one at a time, through an atomic
+// counter, by the calling thread and by helpers scheduled on XLA's own intra-op thread pool: no thread is created
+// per call, no more threads run than XLA's pool has, and uneven context lengths balance themselves.
 // Layouts (see reference.py): q [T, Nq, H]; caches [L, P, S, K, H]; page_indices [Sb, PB]; cu_q_lens [Sb + 1].
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -24,8 +28,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxThreads = 8;
 constexpr int kLanes = 8;
+// Pages ahead to prefetch, into L2 (locality 1): on the 2-core EPYC a 64-sequence decode layer read its scattered
+// pages at 10 GB/s with a whole-page L1 prefetch one page ahead, 13.6 GB/s like this.
+constexpr int64_t kPrefetchPages = 2;
 
 // 8 floats, unaligned loads and stores allowed: GCC/Clang vector extensions, lowered to AVX/AVX-512/NEON.
 typedef float V8 __attribute__((vector_size(32), aligned(4)));
@@ -53,6 +59,65 @@ inline void ScaleAdd(float* a, float scale, float p, const float* v, int n) {
   int j = 0;
   for (; j + kLanes <= n; j += kLanes) Store8(a + j, Load8(a + j) * scale + Load8(v + j) * p);
   for (; j < n; ++j) a[j] = a[j] * scale + v[j] * p;
+}
+
+// 16 floats (one AVX-512 register, two AVX ones): the fast paths below need head_dim % 16 == 0.
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+constexpr int kWide = 16;
+
+inline V16 Load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store16(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float Sum16(V16 v) {
+  float s = 0;
+  for (int u = 0; u < kWide; ++u) s += v[u];
+  return s;
+}
+
+// s[c] = q . k_c for the n keys k_c = k + c * stride; four keys at a time, so four FMA chains run in parallel.
+inline void Scores(const float* q, const float* k, int64_t stride, int64_t n, int64_t H, float* s) {
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    const float *k0 = k + c * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    V16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t j = 0; j < H; j += kWide) {
+      const V16 qv = Load16(q + j);
+      a0 += qv * Load16(k0 + j);
+      a1 += qv * Load16(k1 + j);
+      a2 += qv * Load16(k2 + j);
+      a3 += qv * Load16(k3 + j);
+    }
+    s[c] = Sum16(a0);
+    s[c + 1] = Sum16(a1);
+    s[c + 2] = Sum16(a2);
+    s[c + 3] = Sum16(a3);
+  }
+  for (; c < n; ++c) {
+    V16 a = {};
+    for (int64_t j = 0; j < H; j += kWide) a += Load16(q + j) * Load16(k + c * stride + j);
+    s[c] = Sum16(a);
+  }
+}
+
+// acc = acc * alpha + sum_c p[c] v_c, one 16-float slice of acc at a time kept in registers over all n keys
+// (two chains, even and odd keys).
+inline void AccumulatePV(float* acc, float alpha, const float* p, const float* v, int64_t stride, int64_t n,
+                         int64_t H) {
+  for (int64_t j = 0; j < H; j += kWide) {
+    V16 a = Load16(acc + j) * alpha, b = {};
+    int64_t c = 0;
+    for (; c + 2 <= n; c += 2) {
+      a += p[c] * Load16(v + c * stride + j);
+      b += p[c + 1] * Load16(v + (c + 1) * stride + j);
+    }
+    if (c < n) a += p[c] * Load16(v + c * stride + j);
+    Store16(acc + j, a + b);
+  }
 }
 
 // exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2,
@@ -108,29 +173,37 @@ void AttendOne(const Geometry& g, const float* q, const float* k_cache, const fl
   float* sc = acc + Nq * H;
   std::fill(m, m + Nq, -std::numeric_limits<float>::infinity());
   const int64_t layer_base = g.layer * g.num_pages;
+  const bool wide = H % kWide == 0;
   for (int64_t first = (lo / S) * S; first < kv_len; first += S) {
     const int64_t page = pages[std::min<int64_t>(first / S, g.pages_per_seq - 1)];
     const int64_t c0 = std::max(first, lo), c1 = std::min(first + S, static_cast<int64_t>(kv_len));
     const int64_t n = c1 - c0;
     const float* kp = k_cache + ((layer_base + page) * S + (c0 - first)) * K * H;
     const float* vp = v_cache + ((layer_base + page) * S + (c0 - first)) * K * H;
-    if (first + S < kv_len) {  // the next page is elsewhere in the pool: start fetching it now
-      const int64_t next = pages[std::min<int64_t>(first / S + 1, g.pages_per_seq - 1)];
-      const char* kn = reinterpret_cast<const char*>(k_cache + (layer_base + next) * S * K * H);
-      const char* vn = reinterpret_cast<const char*>(v_cache + (layer_base + next) * S * K * H);
-      for (int64_t b = 0; b < S * K * H * 4; b += 64) {
-        __builtin_prefetch(kn + b);
-        __builtin_prefetch(vn + b);
-      }
+    // Start fetching the page kPrefetchPages ahead, a slice per KV head, so the requests spread over this page's work.
+    const int64_t ahead = first + kPrefetchPages * S;
+    const char *kn = nullptr, *vn = nullptr;
+    const int64_t page_bytes = S * K * H * static_cast<int64_t>(sizeof(float));
+    if (ahead < kv_len) {
+      const int64_t next = pages[std::min<int64_t>(ahead / S, g.pages_per_seq - 1)];
+      kn = reinterpret_cast<const char*>(k_cache + (layer_base + next) * S * K * H);
+      vn = reinterpret_cast<const char*>(v_cache + (layer_base + next) * S * K * H);
     }
     for (int64_t kh = 0; kh < K; ++kh) {
+      if (kn != nullptr) {
+        for (int64_t b = page_bytes * kh / K; b < page_bytes * (kh + 1) / K; b += 64) {
+          __builtin_prefetch(kn + b, 0, 1);
+          __builtin_prefetch(vn + b, 0, 1);
+        }
+      }
       for (int64_t gi = 0; gi < group; ++gi) {
         const int64_t h = kh * group + gi;
         const float* qh = qt + h * H;
         float* s = sc + h * S;
         float mx = m[h];
+        if (wide) Scores(qh, kp + kh * H, K * H, n, H, s);
         for (int64_t c = 0; c < n; ++c) {
-          float x = Dot(qh, kp + (c * K + kh) * H, static_cast<int>(H)) * g.sm_scale;
+          float x = (wide ? s[c] : Dot(qh, kp + (c * K + kh) * H, static_cast<int>(H))) * g.sm_scale;
           if (g.soft_cap > 0) x = g.soft_cap * std::tanh(x / g.soft_cap);
           s[c] = x;
           mx = std::max(mx, x);
@@ -142,8 +215,12 @@ void AttendOne(const Geometry& g, const float* q, const float* k_cache, const fl
         l[h] = l[h] * alpha + sum;
         m[h] = mx;
         float* a = acc + h * H;
-        for (int64_t c = 0; c < n; ++c) {  // the first product also applies the rescale by alpha
-          ScaleAdd(a, c == 0 ? alpha : 1.0f, s[c], vp + (c * K + kh) * H, static_cast<int>(H));
+        if (wide) {
+          AccumulatePV(a, alpha, s, vp + kh * H, K * H, n, H);
+        } else {
+          for (int64_t c = 0; c < n; ++c) {  // the first product also applies the rescale by alpha
+            ScaleAdd(a, c == 0 ? alpha : 1.0f, s[c], vp + (c * K + kh) * H, static_cast<int>(H));
+          }
         }
       }
     }
@@ -158,7 +235,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                                ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float sm_scale,
-                               float soft_cap, int64_t num_threads, ffi::ResultBuffer<ffi::F32> out) {
+                               float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
   auto pd = page_indices.dimensions();
@@ -203,23 +280,27 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
       if (p < 0 || p >= g.num_pages) return ffi::Error::InvalidArgument("decode attention: page index out of range");
     }
   }
-  auto run = [&](int64_t begin, int64_t end) {
+  const int64_t n = static_cast<int64_t>(work.size());
+  // Shared with the helpers, which may start after this call has returned: they then find no work left and touch
+  // nothing but this state. Every claimed sequence is finished before the call returns.
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto claim = [=, &g, &work](Shared& st) {
     std::vector<float> scratch;
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = st.next.fetch_add(1); i < n; i = st.next.fetch_add(1)) {
       const int64_t s = work[i];
       AttendOne(g, qp, kc, vc, table + s * g.pages_per_seq, lens[s], cu[s], o, scratch);
+      st.done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t n = static_cast<int64_t>(work.size());
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({num_threads, kMaxThreads, n / 2}));
-  if (threads <= 1) {
-    run(0, n);
-  } else {
-    std::vector<std::thread> pool;
-    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, n * t / threads, n * (t + 1) / threads);
-    run(0, n / threads);
-    for (auto& th : pool) th.join();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n / 2);
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([shared, claim]() { claim(*shared); });
   }
+  claim(*shared);
+  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
@@ -238,5 +319,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("num_threads")
+                                  .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

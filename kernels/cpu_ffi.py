@@ -112,13 +112,6 @@ def unavailable_reason() -> str | None:
     return None if _load() else _error
 
 
-def _threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
-
-
 def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
                      sm_scale: float, soft_cap: float | None) -> jax.Array:
     """[T, Nq, H] float32: attention rows of one-token sequences, zeros elsewhere. float32 inputs only."""
@@ -130,4 +123,4 @@ def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_len
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q.astype(jnp.float32), k_cache, v_cache, i32(layer), i32(kv_lens), i32(page_indices), i32(cu_q_lens),
                 i32(num_seqs), i32(window), sm_scale=np.float32(sm_scale),
-                soft_cap=np.float32(0.0 if soft_cap is None else soft_cap), num_threads=np.int64(_threads()))
+                soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))

@@ -24,6 +24,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients send as 'model' (default: the model's name)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--matmul-dtype", default=None, choices=["bfloat16"],
+                   help="bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation "
+                        "(about 2x faster on the CPU; default: exact, in --dtype)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -49,7 +52,8 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    engine = LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_pages=args.num_pages,
+    engine = LLMEngine(args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, max_model_len=args.max_model_len,
+                       num_pages=args.num_pages,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        attention_impl=args.attention_impl, policy=args.scheduling_policy)
     if not args.no_warmup:
