@@ -155,12 +155,14 @@ class Llama(nnx.Module):
     MATMUL_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
     def matmul_weights(self) -> dict[str, jax.Array]:
-        """bfloat16 copies of the weights of every matrix product, packed for :func:`matmul` by :func:`pack_bf16`.
+        """bfloat16 copies of the weights of every matrix product, for :func:`matmul`.
 
-        Keys: :attr:`MATMUL_PARAMS` (stacked over layers) and "output", the [D, V] output projection.
+        Keys: :attr:`MATMUL_PARAMS` (stacked over layers, packed by :func:`pack_bf16`) and "output", the [D, V]
+        output projection.
         """
         out = {n: pack_bf16(getattr(self, n)[...]) for n in self.MATMUL_PARAMS}
-        out["output"] = pack_bf16(self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...])
+        # Outside the scan no slice is copied, and unpacking the [D, V] matrix would copy it every step.
+        out["output"] = (self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]).astype(jnp.bfloat16)
         return out
 
     def __call__(
