@@ -5,11 +5,11 @@ Prints output tokens/s, total tokens/s, the ratios, the machine's float32 matmul
 jaxserve's step time goes (host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
-                               [--matmul-dtype float32 bfloat16]
+                               [--jaxserve-configs exact bf16]
 
-Each ``--matmul-dtype`` runs jaxserve once: "float32" is the exact default; "bfloat16" runs the weights'
-matrix products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``). For each
-bfloat16 run the script also reports how often its greedy tokens agree with the float32 run's.
+Each of ``--jaxserve-configs`` runs jaxserve once: "exact" is the float32 default; "bf16" runs the weights'
+matrix products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``). For "bf16" the
+script also reports how often its greedy tokens agree with the exact run's.
 """
 
 from __future__ import annotations
@@ -48,11 +48,18 @@ def matmul_roofline(dtype: str = "float32") -> float:
     return 10 * 2 * 2048**3 / (time.perf_counter() - t) / 1e9
 
 
-def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, matmul_dtype: str) -> dict:
+# name in the table, LLM keyword arguments, the dtype of the products (for the roofline)
+JAXSERVE_CONFIGS = {
+    "exact": ("jaxserve", {}, "float32"),
+    "bf16": ("jaxserve (bf16 matmuls)", {"matmul_dtype": "bfloat16"}, "bfloat16"),
+}
+
+
+def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_kwargs: dict) -> dict:
     from jaxserve import LLM, SamplingParams
 
     llm = LLM(None, max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens,
-              max_model_len=1024, matmul_dtype=matmul_dtype)
+              max_model_len=1024, **engine_kwargs)
     t = time.perf_counter()
     compiled = llm.engine.runner.warmup()
     warm = time.perf_counter() - t
@@ -122,7 +129,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
-    ap.add_argument("--matmul-dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--jaxserve-configs", nargs="+", default=list(JAXSERVE_CONFIGS), choices=list(JAXSERVE_CONFIGS))
     args = ap.parse_args()
 
     from jaxserve.defaults import default_model_path
@@ -130,7 +137,8 @@ def main() -> None:
 
     prompts = make_workload(load_tokenizer(default_model_path()), args.num_requests, args.min_prompt, args.max_prompt)
     n_in, n_out = sum(map(len, prompts)), args.num_requests * args.output_len
-    roof = {dt: matmul_roofline(dt) for dt in args.matmul_dtype}
+    configs = [JAXSERVE_CONFIGS[c] for c in args.jaxserve_configs]
+    roof = {dt: matmul_roofline(dt) for dt in dict.fromkeys(c[2] for c in configs)}
     print(f"matmul roofline: {roofline_text(roof)}; {n_in} prompt tokens, {n_out} output tokens", flush=True)
     results = {}
 
@@ -139,8 +147,8 @@ def main() -> None:
             results[name] = r
             print(f"{name}: {r['elapsed']:.1f}s, {n_out / r['elapsed']:.1f} output tok/s", flush=True)
 
-    for dt in args.matmul_dtype:
-        done(jaxserve_name(dt), run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens, dt))
+    for name, kwargs, _ in configs:
+        done(name, run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens, kwargs))
     if not args.skip_llamacpp:
         done("llama.cpp (sequential)", run_llamacpp(prompts, args.output_len))
     if not args.skip_hf:
@@ -157,27 +165,23 @@ def main() -> None:
         e = r["elapsed"]
         ratios = " | ".join(f"{results[p]['elapsed'] / e:.2f}x" for p in peers)
         print(f"| {name} | {e:.1f} | {n_out / e:.1f} | {(n_in + n_out) / e:.1f} | {ratios} |")
-    for dt in args.matmul_dtype:
-        j = results[jaxserve_name(dt)]
+    for name, _, dt in configs:
+        j = results[name]
         js = j["elapsed"]
         flops = 2 * params * (n_in + n_out) / js / 1e9
-        print(f"{jaxserve_name(dt)}: {flops:.0f} GFLOP/s model FLOPs = {flops / roof[dt]:.0%} of the {dt} matmul "
+        print(f"{name}: {flops:.0f} GFLOP/s model FLOPs = {flops / roof[dt]:.0%} of the {dt} matmul "
               f"roofline; {j['steps']} steps, device {j['device_s']:.1f}s ({j['device_s'] / js:.0%}), host packing "
               f"{j['pack_s']:.1f}s ({j['pack_s'] / js:.0%}), other host {js - j['device_s'] - j['pack_s']:.1f}s; "
               f"decode-only steps {j['decode_steps']} ({j['decode_device_s']:.1f}s device, "
               f"{1e3 * j['decode_device_s'] / max(j['decode_steps'], 1):.0f} ms each), the other "
               f"{j['steps'] - j['decode_steps']} steps {j['device_s'] - j['decode_device_s']:.1f}s; "
               f"warm-up compiled {j['compiled']} buckets in {j['warmup_s']:.0f}s, {j['recompiles']} recompiles after")
-    exact = results.get(jaxserve_name("float32"))
-    for dt in args.matmul_dtype:
-        if exact is not None and dt != "float32":
-            same, first = greedy_agreement(exact["tokens"], results[jaxserve_name(dt)]["tokens"])
-            print(f"{jaxserve_name(dt)} vs float32 greedy: {same}/{len(first)} requests token-identical; median "
+    exact = results.get(JAXSERVE_CONFIGS["exact"][0])
+    for name, _, _ in configs:
+        if exact is not None and name != JAXSERVE_CONFIGS["exact"][0]:
+            same, first = greedy_agreement(exact["tokens"], results[name]["tokens"])
+            print(f"{name} vs exact greedy: {same}/{len(first)} requests token-identical; median "
                   f"first divergence at output token {sorted(first)[len(first) // 2]} of {args.output_len}")
-
-
-def jaxserve_name(matmul_dtype: str) -> str:
-    return "jaxserve" if matmul_dtype == "float32" else f"jaxserve ({matmul_dtype} matmuls)"
 
 
 def roofline_text(roof: dict[str, float]) -> str:

@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import time
+import warnings
 from typing import Mapping
 
 import jax
@@ -98,6 +99,10 @@ class ModelRunner:
         if matmul_dtype is not None and jnp.dtype(matmul_dtype) != params["embed"].dtype:
             self.matmul_weights = jax.jit(lambda s: nnx.merge(self.graphdef, s).matmul_weights())(self.state)
         self.kv_dtype = jnp.dtype(cache_cfg.dtype or params["embed"].dtype)  # default: the weights' dtype
+        if self.kv_dtype != jnp.float32 and jax.default_backend() == "cpu" and attention_impl != "pallas":
+            warnings.warn(f"a {self.kv_dtype} KV cache on the CPU is slow: XLA:CPU converts the whole pool to float32 "
+                          "for every K/V write (seconds per step for a GiB pool); kv_cache_dtype='float32' is the "
+                          "CPU default", RuntimeWarning, stacklevel=3)
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.k_cache = jnp.zeros(shape, self.kv_dtype)

@@ -63,3 +63,9 @@ def test_bf16_matmuls_track_hf(default_loaded, hf_default):
     assert top1_hits >= 0.98 * len(diffs), (top1_hits, len(diffs))
     # Measured 2026-11-30: max 0.067, mean 0.0097, HF's top token in ours at 100/100 positions.
     assert diffs.max() > 5e-3  # bfloat16 products really ran (in float32 the worst position is far closer)
+
+
+def test_bf16_kv_cache_on_cpu_warns(default_loaded):
+    """The other bfloat16 knob is a trap on the CPU (XLA converts the whole pool per write): say so."""
+    with pytest.warns(RuntimeWarning, match="KV cache on the CPU is slow"):
+        LLM(default_loaded, kv_cache_dtype="bfloat16", num_pages=8)
