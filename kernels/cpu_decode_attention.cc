@@ -28,40 +28,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 8;
 // Pages ahead to prefetch, into L2 (locality 1): on the 2-core EPYC a 64-sequence decode layer read its scattered
-// pages at 10 GB/s with a whole-page L1 prefetch one page ahead, 13.6 GB/s like this.
+// pages at 10-11 GB/s with a whole-page L1 prefetch one page ahead, 13-13.6 GB/s like this.
 constexpr int64_t kPrefetchPages = 2;
 
-// 8 floats, unaligned loads and stores allowed: GCC/Clang vector extensions, lowered to AVX/AVX-512/NEON.
-typedef float V8 __attribute__((vector_size(32), aligned(4)));
-
-inline V8 Load8(const float* p) {
-  V8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void Store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float Dot(const float* a, const float* b, int n) {
-  V8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-  int j = 0;
-  for (; j + kLanes <= n; j += kLanes) acc += Load8(a + j) * Load8(b + j);
-  float s = 0;
-  for (; j < n; ++j) s += a[j] * b[j];
-  for (int u = 0; u < kLanes; ++u) s += acc[u];
-  return s;
-}
-
-// a[0:n] = a * scale + p * v
-inline void ScaleAdd(float* a, float scale, float p, const float* v, int n) {
-  int j = 0;
-  for (; j + kLanes <= n; j += kLanes) Store8(a + j, Load8(a + j) * scale + Load8(v + j) * p);
-  for (; j < n; ++j) a[j] = a[j] * scale + v[j] * p;
-}
-
-// 16 floats (one AVX-512 register, two AVX ones): the fast paths below need head_dim % 16 == 0.
+// 16 floats (one AVX-512 register, two AVX ones), unaligned loads and stores allowed: GCC/Clang vector extensions.
+// head_dim runs 16 at a time; the last head_dim % 16 elements are scalar.
 typedef float V16 __attribute__((vector_size(64), aligned(4)));
 constexpr int kWide = 16;
 
@@ -80,7 +52,8 @@ inline float Sum16(V16 v) {
 }
 
 // s[c] = q . k_c for the n keys k_c = k + c * stride; four keys at a time, so four FMA chains run in parallel.
-inline void Scores(const float* q, const float* k, int64_t stride, int64_t n, int64_t H, float* s) {
+// H: a multiple of 16 here (see Scores).
+inline void Scores16(const float* q, const float* k, int64_t stride, int64_t n, int64_t H, float* s) {
   int64_t c = 0;
   for (; c + 4 <= n; c += 4) {
     const float *k0 = k + c * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
@@ -104,11 +77,22 @@ inline void Scores(const float* q, const float* k, int64_t stride, int64_t n, in
   }
 }
 
+// Scores16 over H rounded down to 16, then the scalar tail, kept out of the 16-wide loops (with it inside them the
+// cache-hot benchmark of RESULTS.md ran 41-46 ms instead of 37).
+inline void Scores(const float* q, const float* k, int64_t stride, int64_t n, int64_t H, float* s) {
+  const int64_t hw = H - H % kWide;
+  Scores16(q, k, stride, n, hw, s);
+  for (int64_t c = 0; c < n && hw < H; ++c) {
+    for (int64_t j = hw; j < H; ++j) s[c] += q[j] * k[c * stride + j];
+  }
+}
+
 // acc = acc * alpha + sum_c p[c] v_c, one 16-float slice of acc at a time kept in registers over all n keys
-// (two chains, even and odd keys).
+// (two chains, even and odd keys); the last H % 16 elements scalar.
 inline void AccumulatePV(float* acc, float alpha, const float* p, const float* v, int64_t stride, int64_t n,
                          int64_t H) {
-  for (int64_t j = 0; j < H; j += kWide) {
+  const int64_t hw = H - H % kWide;
+  for (int64_t j = 0; j < hw; j += kWide) {
     V16 a = Load16(acc + j) * alpha, b = {};
     int64_t c = 0;
     for (; c + 2 <= n; c += 2) {
@@ -117,6 +101,11 @@ inline void AccumulatePV(float* acc, float alpha, const float* p, const float* v
     }
     if (c < n) a += p[c] * Load16(v + c * stride + j);
     Store16(acc + j, a + b);
+  }
+  for (int64_t j = hw; j < H; ++j) {  // the scalar tail
+    float a = acc[j] * alpha;
+    for (int64_t c = 0; c < n; ++c) a += p[c] * v[c * stride + j];
+    acc[j] = a;
   }
 }
 
@@ -173,7 +162,6 @@ void AttendOne(const Geometry& g, const float* q, const float* k_cache, const fl
   float* sc = acc + Nq * H;
   std::fill(m, m + Nq, -std::numeric_limits<float>::infinity());
   const int64_t layer_base = g.layer * g.num_pages;
-  const bool wide = H % kWide == 0;
   for (int64_t first = (lo / S) * S; first < kv_len; first += S) {
     const int64_t page = pages[std::min<int64_t>(first / S, g.pages_per_seq - 1)];
     const int64_t c0 = std::max(first, lo), c1 = std::min(first + S, static_cast<int64_t>(kv_len));
@@ -201,9 +189,9 @@ void AttendOne(const Geometry& g, const float* q, const float* k_cache, const fl
         const float* qh = qt + h * H;
         float* s = sc + h * S;
         float mx = m[h];
-        if (wide) Scores(qh, kp + kh * H, K * H, n, H, s);
+        Scores(qh, kp + kh * H, K * H, n, H, s);
         for (int64_t c = 0; c < n; ++c) {
-          float x = (wide ? s[c] : Dot(qh, kp + (c * K + kh) * H, static_cast<int>(H))) * g.sm_scale;
+          float x = s[c] * g.sm_scale;
           if (g.soft_cap > 0) x = g.soft_cap * std::tanh(x / g.soft_cap);
           s[c] = x;
           mx = std::max(mx, x);
@@ -215,13 +203,7 @@ void AttendOne(const Geometry& g, const float* q, const float* k_cache, const fl
         l[h] = l[h] * alpha + sum;
         m[h] = mx;
         float* a = acc + h * H;
-        if (wide) {
-          AccumulatePV(a, alpha, s, vp + kh * H, K * H, n, H);
-        } else {
-          for (int64_t c = 0; c < n; ++c) {  // the first product also applies the rescale by alpha
-            ScaleAdd(a, c == 0 ? alpha : 1.0f, s[c], vp + (c * K + kh) * H, static_cast<int>(H));
-          }
-        }
+        AccumulatePV(a, alpha, s, vp + kh * H, K * H, n, H);
       }
     }
   }

@@ -237,7 +237,7 @@ def test_cpp_decode_kernel_builds_here():
 
 
 @pytest.mark.parametrize("decode_impl", ["xla", "ffi"])
-@pytest.mark.parametrize("case", ["decode", "mixed", "many-window-softcap", "gqa8-d128", "empty"])
+@pytest.mark.parametrize("case", ["decode", "mixed", "many-window-softcap", "gqa8-d128", "d40", "empty"])
 def test_decode_impls_match_reference(decode_impl, case):
     """Both decode paths, on NaN-poisoned pools with out-of-range junk past every page table's used columns."""
     window, soft_cap = 0, None
@@ -251,6 +251,8 @@ def test_decode_impls_match_reference(decode_impl, case):
         window, soft_cap = jnp.int32(23), 4.0
     elif case == "gqa8-d128":
         b = make_batch(DECODE_Q + [3], DECODE_KV + [40], hq=16, hk=2, d=128, seed=14)
+    elif case == "d40":  # head_dim not a multiple of 16: the C++ kernel's scalar tail
+        b = make_batch(DECODE_Q, DECODE_KV, hq=6, hk=2, d=40, seed=16)
     else:
         b = make_batch([0, 1, 0], [5, 9, 0], seed=15)
     fn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap,
