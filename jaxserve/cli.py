@@ -7,13 +7,14 @@ import sys
 import time
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and how it runs: shared by generate, chat and serve."""
     p.add_argument("--model", default=None,
                    help="GGUF file, HF directory, orbax directory, preset or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--matmul-dtype", default=None, choices=["bfloat16"],
                    help="bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation "
-                        "(about 2x faster on the CPU; default: exact, in --dtype)")
+                        "(products about 2x faster on the CPU; default: exact, in --dtype)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
 
@@ -113,13 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="print load time and engine stats")
-    _add_model_args(g)
+    add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat on the terminal")
     c.add_argument("--system", default=None, help="system prompt")
-    _add_model_args(c)
+    add_model_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 

@@ -13,25 +13,19 @@ logger = logging.getLogger("jaxserve.server")
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Registers ``jaxserve serve``."""
+    from jaxserve.cli import add_model_args
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions).")
-    p.add_argument("--model", default=None,
-                   help="GGUF file, HF directory, orbax directory, preset or hub id (default: SmolLM2-135M-Instruct)")
+    add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients send as 'model' (default: the model's name)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--matmul-dtype", default=None, choices=["bfloat16"],
-                   help="bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation "
-                        "(about 2x faster on the CPU; default: exact, in --dtype)")
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from memory)")
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="priority: requests' 'priority' field orders the queue (lower first)")
     p.add_argument("--max-waiting-requests", type=int, default=256,
