@@ -14,9 +14,9 @@ Layouts and semantics are defined once, in ``reference.py``.
   "pallas"     the Pallas kernel; on a platform it was not written for (the CPU) it runs in interpret
                mode. ``backend="gpu"|"tpu"`` picks which kernel (default: the platform's, GPU-style on CPU).
   "xla"        the jnp/lax implementation built to be fast on the CPU (``ragged_paged_attention_xla.py``); writes
-               K/V with the reference. Its decode rows (one-token sequences) come from a small C++ kernel
-               called through XLA FFI (``cpu_decode_attention.cc``, built on first use by ``cpu_ffi.py``) when
-               the caches are float32 on the CPU and a C++ compiler is there; else from its own blocks.
+               K/V with the reference. It hands the whole call to a C++ kernel called through XLA FFI
+               (``cpu_paged_attention.cc``, built on first use by ``cpu_ffi.py``) when the caches are float32
+               on the CPU and a C++ compiler is there; else its own blocks compute it.
   "reference"  the jnp reference, anywhere.
 """
 

@@ -1,13 +1,15 @@
-"""The C++ decode attention for the CPU (``cpu_decode_attention.cc``), built on first use and called through XLA FFI.
+"""The C++ ragged paged attention for the CPU (``cpu_paged_attention.cc``), built on first use and called through
+XLA FFI.
 
-``decode_attention`` computes the rows of the sequences that have exactly one query token (decode) and writes
-zeros everywhere else; ``ragged_paged_attention_xla`` adds the rows of longer chunks from its own blocks.
+``paged_attention`` computes every sequence's query tokens (prefill chunks and decode tokens alike) with the
+contract of ``reference.ragged_paged_attention_ref``; ``ragged_paged_attention_xla`` hands its whole call to it on
+the CPU when the caches are float32.
 
 The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
 ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
 ``~/.cache/jaxserve/ffi``). ``available()`` says whether it could be built and loaded, and ``unavailable_reason()``
 says why not; ``impl="auto"`` then keeps the pure-XLA path, and asking for it explicitly
-(``decode_impl="ffi"``) raises with that reason.
+(``impl="ffi"``) raises with that reason.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TARGET = "jaxserve_decode_attention"
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.cc")
+TARGET = "jaxserve_paged_attention"
+_SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-pthread"]
 _error: str | None = None
 
@@ -63,7 +65,7 @@ def _build() -> Path:
     flags = _FLAGS + (["-march=native"] if os.environ.get("JAXSERVE_FFI_NATIVE", "1") == "1" else [])
     key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.ffi.include_dir().encode(), cxx.encode(),
                                      " ".join(flags).encode(), jax.__version__.encode(), _cpu_id()])).hexdigest()[:16]
-    name = f"cpu_decode_attention-{key}.so"
+    name = f"cpu_paged_attention-{key}.so"
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "jaxserve-ffi"):  # a read-only home: /tmp
         if (folder / name).is_file():
             return folder / name
@@ -90,14 +92,14 @@ def _build() -> Path:
 def _load() -> bool:
     global _error
     if sys.platform == "win32":
-        _error = "the C++ decode attention is built for Linux/macOS only"
+        _error = "the C++ paged attention is built for Linux/macOS only"
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveDecodeAttention), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
-        warnings.warn(f"jaxserve: the C++ decode attention is unavailable, using the XLA path ({_error})",
+        warnings.warn(f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
                       RuntimeWarning, stacklevel=3)
         return False
     return True
@@ -112,13 +114,14 @@ def unavailable_reason() -> str | None:
     return None if _load() else _error
 
 
-def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
-                     sm_scale: float, soft_cap: float | None) -> jax.Array:
-    """[T, Nq, H] float32: attention rows of one-token sequences, zeros elsewhere. float32 inputs only."""
+def paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
+                    sm_scale: float, soft_cap: float | None) -> jax.Array:
+    """[T, Nq, H] float32 ragged paged attention (``reference.ragged_paged_attention_ref``'s contract): every
+    sequence's query tokens, zeros for padding tokens. float32 caches only; ``window`` <= 0 means no window."""
     if not _load():
-        raise RuntimeError(f"the C++ decode attention is unavailable: {_error}")
+        raise RuntimeError(f"the C++ paged attention is unavailable: {_error}")
     if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
-        raise ValueError(f"the C++ decode attention needs float32 caches, got {k_cache.dtype}")
+        raise ValueError(f"the C++ paged attention needs float32 caches, got {k_cache.dtype}")
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q.astype(jnp.float32), k_cache, v_cache, i32(layer), i32(kv_lens), i32(page_indices), i32(cu_q_lens),

@@ -76,7 +76,7 @@ def ragged_paged_attention_xla(
     block_q: int | None = None,
     ctx_chunk: int | None = None,
     decode_chunk: int | None = None,
-    decode_impl: str = "auto",
+    impl: str = "auto",
 ) -> jax.Array:
     """Ragged paged attention in jnp/lax for the CPU; same contract as ``ragged_paged_attention_ref``.
 
@@ -88,8 +88,8 @@ def ragged_paged_attention_xla(
       block_q: query tokens per block for sequences with more than one query token (overrides the hint).
       ctx_chunk, decode_chunk: context tokens per online-softmax step for those blocks and for 1-token
         sequences (override the defaults).
-      decode_impl: who computes the 1-token (decode) sequences: "ffi" the C++ kernel (``cpu_ffi.py``, float32
-        caches on the CPU), "xla" the blocks here, "auto" the C++ kernel where it applies and could be built.
+      impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32 caches on the CPU), "xla" the blocks
+        here, "auto" the C++ kernel where it applies and could be built, else the blocks.
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
@@ -110,22 +110,25 @@ def ragged_paged_attention_xla(
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     no_window = isinstance(sliding_window, int) and sliding_window <= 0  # statically off: no window mask at all
-    if decode_impl not in ("auto", "ffi", "xla"):
-        raise ValueError(f"decode_impl must be 'auto', 'ffi' or 'xla', got {decode_impl!r}")
+    if impl not in ("auto", "ffi", "xla"):
+        raise ValueError(f"impl must be 'auto', 'ffi' or 'xla', got {impl!r}")
     fits = k_cache.dtype == jnp.float32 and v_cache.dtype == jnp.float32 and jax.default_backend() == "cpu"
-    if decode_impl == "ffi":
+    if impl == "ffi":
         if not fits:
-            raise ValueError("decode_impl='ffi' needs float32 caches on the CPU backend, got "
+            raise ValueError("impl='ffi' needs float32 caches on the CPU backend, got "
                              f"{k_cache.dtype} on {jax.default_backend()}")
         if not cpu_ffi.available():
-            raise RuntimeError(f"decode_impl='ffi': the C++ decode attention is unavailable: "
+            raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: "
                                f"{cpu_ffi.unavailable_reason()}")
-    decode_ffi = decode_impl == "ffi" or (decode_impl == "auto" and fits and cpu_ffi.available())
+    if impl == "ffi" or (impl == "auto" and fits and cpu_ffi.available()):
+        out = cpu_ffi.paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                      0 if no_window else sliding_window, sm_scale=sm_scale, soft_cap=soft_cap)
+        return out.astype(q.dtype)
     return _rpa_xla(
         q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lens.astype(jnp.int32),
         page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
         jnp.asarray(sliding_window, jnp.int32), sm_scale=float(sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), has_window=not no_window, decode_ffi=decode_ffi,
+        soft_cap=None if soft_cap is None else float(soft_cap), has_window=not no_window,
         **sizes,
     )
 
@@ -147,9 +150,9 @@ def _pack_blocks(q_lens, cu_q_lens, kv_lens, take, block_q: int, num_blocks: int
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "has_window", "block_q", "ctx_chunk",
-                                             "decode_chunk", "decode_ffi"))
+                                             "decode_chunk"))
 def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *, sm_scale, soft_cap,
-             has_window, block_q, ctx_chunk, decode_chunk, decode_ffi=False):
+             has_window, block_q, ctx_chunk, decode_chunk):
     num_tokens, num_q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[3]
     num_seqs_padded = page_indices.shape[0]
@@ -172,7 +175,7 @@ def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
         lo = size + 1
     classes.append((lo, None, block_q))
     for lo, hi, size in classes:
-        if num_tokens < lo or (decode_ffi and size == 1):
+        if num_tokens < lo:
             continue
         seqs = min(num_seqs_padded, num_tokens // lo)  # static bounds: sequences, then blocks, of the class
         blocks = seqs if hi is not None and hi <= size else min(num_tokens, num_tokens // size + seqs)
@@ -181,10 +184,6 @@ def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
                      ctx_chunk=decode_chunk if size == 1 else ctx_chunk)
 
     out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
-    if decode_ffi:  # decode rows from C++ (zeros elsewhere); the blocks above left those rows at zero
-        out = out + cpu_ffi.decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                             window if has_window else jnp.int32(0), sm_scale=sm_scale,
-                                             soft_cap=soft_cap)
     valid = valid_token_mask(cu_q_lens, num_seqs, num_tokens)
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
 

@@ -55,15 +55,16 @@ class Batch:
         return int(self.cu_q_lens[int(self.num_seqs)])
 
 
-def make_batch(q_lens, kv_lens, *, hq=9, hk=3, d=64, pad_seqs=2, pad_tokens=5, seed=0, dtype=jnp.float32) -> Batch:
+def make_batch(q_lens, kv_lens, *, hq=9, hk=3, d=64, pad_seqs=2, pad_tokens=5, seed=0, dtype=jnp.float32,
+               page=PAGE) -> Batch:
     rng = np.random.default_rng(seed)
     num_seqs = len(q_lens)
-    need = [-(-k // PAGE) for k in kv_lens]
+    need = [-(-k // page) for k in kv_lens]
     pages_per_seq = max(max(need), 1) + 1  # a spare column of junk in every row
     num_pages = sum(need) + 3
     perm = rng.permutation(num_pages).astype(np.int32)
-    k_cache = rng.standard_normal((2, num_pages, PAGE, hk, d)).astype(np.float32)
-    v_cache = rng.standard_normal((2, num_pages, PAGE, hk, d)).astype(np.float32)
+    k_cache = rng.standard_normal((2, num_pages, page, hk, d)).astype(np.float32)
+    v_cache = rng.standard_normal((2, num_pages, page, hk, d)).astype(np.float32)
     table = np.full((num_seqs + pad_seqs, pages_per_seq), -1, np.int32)
     owned = np.zeros(num_pages, bool)
     start = 0
@@ -72,9 +73,9 @@ def make_batch(q_lens, kv_lens, *, hq=9, hk=3, d=64, pad_seqs=2, pad_tokens=5, s
         table[s, : need[s]] = perm[start : start + need[s]]
         owned[perm[start : start + need[s]]] = True
         start += need[s]
-        for p in range(kv_lens[s], need[s] * PAGE):  # slots past kv_len inside owned pages
-            k_cache[:, table[s, p // PAGE], p % PAGE] = np.nan
-            v_cache[:, table[s, p // PAGE], p % PAGE] = np.nan
+        for p in range(kv_lens[s], need[s] * page):  # slots past kv_len inside owned pages
+            k_cache[:, table[s, p // page], p % page] = np.nan
+            v_cache[:, table[s, p // page], p % page] = np.nan
     k_cache[:, ~owned] = np.nan
     v_cache[:, ~owned] = np.nan
     q = rng.standard_normal((sum(q_lens) + pad_tokens, hq, d)).astype(np.float32)
@@ -227,19 +228,21 @@ def test_dispatch_auto_is_xla_on_cpu():
     assert float(kc[1, 1, 1, 0, 0]) == 1.0 and float(vc[1, 0, 0, 2, 5]) == 2.0
 
 
-# ------------------------------------------------------------------------------------------ decode: C++ vs XLA blocks
-def test_cpp_decode_kernel_builds_here():
-    """The C++ decode attention must build on a machine like CI's (g++ and jaxlib's FFI headers); without it
-    impl="auto" silently loses its fast decode path, so a build failure fails here with the compiler's message."""
+# ------------------------------------------------------------------------------------------ C++ kernel vs XLA blocks
+def test_cpp_kernel_builds_here():
+    """The C++ paged attention must build on a machine like CI's (g++ and jaxlib's FFI headers); without it
+    impl="auto" silently loses its fast path, so a build failure fails here with the compiler's message."""
     from jaxserve.kernels import cpu_ffi
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
 
 
-@pytest.mark.parametrize("decode_impl", ["xla", "ffi"])
-@pytest.mark.parametrize("case", ["decode", "mixed", "many-window-softcap", "gqa8-d128", "d40", "empty"])
-def test_decode_impls_match_reference(decode_impl, case):
-    """Both decode paths, on NaN-poisoned pools with out-of-range junk past every page table's used columns."""
+@pytest.mark.parametrize("impl", ["xla", "ffi"])
+@pytest.mark.parametrize("case", ["decode", "mixed", "many-window-softcap", "gqa8-d128", "d40", "empty", "prefill",
+                                  "prefill-window", "page8", "page24"])
+def test_cpu_impls_match_reference(impl, case):
+    """Both CPU paths (the C++ kernel, the XLA blocks), on NaN-poisoned pools with out-of-range junk past every page
+    table's used columns."""
     window, soft_cap = 0, None
     if case == "decode":
         b = make_batch(DECODE_Q, DECODE_KV, seed=11)
@@ -253,21 +256,30 @@ def test_decode_impls_match_reference(decode_impl, case):
         b = make_batch(DECODE_Q + [3], DECODE_KV + [40], hq=16, hk=2, d=128, seed=14)
     elif case == "d40":  # head_dim not a multiple of 16: the C++ kernel's scalar tail
         b = make_batch(DECODE_Q, DECODE_KV, hq=6, hk=2, d=40, seed=16)
+    elif case == "prefill":  # chunks longer than the C++ kernel's 16-token blocks, at the start and mid-context
+        b = make_batch([40, 100, 1, 33], [40, 300, 50, 47], seed=17)
+    elif case == "prefill-window":
+        b = make_batch([70, 1, 20], [150, 90, 20], seed=18)
+        window, soft_cap = jnp.int32(37), 5.0
+    elif case == "page8":  # pages shorter than the C++ kernel's 16-key groups
+        b = make_batch([1, 1, 19, 1], [3, 40, 50, 17], seed=19, page=8)
+    elif case == "page24":  # a 16-key group and a partial one per page
+        b = make_batch([1, 1, 30, 1], [24, 41, 77, 100], seed=20, page=24)
     else:
         b = make_batch([0, 1, 0], [5, 9, 0], seed=15)
     fn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap,
-                                   decode_impl=decode_impl, decode_chunk=32))
+                                   impl=impl, decode_chunk=32))
     check(fn(*b.args(), sliding_window=window), b, reference(b, sliding_window=window, soft_cap=soft_cap))
 
 
-def test_ffi_decode_refuses_what_it_cannot_do():
+def test_ffi_refuses_what_it_cannot_do():
     b = make_batch(DECODE_Q, DECODE_KV, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="float32 caches"):
-        ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, decode_impl="ffi")
-    with pytest.raises(ValueError, match="decode_impl"):
-        ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, decode_impl="cpp")
+        ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, impl="ffi")
+    with pytest.raises(ValueError, match="impl must"):
+        ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, impl="cpp")
     b = make_batch(DECODE_Q, DECODE_KV)  # a page index outside the pool in a used column: an error, not a wild read
     table = b.page_indices.at[0, 0].set(10_000)
     with pytest.raises(Exception, match="page index out of range"):
         ragged_paged_attention_xla(*dataclasses.replace(b, page_indices=table).args(), sm_scale=SM_SCALE,
-                                   decode_impl="ffi").block_until_ready()
+                                   impl="ffi").block_until_ready()

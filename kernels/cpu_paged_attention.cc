@@ -1,0 +1,411 @@
+// Ragged paged attention for the CPU, as an XLA FFI custom call (jaxserve.kernels.cpu_ffi): prefill chunks and
+// decode tokens of one step in one call, with the contract of reference.py (padding tokens get zeros).
+//
+// Why C++: XLA's CPU backend moves gathered K/V at about 1 ns per float whatever the access pattern, so a
+// 64-sequence decode step spent more time gathering context than in all its matmuls, and a mixed step's prefill
+// blocks ~0.2 s. Here each page slot's K/V rows are read in place, with the page loop outermost, so a page's
+// [page_size, kv_heads, head_dim] block is streamed from memory once per work item.
+//
+// A work item is up to 16 query tokens of one sequence (a decode token is an item of one). Per page, per KV head,
+// per 16 keys: the scores of every (token, query head) row as one 16-lane vector (one accumulator per key, reduced
+// by a shuffle tree), the causal / window mask, one online-softmax update (max, rescale, exp, P.V), float32
+// throughout. Items are claimed, most expensive first, through an atomic counter by the calling thread and by
+// helpers scheduled on XLA's own intra-op thread pool: no thread is created per call, no more threads run than
+// XLA's pool has, and uneven context lengths balance themselves.
+// Layouts (see reference.py): q [T, Nq, H]; caches [L, P, S, K, H]; page_indices [Sb, PB]; cu_q_lens [Sb + 1].
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Pages ahead to prefetch, into L2 (locality 1): on the 2-core EPYC a 64-sequence decode layer read its scattered
+// pages at 10-11 GB/s with a whole-page L1 prefetch one page ahead, 13-13.6 GB/s like this.
+constexpr int64_t kPrefetchPages = 2;
+
+// 16 floats (one AVX-512 register, two AVX ones), unaligned loads and stores allowed: GCC/Clang vector extensions.
+// head_dim runs 16 at a time; the last head_dim % 16 elements are scalar.
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+constexpr int kWide = 16;
+
+#define AJ_INLINE inline __attribute__((always_inline))
+
+inline V16 Load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store16(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
+
+// Merge<W>(x, y): x and y each hold 16 / W keys' partial sums in groups of W lanes; returns x's then y's keys, W / 2
+// lanes each, every pair of partials added. Four levels take 16 accumulators to one vector of 16 dot products.
+template <int W>
+inline V16 Merge(V16 x, V16 y);
+template <>
+inline V16 Merge<16>(V16 x, V16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+template <>
+inline V16 Merge<8>(V16 x, V16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+template <>
+inline V16 Merge<4>(V16 x, V16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+template <>
+inline V16 Merge<2>(V16 x, V16 y) {
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Horizontal max and sum of 16 lanes: four shuffle-and-combine levels.
+template <typename Op>
+inline float Reduce16(V16 v, Op op) {
+  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+inline float Max16(V16 v) {
+  return Reduce16(v, [](V16 x, V16 y) { return x > y ? x : y; });
+}
+
+inline float Sum16(V16 v) {
+  return Reduce16(v, [](V16 x, V16 y) { return x + y; });
+}
+
+// a[c] += q[0 : 16 NS] . k_c[0 : 16 NS] for the 16 keys k_c = k + min(c, n - 1) * stride: the query slices stay
+// in registers, one key row at a time is streamed through them (one pointer live, immediate offsets).
+template <int NS>
+AJ_INLINE void DotBlock(V16* a, const float* q, const float* k, int64_t stride, int64_t n) {
+  V16 qv[NS];
+  for (int u = 0; u < NS; ++u) qv[u] = Load16(q + u * kWide);
+#pragma GCC unroll 16
+  for (int c = 0; c < kWide; ++c) {
+    const float* kc = k + (c < n ? c : n - 1) * stride;
+    V16 d = qv[0] * Load16(kc);
+    for (int u = 1; u < NS; ++u) d += qv[u] * Load16(kc + u * kWide);
+    a[c] += d;
+  }
+}
+
+// Lane c: q . k_c for the keys k_c = k + min(c, n - 1) * stride, c < 16 (lanes past n repeat the last key, so
+// nothing past the n real keys is read). One accumulator per key, then the Merge tree instead of 16 horizontal sums.
+AJ_INLINE V16 Scores16(const float* q, const float* k, int64_t stride, int64_t n, int64_t H) {
+  const int64_t hw = H - H % kWide;
+  V16 a[kWide] = {};
+  int64_t j = 0;
+  for (; j + 4 * kWide <= hw; j += 4 * kWide) DotBlock<4>(a, q + j, k + j, stride, n);
+  switch ((hw - j) / kWide) {
+    case 3: DotBlock<3>(a, q + j, k + j, stride, n); break;
+    case 2: DotBlock<2>(a, q + j, k + j, stride, n); break;
+    case 1: DotBlock<1>(a, q + j, k + j, stride, n); break;
+    default: break;
+  }
+  V16 b[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i) b[i] = Merge<16>(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) d[i] = Merge<8>(b[2 * i], b[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) e[i] = Merge<4>(d[2 * i], d[2 * i + 1]);
+  V16 s = Merge<2>(e[0], e[1]);
+  for (j = hw; j < H; ++j) {  // the scalar tail of head_dim % 16
+    for (int c = 0; c < kWide; ++c) s[c] += q[j] * k[(c < n ? c : n - 1) * stride + j];
+  }
+  return s;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), 16 at a time: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2,
+// p a degree-6 polynomial (relative error < 2e-7 over the range); x < -87 (and -inf) gives exactly 0.
+AJ_INLINE V16 ExpNonPositive16(V16 x) {
+  const float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (round to nearest)
+  const I16 tiny = x < -87.0f;
+  const V16 zero = {};
+  x = tiny ? zero : x;
+  const V16 n = (x * kLog2e + kRound) - kRound;
+  const V16 r = (x - n * kLn2Hi) - n * kLn2Lo;
+  V16 p = r * (1.0f / 720) + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  I16 bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += __builtin_convertvector(n, I16) << 23;
+  V16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return tiny ? zero : out;
+}
+
+inline float ExpNonPositive(float x) {
+  V16 v = {};
+  v[0] = x;
+  return ExpNonPositive16(v)[0];
+}
+
+// acc = acc * alpha + sum_c p[c] v_c for one block of NS 16-float slices: the slices stay in registers over all n
+// keys, NS independent chains.
+template <int NS>
+AJ_INLINE void AccumulatePVBlock(float* acc, float alpha, const float* p, const float* v, int64_t stride, int64_t n) {
+  V16 a[NS];
+  for (int u = 0; u < NS; ++u) a[u] = Load16(acc + u * kWide) * alpha;
+  for (int64_t c = 0; c < n; ++c) {
+    const float* vc = v + c * stride;
+    for (int u = 0; u < NS; ++u) a[u] += p[c] * Load16(vc + u * kWide);
+  }
+  for (int u = 0; u < NS; ++u) Store16(acc + u * kWide, a[u]);
+}
+
+// acc = acc * alpha + sum_c p[c] v_c over head_dim H: blocks of up to four slices, then the scalar tail.
+AJ_INLINE void AccumulatePV(float* acc, float alpha, const float* p, const float* v, int64_t stride, int64_t n,
+                         int64_t H) {
+  const int64_t hw = H - H % kWide;
+  int64_t j = 0;
+  for (; j + 4 * kWide <= hw; j += 4 * kWide) AccumulatePVBlock<4>(acc + j, alpha, p, v + j, stride, n);
+  switch ((hw - j) / kWide) {
+    case 3: AccumulatePVBlock<3>(acc + j, alpha, p, v + j, stride, n); break;
+    case 2: AccumulatePVBlock<2>(acc + j, alpha, p, v + j, stride, n); break;
+    case 1: AccumulatePVBlock<1>(acc + j, alpha, p, v + j, stride, n); break;
+    default: break;
+  }
+  for (j = hw; j < H; ++j) {
+    float a = acc[j] * alpha;
+    for (int64_t c = 0; c < n; ++c) a += p[c] * v[c * stride + j];
+    acc[j] = a;
+  }
+}
+
+struct Geometry {
+  int64_t num_tokens, num_q_heads, head_dim;
+  int64_t num_pages, page_size, kv_heads;
+  int64_t pages_per_seq;
+  int64_t layer;
+  int32_t window;
+  float sm_scale, soft_cap;
+};
+
+// Query tokens [tok0, tok0 + ntok) of one sequence, at context positions pos0, pos0 + 1, ...: writes their output
+// rows. A decode token is a block of one. Token i sees the keys [lo_i, pos0 + i] (causal; lo_i from the sliding
+// window). Pages are walked once, in order, 16 keys at a time; every (token, query head) row keeps its own online
+// softmax, and the rows sharing a KV head reuse its keys from L1.
+// HD: head_dim as a compile-time constant (the common sizes), or 0 for any head_dim.
+template <int HD>
+void AttendBlockT(const Geometry& g, const float* q, const float* k_cache, const float* v_cache, const int32_t* pages,
+                  int64_t tok0, int64_t ntok, int64_t pos0, float* out, std::vector<float>& scratch) {
+  const int64_t H = HD > 0 ? HD : g.head_dim, K = g.kv_heads, Nq = g.num_q_heads, S = g.page_size;
+  const int64_t group = Nq / K, rows = ntok * Nq, stride = K * H;
+  const int64_t last = pos0 + ntok - 1;  // the last token's position: no key past it is read
+  auto lo_of = [&](int64_t pos) { return g.window > 0 ? std::max<int64_t>(pos - g.window + 1, 0) : int64_t{0}; };
+  // scratch: m [rows], l [rows], acc [rows, H]
+  scratch.assign(rows * (2 + H), 0.0f);
+  float* m = scratch.data();
+  float* l = m + rows;
+  float* acc = l + rows;
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  const int64_t layer_base = g.layer * g.num_pages;
+  const int64_t page_bytes = S * K * H * static_cast<int64_t>(sizeof(float));
+  const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const V16 neg_inf = V16{} - std::numeric_limits<float>::infinity();
+  alignas(64) float p[kWide];
+  const int64_t start = std::max<int64_t>(lo_of(pos0), 0);
+  for (int64_t first = (start / S) * S; first <= last; first += S) {
+    const int64_t page = pages[first / S];
+    const float* kp = k_cache + (layer_base + page) * S * stride;
+    const float* vp = v_cache + (layer_base + page) * S * stride;
+    // Start fetching the page kPrefetchPages ahead, a slice per KV head, so the requests spread over this page's work.
+    const int64_t ahead = first + kPrefetchPages * S;
+    const char *kn = nullptr, *vn = nullptr;
+    if (ahead <= last) {
+      const int64_t next = pages[ahead / S];
+      kn = reinterpret_cast<const char*>(k_cache + (layer_base + next) * S * stride);
+      vn = reinterpret_cast<const char*>(v_cache + (layer_base + next) * S * stride);
+    }
+    for (int64_t kh = 0; kh < K; ++kh) {
+      if (kn != nullptr) {
+        for (int64_t b = page_bytes * kh / K; b < page_bytes * (kh + 1) / K; b += 64) {
+          __builtin_prefetch(kn + b, 0, 1);
+          __builtin_prefetch(vn + b, 0, 1);
+        }
+      }
+      for (int64_t c0 = std::max(first, start); c0 < std::min(first + S, last + 1); c0 += kWide) {
+        const int64_t nb = std::min<int64_t>({kWide, first + S - c0, last + 1 - c0});  // keys of this group
+        const float* kg = kp + (c0 - first) * stride + kh * H;
+        const float* vg = vp + (c0 - first) * stride + kh * H;
+        for (int64_t i = 0; i < ntok; ++i) {
+          const int64_t pos = pos0 + i;
+          const int64_t vlo = std::max(lo_of(pos), c0), vhi = std::min(pos + 1, c0 + nb);  // visible keys
+          if (vlo >= vhi) continue;
+          const I16 visible = (lane >= static_cast<int32_t>(vlo - c0)) & (lane < static_cast<int32_t>(vhi - c0));
+          for (int64_t gi = 0; gi < group; ++gi) {
+            const int64_t r = i * Nq + kh * group + gi;
+            V16 x = Scores16(q + ((tok0 + i) * Nq + kh * group + gi) * H, kg, stride, nb, H) * g.sm_scale;
+            if (g.soft_cap > 0) {
+              for (int c = 0; c < kWide; ++c) x[c] = g.soft_cap * std::tanh(x[c] / g.soft_cap);
+            }
+            x = visible ? x : neg_inf;
+            const float mx = std::max(m[r], Max16(x));
+            const float alpha = ExpNonPositive(m[r] - mx);  // m[r] = -inf on the first keys: alpha = 0
+            const V16 e = ExpNonPositive16(x - mx);
+            Store16(p, e);
+            l[r] = l[r] * alpha + Sum16(e);
+            m[r] = mx;
+            // P.V over the visible keys only: a slot past kv_len may hold anything (NaN), and 0 * NaN is NaN.
+            AccumulatePV(acc + r * H, alpha, p + (vlo - c0), vg + (vlo - c0) * stride, stride, vhi - vlo, H);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < ntok; ++i) {
+    for (int64_t h = 0; h < Nq; ++h) {
+      const int64_t r = i * Nq + h;
+      const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+      float* o = out + ((tok0 + i) * Nq + h) * H;
+      for (int64_t d = 0; d < H; ++d) o[d] = acc[r * H + d] * inv;
+    }
+  }
+}
+
+void AttendBlock(const Geometry& g, const float* q, const float* k_cache, const float* v_cache, const int32_t* pages,
+                 int64_t tok0, int64_t ntok, int64_t pos0, float* out, std::vector<float>& scratch) {
+  switch (g.head_dim) {
+    case 64: return AttendBlockT<64>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+    case 128: return AttendBlockT<128>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+    default: return AttendBlockT<0>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+  }
+}
+
+// Query tokens per work item: a block's rows keep their softmax state in L1/L2 (16 x 9 heads x 64: 37 KB).
+constexpr int64_t kBlockTokens = 16;
+
+struct WorkItem {
+  int64_t seq, tok0, ntok, pos0, cost;
+};
+
+ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                              ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float sm_scale,
+                              float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto cd = k_cache.dimensions();
+  auto pd = page_indices.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || pd.size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q must be rank 3, caches rank 5, page_indices rank 2");
+  }
+  Geometry g{qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], pd[1], 0, 0, sm_scale, soft_cap};
+  if (cd[4] != g.head_dim || g.num_q_heads % g.kv_heads != 0) {
+    return ffi::Error::InvalidArgument("paged attention: head_dim or head counts do not match");
+  }
+  g.layer = layer.typed_data()[0];
+  g.window = window.typed_data()[0];
+  if (g.layer < 0 || g.layer >= cd[0]) return ffi::Error::InvalidArgument("paged attention: layer out of range");
+  const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], pd[0]);
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* table = page_indices.typed_data();
+  float* o = out->typed_data();
+  const float* qp = q.typed_data();
+  const float* kc = k_cache.typed_data();
+  const float* vc = v_cache.typed_data();
+
+  std::vector<char> covered(g.num_tokens, 0);
+  std::vector<WorkItem> work;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t q_len = cu[s + 1] - cu[s], kv_len = lens[s];
+    if (q_len <= 0) continue;
+    if (cu[s] < 0 || cu[s + 1] > g.num_tokens) {
+      return ffi::Error::InvalidArgument("paged attention: cu_q_lens out of range");
+    }
+    if (kv_len > g.pages_per_seq * g.page_size) {
+      return ffi::Error::InvalidArgument("paged attention: kv_len longer than the page table");
+    }
+    // a page table entry outside the pool would read out of bounds: refuse the call
+    for (int64_t i = 0; i < (kv_len + g.page_size - 1) / g.page_size; ++i) {
+      const int32_t p = table[s * g.pages_per_seq + i];
+      if (p < 0 || p >= g.num_pages) return ffi::Error::InvalidArgument("paged attention: page index out of range");
+    }
+    std::fill(covered.begin() + cu[s], covered.begin() + cu[s + 1], 1);
+    for (int64_t t = 0; t < q_len; t += kBlockTokens) {
+      const int64_t ntok = std::min(kBlockTokens, q_len - t), pos0 = kv_len - q_len + t;
+      if (pos0 + ntok <= 0) {  // tokens before the context's start see nothing: zero rows
+        std::fill(covered.begin() + cu[s] + t, covered.begin() + cu[s] + t + ntok, 0);
+        continue;
+      }
+      const int64_t ctx = g.window > 0 ? std::min<int64_t>(pos0 + ntok, g.window + ntok) : pos0 + ntok;
+      work.push_back({s, cu[s] + t, ntok, pos0, ntok * ctx});
+    }
+  }
+  const int64_t row = g.num_q_heads * g.head_dim;
+  for (int64_t t = 0; t < g.num_tokens; ++t) {
+    if (!covered[t]) std::fill(o + t * row, o + (t + 1) * row, 0.0f);
+  }
+  // The most expensive items first, so the last ones to be claimed are short and the threads finish together.
+  std::stable_sort(work.begin(), work.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  const int64_t n = static_cast<int64_t>(work.size());
+  // Shared with the helpers, which may start after this call has returned: they then find no work left and touch
+  // nothing but this state. Every claimed item is finished before the call returns.
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto claim = [=, &g, &work](Shared& st) {
+    std::vector<float> scratch;
+    for (int64_t i = st.next.fetch_add(1); i < n; i = st.next.fetch_add(1)) {
+      const WorkItem& w = work[i];
+      if (w.pos0 < 0) {  // the first tokens of a chunk longer than its context see nothing
+        const int64_t skip = -w.pos0;
+        std::fill(o + w.tok0 * row, o + (w.tok0 + skip) * row, 0.0f);
+        AttendBlock(g, qp, kc, vc, table + w.seq * g.pages_per_seq, w.tok0 + skip, w.ntok - skip, 0, o, scratch);
+      } else {
+        AttendBlock(g, qp, kc, vc, table + w.seq * g.pages_per_seq, w.tok0, w.ntok, w.pos0, o, scratch);
+      }
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n / 2);
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([shared, claim]() { claim(*shared); });
+  }
+  claim(*shared);
+  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
