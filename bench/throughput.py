@@ -52,6 +52,7 @@ def matmul_roofline(dtype: str = "float32") -> float:
 JAXSERVE_CONFIGS = {
     "exact": ("jaxserve", {}, "float32"),
     "bf16": ("jaxserve (bf16 matmuls)", {"matmul_dtype": "bfloat16"}, "bfloat16"),
+    "bf16kv": ("jaxserve (bf16 matmuls + KV)", {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, "bfloat16"),
 }
 
 

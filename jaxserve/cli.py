@@ -15,6 +15,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-dtype", default=None, choices=["bfloat16"],
                    help="bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation "
                         "(products about 2x faster on the CPU; default: exact, in --dtype)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the KV page pool's dtype (default: --dtype's). bfloat16 halves the memory attention reads; "
+                        "on the CPU attention still computes in float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
 
@@ -42,7 +45,7 @@ def _engine(args):
     from jaxserve import LLMEngine
 
     return LLMEngine(args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, max_model_len=args.max_model_len,
-                     max_num_seqs=1,
+                     kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1,
                      max_num_batched_tokens=256, attention_impl=args.attention_impl)
 
 

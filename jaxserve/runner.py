@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import kernels
+from jaxserve.kernels import cpu_ffi
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.models.llama import AttentionBatch, model_from_params
@@ -99,10 +100,11 @@ class ModelRunner:
         if matmul_dtype is not None and jnp.dtype(matmul_dtype) != params["embed"].dtype:
             self.matmul_weights = jax.jit(lambda s: nnx.merge(self.graphdef, s).matmul_weights())(self.state)
         self.kv_dtype = jnp.dtype(cache_cfg.dtype or params["embed"].dtype)  # default: the weights' dtype
-        if self.kv_dtype != jnp.float32 and jax.default_backend() == "cpu" and attention_impl != "pallas":
-            warnings.warn(f"a {self.kv_dtype} KV cache on the CPU is slow: XLA:CPU converts the whole pool to float32 "
-                          "for every K/V write (seconds per step for a GiB pool); kv_cache_dtype='float32' is the "
-                          "CPU default", RuntimeWarning, stacklevel=3)
+        cpp = attention_impl in ("auto", "xla") and self.kv_dtype in cpu_ffi.CACHE_DTYPES and cpu_ffi.available()
+        if self.kv_dtype != jnp.float32 and jax.default_backend() == "cpu" and attention_impl != "pallas" and not cpp:
+            warnings.warn(f"a {self.kv_dtype} KV cache on the CPU is slow without the C++ attention: XLA:CPU converts "
+                          "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "
+                          "kv_cache_dtype='float32' is the CPU default", RuntimeWarning, stacklevel=3)
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.k_cache = jnp.zeros(shape, self.kv_dtype)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxserve.kernels import cpu_ffi
 from jaxserve.kernels._common import validate_attention_inputs
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
@@ -144,6 +145,8 @@ def write_kv(
     (k_cache, v_cache); donate the caches to the enclosing jit so the update happens in place.
     """
     kernel, interp = _choose(impl, backend, interpret)
+    if kernel == "xla" and jax.default_backend() == "cpu" and cpu_ffi.available():
+        return cpu_ffi.write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping)  # in place, in C++
     if kernel in ("reference", "xla"):
         return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, slot_mapping)
     fn = write_kv_gpu if kernel == "gpu" else write_kv_tpu

@@ -3,7 +3,7 @@ XLA FFI.
 
 ``paged_attention`` computes every sequence's query tokens (prefill chunks and decode tokens alike) with the
 contract of ``reference.ragged_paged_attention_ref``; ``ragged_paged_attention_xla`` hands its whole call to it on
-the CPU when the caches are float32.
+the CPU when the caches are float32 or bfloat16. ``write_kv`` writes new K/V rows into the pool in place.
 
 The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
 ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "jaxserve_paged_attention"
+WRITE_TARGET = "jaxserve_write_kv"
+CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the C++ attention reads
 _SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-pthread"]
 _error: str | None = None
@@ -97,6 +99,7 @@ def _load() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKV), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
         warnings.warn(f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
@@ -117,13 +120,28 @@ def unavailable_reason() -> str | None:
 def paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
                     sm_scale: float, soft_cap: float | None) -> jax.Array:
     """[T, Nq, H] float32 ragged paged attention (``reference.ragged_paged_attention_ref``'s contract): every
-    sequence's query tokens, zeros for padding tokens. float32 caches only; ``window`` <= 0 means no window."""
+    sequence's query tokens, zeros for padding tokens. float32 or bfloat16 caches (one dtype for both; products
+    and softmax in float32); ``window`` <= 0 means no window."""
     if not _load():
         raise RuntimeError(f"the C++ paged attention is unavailable: {_error}")
-    if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
-        raise ValueError(f"the C++ paged attention needs float32 caches, got {k_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"the C++ paged attention needs float32 or bfloat16 caches, got {k_cache.dtype}/"
+                         f"{v_cache.dtype}")
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q.astype(jnp.float32), k_cache, v_cache, i32(layer), i32(kv_lens), i32(page_indices), i32(cu_q_lens),
                 i32(num_seqs), i32(window), sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
+
+
+def write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple[jax.Array, jax.Array]:
+    """``reference.write_kv_ref`` in place: the caches are aliased to the outputs, so inside a jit that donates
+    them only the new rows are written (without donation XLA copies the pool first, as for any aliased call)."""
+    if not _load():
+        raise RuntimeError(f"the C++ K/V write is unavailable: {_error}")
+    if new_k.shape != new_v.shape or new_k.shape[1:] != k_cache.shape[3:] or k_cache.shape != v_cache.shape:
+        raise ValueError(f"write_kv: new rows {new_k.shape}/{new_v.shape} do not fit caches {k_cache.shape}")
+    out = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    call = jax.ffi.ffi_call(WRITE_TARGET, out, input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
+    return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32), new_k.astype(k_cache.dtype),
+                new_v.astype(v_cache.dtype), jnp.asarray(slot_mapping, jnp.int32))

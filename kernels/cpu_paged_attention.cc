@@ -49,6 +49,30 @@ inline V16 Load16(const float* p) {
 
 inline void Store16(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// K/V elements: float32, or bfloat16 as its 16 raw bits (uint16_t), widened to float32 on load (a shift).
+typedef uint16_t U16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t U32x16 __attribute__((vector_size(64), aligned(4)));
+
+inline V16 LoadKV16(const float* p) { return Load16(p); }
+
+inline V16 LoadKV16(const uint16_t* p) {
+  U16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32x16 w = __builtin_convertvector(h, U32x16) << 16;
+  V16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline float ToFloat(float x) { return x; }
+
+inline float ToFloat(uint16_t x) {
+  const uint32_t w = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
 typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
 
 // Merge<W>(x, y): x and y each hold 16 / W keys' partial sums in groups of W lanes; returns x's then y's keys, W / 2
@@ -96,22 +120,23 @@ inline float Sum16(V16 v) {
 
 // a[c] += q[0 : 16 NS] . k_c[0 : 16 NS] for the 16 keys k_c = k + min(c, n - 1) * stride: the query slices stay
 // in registers, one key row at a time is streamed through them (one pointer live, immediate offsets).
-template <int NS>
-AJ_INLINE void DotBlock(V16* a, const float* q, const float* k, int64_t stride, int64_t n) {
+template <int NS, typename T>
+AJ_INLINE void DotBlock(V16* a, const float* q, const T* k, int64_t stride, int64_t n) {
   V16 qv[NS];
   for (int u = 0; u < NS; ++u) qv[u] = Load16(q + u * kWide);
 #pragma GCC unroll 16
   for (int c = 0; c < kWide; ++c) {
-    const float* kc = k + (c < n ? c : n - 1) * stride;
-    V16 d = qv[0] * Load16(kc);
-    for (int u = 1; u < NS; ++u) d += qv[u] * Load16(kc + u * kWide);
+    const T* kc = k + (c < n ? c : n - 1) * stride;
+    V16 d = qv[0] * LoadKV16(kc);
+    for (int u = 1; u < NS; ++u) d += qv[u] * LoadKV16(kc + u * kWide);
     a[c] += d;
   }
 }
 
 // Lane c: q . k_c for the keys k_c = k + min(c, n - 1) * stride, c < 16 (lanes past n repeat the last key, so
 // nothing past the n real keys is read). One accumulator per key, then the Merge tree instead of 16 horizontal sums.
-AJ_INLINE V16 Scores16(const float* q, const float* k, int64_t stride, int64_t n, int64_t H) {
+template <typename T>
+AJ_INLINE V16 Scores16(const float* q, const T* k, int64_t stride, int64_t n, int64_t H) {
   const int64_t hw = H - H % kWide;
   V16 a[kWide] = {};
   int64_t j = 0;
@@ -128,7 +153,7 @@ AJ_INLINE V16 Scores16(const float* q, const float* k, int64_t stride, int64_t n
   for (int i = 0; i < 2; ++i) e[i] = Merge<4>(d[2 * i], d[2 * i + 1]);
   V16 s = Merge<2>(e[0], e[1]);
   for (j = hw; j < H; ++j) {  // the scalar tail of head_dim % 16
-    for (int c = 0; c < kWide; ++c) s[c] += q[j] * k[(c < n ? c : n - 1) * stride + j];
+    for (int c = 0; c < kWide; ++c) s[c] += q[j] * ToFloat(k[(c < n ? c : n - 1) * stride + j]);
   }
   return s;
 }
@@ -165,19 +190,20 @@ inline float ExpNonPositive(float x) {
 
 // acc = acc * alpha + sum_c p[c] v_c for one block of NS 16-float slices: the slices stay in registers over all n
 // keys, NS independent chains.
-template <int NS>
-AJ_INLINE void AccumulatePVBlock(float* acc, float alpha, const float* p, const float* v, int64_t stride, int64_t n) {
+template <int NS, typename T>
+AJ_INLINE void AccumulatePVBlock(float* acc, float alpha, const float* p, const T* v, int64_t stride, int64_t n) {
   V16 a[NS];
   for (int u = 0; u < NS; ++u) a[u] = Load16(acc + u * kWide) * alpha;
   for (int64_t c = 0; c < n; ++c) {
-    const float* vc = v + c * stride;
-    for (int u = 0; u < NS; ++u) a[u] += p[c] * Load16(vc + u * kWide);
+    const T* vc = v + c * stride;
+    for (int u = 0; u < NS; ++u) a[u] += p[c] * LoadKV16(vc + u * kWide);
   }
   for (int u = 0; u < NS; ++u) Store16(acc + u * kWide, a[u]);
 }
 
 // acc = acc * alpha + sum_c p[c] v_c over head_dim H: blocks of up to four slices, then the scalar tail.
-AJ_INLINE void AccumulatePV(float* acc, float alpha, const float* p, const float* v, int64_t stride, int64_t n,
+template <typename T>
+AJ_INLINE void AccumulatePV(float* acc, float alpha, const float* p, const T* v, int64_t stride, int64_t n,
                          int64_t H) {
   const int64_t hw = H - H % kWide;
   int64_t j = 0;
@@ -190,7 +216,7 @@ AJ_INLINE void AccumulatePV(float* acc, float alpha, const float* p, const float
   }
   for (j = hw; j < H; ++j) {
     float a = acc[j] * alpha;
-    for (int64_t c = 0; c < n; ++c) a += p[c] * v[c * stride + j];
+    for (int64_t c = 0; c < n; ++c) a += p[c] * ToFloat(v[c * stride + j]);
     acc[j] = a;
   }
 }
@@ -209,8 +235,8 @@ struct Geometry {
 // window). Pages are walked once, in order, 16 keys at a time; every (token, query head) row keeps its own online
 // softmax, and the rows sharing a KV head reuse its keys from L1.
 // HD: head_dim as a compile-time constant (the common sizes), or 0 for any head_dim.
-template <int HD>
-void AttendBlockT(const Geometry& g, const float* q, const float* k_cache, const float* v_cache, const int32_t* pages,
+template <int HD, typename T>
+void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* pages,
                   int64_t tok0, int64_t ntok, int64_t pos0, float* out, std::vector<float>& scratch) {
   const int64_t H = HD > 0 ? HD : g.head_dim, K = g.kv_heads, Nq = g.num_q_heads, S = g.page_size;
   const int64_t group = Nq / K, rows = ntok * Nq, stride = K * H;
@@ -223,15 +249,15 @@ void AttendBlockT(const Geometry& g, const float* q, const float* k_cache, const
   float* acc = l + rows;
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   const int64_t layer_base = g.layer * g.num_pages;
-  const int64_t page_bytes = S * K * H * static_cast<int64_t>(sizeof(float));
+  const int64_t page_bytes = S * K * H * static_cast<int64_t>(sizeof(T));
   const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const V16 neg_inf = V16{} - std::numeric_limits<float>::infinity();
   alignas(64) float p[kWide];
   const int64_t start = std::max<int64_t>(lo_of(pos0), 0);
   for (int64_t first = (start / S) * S; first <= last; first += S) {
     const int64_t page = pages[first / S];
-    const float* kp = k_cache + (layer_base + page) * S * stride;
-    const float* vp = v_cache + (layer_base + page) * S * stride;
+    const T* kp = k_cache + (layer_base + page) * S * stride;
+    const T* vp = v_cache + (layer_base + page) * S * stride;
     // Start fetching the page kPrefetchPages ahead, a slice per KV head, so the requests spread over this page's work.
     const int64_t ahead = first + kPrefetchPages * S;
     const char *kn = nullptr, *vn = nullptr;
@@ -249,8 +275,8 @@ void AttendBlockT(const Geometry& g, const float* q, const float* k_cache, const
       }
       for (int64_t c0 = std::max(first, start); c0 < std::min(first + S, last + 1); c0 += kWide) {
         const int64_t nb = std::min<int64_t>({kWide, first + S - c0, last + 1 - c0});  // keys of this group
-        const float* kg = kp + (c0 - first) * stride + kh * H;
-        const float* vg = vp + (c0 - first) * stride + kh * H;
+        const T* kg = kp + (c0 - first) * stride + kh * H;
+        const T* vg = vp + (c0 - first) * stride + kh * H;
         for (int64_t i = 0; i < ntok; ++i) {
           const int64_t pos = pos0 + i;
           const int64_t vlo = std::max(lo_of(pos), c0), vhi = std::min(pos + 1, c0 + nb);  // visible keys
@@ -286,12 +312,13 @@ void AttendBlockT(const Geometry& g, const float* q, const float* k_cache, const
   }
 }
 
-void AttendBlock(const Geometry& g, const float* q, const float* k_cache, const float* v_cache, const int32_t* pages,
+template <typename T>
+void AttendBlock(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* pages,
                  int64_t tok0, int64_t ntok, int64_t pos0, float* out, std::vector<float>& scratch) {
   switch (g.head_dim) {
-    case 64: return AttendBlockT<64>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
-    case 128: return AttendBlockT<128>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
-    default: return AttendBlockT<0>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+    case 64: return AttendBlockT<64, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+    case 128: return AttendBlockT<128, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+    default: return AttendBlockT<0, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
   }
 }
 
@@ -302,7 +329,8 @@ struct WorkItem {
   int64_t seq, tok0, ntok, pos0, cost;
 };
 
-ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+template <typename T>
+ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                               ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float sm_scale,
@@ -326,8 +354,8 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_c
   const int32_t* table = page_indices.typed_data();
   float* o = out->typed_data();
   const float* qp = q.typed_data();
-  const float* kc = k_cache.typed_data();
-  const float* vc = v_cache.typed_data();
+  const T* kc = reinterpret_cast<const T*>(k_cache.untyped_data());
+  const T* vc = reinterpret_cast<const T*>(v_cache.untyped_data());
 
   std::vector<char> covered(g.num_tokens, 0);
   std::vector<WorkItem> work;
@@ -392,13 +420,72 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_c
   return ffi::Error::Success();
 }
 
+// The step's new K/V rows into one layer of the pool, in place: the caches are aliased to the outputs
+// (input_output_aliases), so with a donated pool only the T new rows move. XLA:CPU's scatter into the pool took
+// ~1 ms per layer for 64 rows (57 ms of a 64-sequence decode step). Token t goes to slot_mapping[t] =
+// page * page_size + offset; a negative slot, or one past the pool (as the reference's mode="drop"), writes nothing.
+template <typename T>
+ffi::Error WriteKVImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
+                       ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer k_out, ffi::AnyBuffer v_out) {
+  auto cd = k_out.dimensions();
+  auto nd = new_k.dimensions();
+  if (cd.size() != 5 || nd.size() != 3 || nd[1] != cd[3] || nd[2] != cd[4] ||
+      slots.element_count() != static_cast<size_t>(nd[0])) {
+    return ffi::Error::InvalidArgument("write_kv: shapes do not match ([T, K, H] rows into [L, P, S, K, H])");
+  }
+  const int64_t l = layer.typed_data()[0], pool = cd[1] * cd[2], row = cd[3] * cd[4];
+  if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("write_kv: layer out of range");
+  const T* nk = reinterpret_cast<const T*>(new_k.untyped_data());
+  const T* nv = reinterpret_cast<const T*>(new_v.untyped_data());
+  T* kc = reinterpret_cast<T*>(k_out.untyped_data()) + l * pool * row;
+  T* vc = reinterpret_cast<T*>(v_out.untyped_data()) + l * pool * row;
+  const int32_t* sl = slots.typed_data();
+  for (int64_t t = 0; t < nd[0]; ++t) {
+    if (sl[t] < 0 || sl[t] >= pool) continue;
+    std::memcpy(kc + sl[t] * row, nk + t * row, row * sizeof(T));
+    std::memcpy(vc + sl[t] * row, nv + t * row, row * sizeof(T));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error WriteKV(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                   ffi::AnyBuffer new_k, ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
+                   ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  const auto dt = k_cache.element_type();
+  if (v_cache.element_type() != dt || new_k.element_type() != dt || new_v.element_type() != dt) {
+    return ffi::Error::InvalidArgument("write_kv: caches and new rows must share one dtype");
+  }
+  switch (ffi::ByteWidth(dt)) {
+    case 4: return WriteKVImpl<uint32_t>(layer, new_k, new_v, slots, *k_out, *v_out);
+    case 2: return WriteKVImpl<uint16_t>(layer, new_k, new_v, slots, *k_out, *v_out);
+    default: return ffi::Error::InvalidArgument("write_kv: 2- or 4-byte elements only");
+  }
+}
+
+ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                          ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                          float sm_scale, float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+  const auto dt = k_cache.element_type();
+  if (v_cache.element_type() != dt) return ffi::Error::InvalidArgument("paged attention: K and V dtypes differ");
+  if (dt == ffi::DataType::F32) {
+    return PagedAttentionImpl<float>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window,
+                                     sm_scale, soft_cap, pool, out);
+  }
+  if (dt == ffi::DataType::BF16) {
+    return PagedAttentionImpl<uint16_t>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                        window, sm_scale, soft_cap, pool, out);
+  }
+  return ffi::Error::InvalidArgument("paged attention: caches must be float32 or bfloat16");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32 or bfloat16
+                                  .Arg<ffi::AnyBuffer>()  // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
@@ -409,3 +496,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Attr<float>("soft_cap")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKV, WriteKV,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // k_cache (aliased to the first output)
+                                  .Arg<ffi::AnyBuffer>()  // v_cache (aliased to the second)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::AnyBuffer>()  // new_k
+                                  .Arg<ffi::AnyBuffer>()  // new_v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -221,7 +221,7 @@ def test_dispatch_auto_is_xla_on_cpu():
     expected = reference(b)
     fn = jax.jit(functools.partial(kernels.ragged_paged_attention, sm_scale=SM_SCALE, max_q_len=32))  # "auto"
     check(fn(*b.args()), b, expected)
-    # write_kv under "auto" on the CPU still works (the reference scatter)
+    # write_kv under "auto" on the CPU still works (the C++ in-place write)
     slots = jnp.array([0, 17, -1], jnp.int32)
     new = jnp.ones((3, 3, 64), jnp.float32)
     kc, vc = kernels.write_kv(b.k_cache, b.v_cache, 1, new, new * 2, slots)
@@ -272,9 +272,44 @@ def test_cpu_impls_match_reference(impl, case):
     check(fn(*b.args(), sliding_window=window), b, reference(b, sliding_window=window, soft_cap=soft_cap))
 
 
+@pytest.mark.parametrize("case", ["decode", "mixed", "prefill-window"])
+def test_ffi_reads_bf16_caches(case):
+    """bfloat16 caches: the C++ kernel widens each element exactly, so it must match the reference run on the
+    same values in float32 to float32 tolerance."""
+    q_lens, kv_lens, window = {"decode": (DECODE_Q, DECODE_KV, 0), "mixed": (MIXED_Q, MIXED_KV, 0),
+                               "prefill-window": ([70, 1, 20], [150, 90, 20], 37)}[case]
+    b = make_batch(q_lens, kv_lens, seed=21)
+    b16 = dataclasses.replace(b, k_cache=b.k_cache.astype(jnp.bfloat16), v_cache=b.v_cache.astype(jnp.bfloat16))
+    widened = dataclasses.replace(b, k_cache=b16.k_cache.astype(jnp.float32), v_cache=b16.v_cache.astype(jnp.float32))
+    out = ragged_paged_attention_xla(*b16.args(), sm_scale=SM_SCALE, impl="ffi", sliding_window=window)
+    assert out.dtype == jnp.float32  # q's dtype
+    check(out, b, reference(widened, sliding_window=window))
+
+
+def test_ffi_write_kv_matches_reference():
+    """The in-place C++ write, inside a jit that donates the pool: same pool as the reference scatter (float32
+    and bfloat16 bits), negative and out-of-pool slots write nothing."""
+    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.reference import write_kv_ref
+
+    rng = np.random.default_rng(22)
+    shape = (3, 7, 16, 3, 64)
+    slots = jnp.array([0, 17, -1, 7 * 16 - 1, 5000, 40], jnp.int32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        kc = jnp.asarray(rng.standard_normal(shape), dtype)
+        vc = jnp.asarray(rng.standard_normal(shape), dtype)
+        new_k = jnp.asarray(rng.standard_normal((6, 3, 64)), dtype)
+        new_v = jnp.asarray(rng.standard_normal((6, 3, 64)), dtype)
+        exp_k, exp_v = write_kv_ref(kc, vc, 2, new_k, new_v, slots)
+        fn = jax.jit(cpu_ffi.write_kv, donate_argnums=(0, 1))
+        out_k, out_v = fn(kc, vc, jnp.int32(2), new_k, new_v, slots)
+        np.testing.assert_array_equal(np.asarray(out_k.astype(jnp.float32)), np.asarray(exp_k.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(out_v.astype(jnp.float32)), np.asarray(exp_v.astype(jnp.float32)))
+
+
 def test_ffi_refuses_what_it_cannot_do():
-    b = make_batch(DECODE_Q, DECODE_KV, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="float32 caches"):
+    b = make_batch(DECODE_Q, DECODE_KV, dtype=jnp.float16)
+    with pytest.raises(ValueError, match="float32 or bfloat16 caches"):
         ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, impl="ffi")
     with pytest.raises(ValueError, match="impl must"):
         ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, impl="cpp")

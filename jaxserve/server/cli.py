@@ -47,7 +47,7 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, max_model_len=args.max_model_len,
-                       num_pages=args.num_pages,
+                       kv_cache_dtype=args.kv_cache_dtype, num_pages=args.num_pages,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        attention_impl=args.attention_impl, policy=args.scheduling_policy)
     if not args.no_warmup:
