@@ -22,6 +22,8 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -30,9 +32,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Pages ahead to prefetch, into L2 (locality 1): on the 2-core EPYC a 64-sequence decode layer read its scattered
-// pages at 10-11 GB/s with a whole-page L1 prefetch one page ahead, 13-13.6 GB/s like this.
-constexpr int64_t kPrefetchPages = 2;
+// Pages ahead to prefetch, into L2 (locality 1): see AttendBlockT. No prefetch at all was 1.5x slower; into L1, 1.35x.
+constexpr int64_t kPrefetchPages = 1;
 
 // 16 floats (one AVX-512 register, two AVX ones), unaligned loads and stores allowed: GCC/Clang vector extensions.
 // head_dim runs 16 at a time; the last head_dim % 16 elements are scalar.
@@ -76,28 +77,22 @@ inline float ToFloat(uint16_t x) {
 typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
 
 // Merge<W>(x, y): x and y each hold 16 / W keys' partial sums in groups of W lanes; returns x's then y's keys, W / 2
-// lanes each, every pair of partials added. Four levels take 16 accumulators to one vector of 16 dot products.
+// lanes each, every pair of partials added. Four levels (W = 16, 8, 4, 2) take 16 accumulators to one vector of 16
+// dot products. Lane j of the result takes, from x (j < 8) or y, group (j % 8) / (W / 2)'s partial (j % 8) % (W / 2)
+// (lo) plus the one W / 2 lanes after it (hi).
+constexpr int MergeLane(int W, int j, bool hi) {
+  return (j / 8) * 16 + ((j % 8) / (W / 2)) * W + (j % 8) % (W / 2) + (hi ? W / 2 : 0);
+}
+
+template <int W, int... J>
+inline V16 MergeLanes(V16 x, V16 y, std::integer_sequence<int, J...>) {
+  return __builtin_shufflevector(x, y, MergeLane(W, J, false)...) +
+         __builtin_shufflevector(x, y, MergeLane(W, J, true)...);
+}
+
 template <int W>
-inline V16 Merge(V16 x, V16 y);
-template <>
-inline V16 Merge<16>(V16 x, V16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-template <>
-inline V16 Merge<8>(V16 x, V16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-template <>
-inline V16 Merge<4>(V16 x, V16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-         __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-}
-template <>
-inline V16 Merge<2>(V16 x, V16 y) {
-  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+inline V16 Merge(V16 x, V16 y) {
+  return MergeLanes<W>(x, y, std::make_integer_sequence<int, kWide>{});
 }
 
 // Horizontal max and sum of 16 lanes: four shuffle-and-combine levels.
@@ -221,6 +216,16 @@ AJ_INLINE void AccumulatePV(float* acc, float alpha, const float* p, const T* v,
   }
 }
 
+// dst [n, H] (contiguous) = src rows n x H (row stride ``stride``), widened to float32.
+template <typename T>
+inline void Widen(const T* src, int64_t stride, int64_t n, int64_t H, float* dst) {
+  const int64_t hw = H - H % kWide;
+  for (int64_t c = 0; c < n; ++c) {
+    for (int64_t j = 0; j < hw; j += kWide) Store16(dst + c * H + j, LoadKV16(src + c * stride + j));
+    for (int64_t j = hw; j < H; ++j) dst[c * H + j] = ToFloat(src[c * stride + j]);
+  }
+}
+
 struct Geometry {
   int64_t num_tokens, num_q_heads, head_dim;
   int64_t num_pages, page_size, kv_heads;
@@ -242,11 +247,13 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
   const int64_t group = Nq / K, rows = ntok * Nq, stride = K * H;
   const int64_t last = pos0 + ntok - 1;  // the last token's position: no key past it is read
   auto lo_of = [&](int64_t pos) { return g.window > 0 ? std::max<int64_t>(pos - g.window + 1, 0) : int64_t{0}; };
-  // scratch: m [rows], l [rows], acc [rows, H]
-  scratch.assign(rows * (2 + H), 0.0f);
+  // scratch: m [rows], l [rows], acc [rows, H], kbuf [16, H], vbuf [16, H]
+  scratch.assign(rows * (2 + H) + 2 * kWide * H, 0.0f);
   float* m = scratch.data();
   float* l = m + rows;
   float* acc = l + rows;
+  float* kbuf = acc + rows * H;
+  float* vbuf = kbuf + kWide * H;
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   const int64_t layer_base = g.layer * g.num_pages;
   const int64_t page_bytes = S * K * H * static_cast<int64_t>(sizeof(T));
@@ -258,7 +265,9 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
     const int64_t page = pages[first / S];
     const T* kp = k_cache + (layer_base + page) * S * stride;
     const T* vp = v_cache + (layer_base + page) * S * stride;
-    // Start fetching the page kPrefetchPages ahead, a slice per KV head, so the requests spread over this page's work.
+    // Fetch the page kPrefetchPages ahead into L2, one slice per (KV head, query head) row of this page's work, so
+    // the requests spread over it: a 64-sequence decode from a pool in DRAM, one thread, took 132 ms with one burst
+    // per KV head two pages ahead, 116 with a slice per row, 92-106 with a slice per row one page ahead.
     const int64_t ahead = first + kPrefetchPages * S;
     const char *kn = nullptr, *vn = nullptr;
     if (ahead <= last) {
@@ -267,16 +276,23 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
       vn = reinterpret_cast<const char*>(v_cache + (layer_base + next) * S * stride);
     }
     for (int64_t kh = 0; kh < K; ++kh) {
-      if (kn != nullptr) {
-        for (int64_t b = page_bytes * kh / K; b < page_bytes * (kh + 1) / K; b += 64) {
-          __builtin_prefetch(kn + b, 0, 1);
-          __builtin_prefetch(vn + b, 0, 1);
-        }
-      }
       for (int64_t c0 = std::max(first, start); c0 < std::min(first + S, last + 1); c0 += kWide) {
         const int64_t nb = std::min<int64_t>({kWide, first + S - c0, last + 1 - c0});  // keys of this group
         const T* kg = kp + (c0 - first) * stride + kh * H;
         const T* vg = vp + (c0 - first) * stride + kh * H;
+        // float32 rows of this group's keys and values: in place, or (bfloat16) widened once into kbuf / vbuf for all
+        // the rows that read them (widening on every load made a prefill chunk 1.9x slower than from float32).
+        const float *kf, *vf;
+        int64_t fs;
+        if constexpr (std::is_same_v<T, float>) {
+          kf = kg, vf = vg, fs = stride;
+        } else {
+          Widen(kg, stride, nb, H, kbuf);
+          Widen(vg, stride, nb, H, vbuf);
+          kf = kbuf, vf = vbuf, fs = H;
+        }
+        // The first rows to read this page's first group of this KV head each fetch one slice of the next page.
+        bool fetch = kn != nullptr && c0 == std::max(first, start);
         for (int64_t i = 0; i < ntok; ++i) {
           const int64_t pos = pos0 + i;
           const int64_t vlo = std::max(lo_of(pos), c0), vhi = std::min(pos + 1, c0 + nb);  // visible keys
@@ -284,7 +300,14 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
           const I16 visible = (lane >= static_cast<int32_t>(vlo - c0)) & (lane < static_cast<int32_t>(vhi - c0));
           for (int64_t gi = 0; gi < group; ++gi) {
             const int64_t r = i * Nq + kh * group + gi;
-            V16 x = Scores16(q + ((tok0 + i) * Nq + kh * group + gi) * H, kg, stride, nb, H) * g.sm_scale;
+            if (fetch) {
+              const int64_t slice = kh * group + gi, slices = K * group;
+              for (int64_t b = page_bytes * slice / slices; b < page_bytes * (slice + 1) / slices; b += 64) {
+                __builtin_prefetch(kn + b, 0, 1);
+                __builtin_prefetch(vn + b, 0, 1);
+              }
+            }
+            V16 x = Scores16(q + ((tok0 + i) * Nq + kh * group + gi) * H, kf, fs, nb, H) * g.sm_scale;
             if (g.soft_cap > 0) {
               for (int c = 0; c < kWide; ++c) x[c] = g.soft_cap * std::tanh(x[c] / g.soft_cap);
             }
@@ -296,8 +319,9 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
             l[r] = l[r] * alpha + Sum16(e);
             m[r] = mx;
             // P.V over the visible keys only: a slot past kv_len may hold anything (NaN), and 0 * NaN is NaN.
-            AccumulatePV(acc + r * H, alpha, p + (vlo - c0), vg + (vlo - c0) * stride, stride, vhi - vlo, H);
+            AccumulatePV(acc + r * H, alpha, p + (vlo - c0), vf + (vlo - c0) * fs, fs, vhi - vlo, H);
           }
+          fetch = false;
         }
       }
     }
