@@ -336,12 +336,137 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
   }
 }
 
+// Multi-token blocks (prefill chunks), head_dim HD known at compile time: the same online softmax with the rows in
+// the lanes. Per KV head, the block's (token, query head) rows form lane groups of 16; a group keeps its queries
+// transposed ([HD][16], pre-scaled), its running max / sum as vectors and its accumulator transposed ([HD][16]).
+// Per 16 keys: s[c] = sum_h qT[h] * k_c[h] (one broadcast key element per product, no horizontal sums), the causal /
+// window mask per lane, max / exp / sum across the 16 score vectors, then accT[h] += sum_c p[c] * v_c[h]. The keys and
+// values of each 16-key group are first copied (widened) into contiguous float32 buffers, so every broadcast is at a
+// compile-time offset. Same float32 products as AttendBlockT, without its per-row shuffle trees and scalar softmax.
+template <int HD, typename T>
+void AttendRowsT(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* pages,
+                 int64_t tok0, int64_t ntok, int64_t pos0, float* out, std::vector<float>& scratch) {
+  const int64_t K = g.kv_heads, Nq = g.num_q_heads, S = g.page_size, group = Nq / K, stride = K * HD;
+  const int64_t rows = ntok * group, lanes = (rows + kWide - 1) / kWide;  // per KV head
+  const int64_t last = pos0 + ntok - 1;
+  auto lo_of = [&](int64_t pos) { return g.window > 0 ? std::max<int64_t>(pos - g.window + 1, 0) : int64_t{0}; };
+  // scratch per (KV head, lane group): qT [HD][16], accT [HD][16], m [16], l [16]; then kbuf, vbuf [16][HD]
+  const int64_t per = 2 * HD * kWide + 2 * kWide;
+  scratch.assign(K * lanes * per + 2 * kWide * HD, 0.0f);
+  float* kbuf = scratch.data() + K * lanes * per;
+  float* vbuf = kbuf + kWide * HD;
+  std::vector<I16> pos_v(lanes), lo_v(lanes);  // per lane group: each lane's position, first visible key
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t lg = 0; lg < lanes; ++lg) {
+    for (int u = 0; u < kWide; ++u) {
+      const int64_t r = lg * kWide + u;
+      pos_v[lg][u] = r < rows ? static_cast<int32_t>(pos0 + r / group) : -1;
+      lo_v[lg][u] = r < rows ? static_cast<int32_t>(lo_of(pos0 + r / group)) : 0;
+    }
+  }
+  for (int64_t kh = 0; kh < K; ++kh) {
+    for (int64_t lg = 0; lg < lanes; ++lg) {
+      float* base = scratch.data() + (kh * lanes + lg) * per;
+      for (int u = 0; u < kWide; ++u) {
+        const int64_t r = lg * kWide + u;
+        if (r >= rows) continue;
+        const float* qr = q + ((tok0 + r / group) * Nq + kh * group + r % group) * HD;
+        for (int64_t h = 0; h < HD; ++h) base[h * kWide + u] = qr[h] * g.sm_scale;
+      }
+      std::fill(base + 2 * HD * kWide, base + 2 * HD * kWide + kWide, neg_inf);  // m
+    }
+  }
+  const int64_t layer_base = g.layer * g.num_pages;
+  const int64_t start = std::max<int64_t>(lo_of(pos0), 0);
+  const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const V16 ninf = V16{} + neg_inf, zero = {};
+  for (int64_t first = (start / S) * S; first <= last; first += S) {
+    const T* kp = k_cache + (layer_base + pages[first / S]) * S * stride;
+    const T* vp = v_cache + (layer_base + pages[first / S]) * S * stride;
+    for (int64_t kh = 0; kh < K; ++kh) {
+      for (int64_t c0 = std::max(first, start); c0 < std::min(first + S, last + 1); c0 += kWide) {
+        const int64_t nb = std::min<int64_t>({kWide, first + S - c0, last + 1 - c0});
+        // rows past nb repeat the last key: finite data, masked out of the scores, zero weight in P.V
+        for (int64_t c = 0; c < kWide; ++c) {
+          const int64_t cc = std::min(c, nb - 1);
+          Widen(kp + (c0 - first + cc) * stride + kh * HD, stride, 1, HD, kbuf + c * HD);
+          Widen(vp + (c0 - first + cc) * stride + kh * HD, stride, 1, HD, vbuf + c * HD);
+        }
+        for (int64_t lg = 0; lg < lanes; ++lg) {
+          float* qT = scratch.data() + (kh * lanes + lg) * per;
+          float* accT = qT + HD * kWide;
+          float* m = accT + HD * kWide;
+          float* l = m + kWide;
+          const I16 pv = pos_v[lg], lv = lo_v[lg];
+          int32_t max_pos = pv[0], min_lo = lv[0];
+          for (int u = 1; u < kWide; ++u) max_pos = std::max(max_pos, pv[u]), min_lo = std::min(min_lo, lv[u]);
+          if (c0 > max_pos || c0 + nb - 1 < min_lo) continue;  // every lane's keys are elsewhere
+          V16 sc[kWide];
+          for (int c = 0; c < kWide; ++c) sc[c] = zero;
+          for (int64_t h = 0; h < HD; ++h) {
+            const V16 qv = Load16(qT + h * kWide);
+#pragma GCC unroll 16
+            for (int c = 0; c < kWide; ++c) sc[c] += qv * kbuf[c * HD + h];
+          }
+          V16 mx = Load16(m);
+          for (int c = 0; c < kWide; ++c) {
+            if (g.soft_cap > 0) {
+              for (int u = 0; u < kWide; ++u) sc[c][u] = g.soft_cap * std::tanh(sc[c][u] / g.soft_cap);
+            }
+            const int32_t key = static_cast<int32_t>(c0 + c);
+            const I16 ok = (key <= pv) & (key >= lv) & (c < nb ? I16{} - 1 : I16{});
+            sc[c] = ok ? sc[c] : ninf;
+            mx = mx > sc[c] ? mx : sc[c];
+          }
+          const V16 m_old = Load16(m);
+          const V16 m_safe = mx == ninf ? zero : mx;  // a lane that has seen nothing yet keeps zeros
+          const V16 alpha = ExpNonPositive16(m_old - m_safe);
+          V16 sum = zero;
+          for (int c = 0; c < kWide; ++c) {
+            sc[c] = ExpNonPositive16(sc[c] - m_safe);
+            sum += sc[c];
+          }
+          Store16(l, Load16(l) * alpha + sum);
+          Store16(m, mx);
+          for (int64_t h0 = 0; h0 < HD; h0 += 8) {
+            V16 a[8];
+            for (int j = 0; j < 8; ++j) a[j] = Load16(accT + (h0 + j) * kWide) * alpha;
+#pragma GCC unroll 16
+            for (int c = 0; c < kWide; ++c) {
+              for (int j = 0; j < 8; ++j) a[j] += sc[c] * vbuf[c * HD + h0 + j];
+            }
+            for (int j = 0; j < 8; ++j) Store16(accT + (h0 + j) * kWide, a[j]);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t kh = 0; kh < K; ++kh) {
+    for (int64_t lg = 0; lg < lanes; ++lg) {
+      const float* accT = scratch.data() + (kh * lanes + lg) * per + HD * kWide;
+      const float* l = accT + HD * kWide + kWide;
+      for (int u = 0; u < kWide; ++u) {
+        const int64_t r = lg * kWide + u;
+        if (r >= rows) continue;
+        const float inv = l[u] > 0 ? 1.0f / l[u] : 0.0f;
+        float* o = out + ((tok0 + r / group) * Nq + kh * group + r % group) * HD;
+        for (int64_t h = 0; h < HD; ++h) o[h] = accT[h * kWide + u] * inv;
+      }
+    }
+  }
+}
+
 template <typename T>
 void AttendBlock(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* pages,
                  int64_t tok0, int64_t ntok, int64_t pos0, float* out, std::vector<float>& scratch) {
+  const bool rows = ntok * (g.num_q_heads / g.kv_heads) >= kWide;  // enough rows to fill the lanes
   switch (g.head_dim) {
-    case 64: return AttendBlockT<64, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
-    case 128: return AttendBlockT<128, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+    case 64:
+      if (rows) return AttendRowsT<64, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+      return AttendBlockT<64, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+    case 128:
+      if (rows) return AttendRowsT<128, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
+      return AttendBlockT<128, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
     default: return AttendBlockT<0, T>(g, q, k_cache, v_cache, pages, tok0, ntok, pos0, out, scratch);
   }
 }
