@@ -5,11 +5,12 @@ Prints output tokens/s, total tokens/s, the ratios, the machine's float32 matmul
 jaxserve's step time goes (host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
-                               [--jaxserve-configs exact bf16]
+                               [--jaxserve-configs exact bf16 bf16kv]
 
 Each of ``--jaxserve-configs`` runs jaxserve once: "exact" is the float32 default; "bf16" runs the weights'
-matrix products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``). For "bf16" the
-script also reports how often its greedy tokens agree with the exact run's.
+matrix products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``); "bf16kv" also
+keeps the KV cache in bfloat16 (``kv_cache_dtype="bfloat16"``). For the non-exact configurations the script also
+reports how often their greedy tokens agree with the exact run's.
 """
 
 from __future__ import annotations
