@@ -7,11 +7,14 @@
 // [page_size, kv_heads, head_dim] block is streamed from memory once per work item.
 //
 // A work item is up to 16 query tokens of one sequence (a decode token is an item of one). Per page, per KV head,
-// per 16 keys: the scores of every (token, query head) row as one 16-lane vector (one accumulator per key, reduced
-// by a shuffle tree), the causal / window mask, one online-softmax update (max, rescale, exp, P.V), float32
-// throughout. Items are claimed, most expensive first, through an atomic counter by the calling thread and by
-// helpers scheduled on XLA's own intra-op thread pool: no thread is created per call, no more threads run than
-// XLA's pool has, and uneven context lengths balance themselves.
+// per 16 keys, float32 throughout: few rows (decodes: AttendBlockT) get the scores of each (token, query head) row
+// as one 16-lane vector over the keys (one accumulator per key, reduced by a shuffle tree); 16 rows or more
+// (prefill chunks: AttendRowsT) put the rows in the lanes instead. Then the causal / window mask and one
+// online-softmax update (max, rescale, exp, P.V). bfloat16 pools are widened to float32 once per 16-key group.
+// Items are claimed, most expensive first, through an atomic counter by the calling thread and by helpers
+// scheduled on XLA's own intra-op thread pool: no thread is created per call, no more threads run than XLA's pool
+// has, and uneven context lengths balance themselves. The step's new K/V rows are written in place by a second
+// target (WriteKV).
 // Layouts (see reference.py): q [T, Nq, H]; caches [L, P, S, K, H]; page_indices [Sb, PB]; cu_q_lens [Sb + 1].
 
 #include <algorithm>
