@@ -26,9 +26,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import kernels
-from jaxserve.kernels import cpu_ffi
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.kernels import cpu_ffi
 from jaxserve.models.llama import AttentionBatch, model_from_params
 from jaxserve.request import Request
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, compute_logprobs, sample
