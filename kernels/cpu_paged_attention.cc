@@ -53,7 +53,8 @@ inline V16 Load16(const float* p) {
 
 inline void Store16(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// K/V elements: float32, or bfloat16 as its 16 raw bits (uint16_t), widened to float32 on load (a shift).
+// K/V elements: float32, or bfloat16 as its 16 raw bits (uint16_t), widened to float32 (a shift) by Widen before
+// any product reads them.
 typedef uint16_t U16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t U32x16 __attribute__((vector_size(64), aligned(4)));
 
@@ -118,23 +119,22 @@ inline float Sum16(V16 v) {
 
 // a[c] += q[0 : 16 NS] . k_c[0 : 16 NS] for the 16 keys k_c = k + min(c, n - 1) * stride: the query slices stay
 // in registers, one key row at a time is streamed through them (one pointer live, immediate offsets).
-template <int NS, typename T>
-AJ_INLINE void DotBlock(V16* a, const float* q, const T* k, int64_t stride, int64_t n) {
+template <int NS>
+AJ_INLINE void DotBlock(V16* a, const float* q, const float* k, int64_t stride, int64_t n) {
   V16 qv[NS];
   for (int u = 0; u < NS; ++u) qv[u] = Load16(q + u * kWide);
 #pragma GCC unroll 16
   for (int c = 0; c < kWide; ++c) {
-    const T* kc = k + (c < n ? c : n - 1) * stride;
-    V16 d = qv[0] * LoadKV16(kc);
-    for (int u = 1; u < NS; ++u) d += qv[u] * LoadKV16(kc + u * kWide);
+    const float* kc = k + (c < n ? c : n - 1) * stride;
+    V16 d = qv[0] * Load16(kc);
+    for (int u = 1; u < NS; ++u) d += qv[u] * Load16(kc + u * kWide);
     a[c] += d;
   }
 }
 
 // Lane c: q . k_c for the keys k_c = k + min(c, n - 1) * stride, c < 16 (lanes past n repeat the last key, so
 // nothing past the n real keys is read). One accumulator per key, then the Merge tree instead of 16 horizontal sums.
-template <typename T>
-AJ_INLINE V16 Scores16(const float* q, const T* k, int64_t stride, int64_t n, int64_t H) {
+AJ_INLINE V16 Scores16(const float* q, const float* k, int64_t stride, int64_t n, int64_t H) {
   const int64_t hw = H - H % kWide;
   V16 a[kWide] = {};
   int64_t j = 0;
@@ -151,7 +151,7 @@ AJ_INLINE V16 Scores16(const float* q, const T* k, int64_t stride, int64_t n, in
   for (int i = 0; i < 2; ++i) e[i] = Merge<4>(d[2 * i], d[2 * i + 1]);
   V16 s = Merge<2>(e[0], e[1]);
   for (j = hw; j < H; ++j) {  // the scalar tail of head_dim % 16
-    for (int c = 0; c < kWide; ++c) s[c] += q[j] * ToFloat(k[(c < n ? c : n - 1) * stride + j]);
+    for (int c = 0; c < kWide; ++c) s[c] += q[j] * k[(c < n ? c : n - 1) * stride + j];
   }
   return s;
 }
@@ -188,21 +188,21 @@ inline float ExpNonPositive(float x) {
 
 // acc = acc * alpha + sum_c p[c] v_c for one block of NS 16-float slices: the slices stay in registers over all n
 // keys, NS independent chains.
-template <int NS, typename T>
-AJ_INLINE void AccumulatePVBlock(float* acc, float alpha, const float* p, const T* v, int64_t stride, int64_t n) {
+template <int NS>
+AJ_INLINE void AccumulatePVBlock(float* acc, float alpha, const float* p, const float* v, int64_t stride,
+                                 int64_t n) {
   V16 a[NS];
   for (int u = 0; u < NS; ++u) a[u] = Load16(acc + u * kWide) * alpha;
   for (int64_t c = 0; c < n; ++c) {
-    const T* vc = v + c * stride;
-    for (int u = 0; u < NS; ++u) a[u] += p[c] * LoadKV16(vc + u * kWide);
+    const float* vc = v + c * stride;
+    for (int u = 0; u < NS; ++u) a[u] += p[c] * Load16(vc + u * kWide);
   }
   for (int u = 0; u < NS; ++u) Store16(acc + u * kWide, a[u]);
 }
 
 // acc = acc * alpha + sum_c p[c] v_c over head_dim H: blocks of up to four slices, then the scalar tail.
-template <typename T>
-AJ_INLINE void AccumulatePV(float* acc, float alpha, const float* p, const T* v, int64_t stride, int64_t n,
-                         int64_t H) {
+AJ_INLINE void AccumulatePV(float* acc, float alpha, const float* p, const float* v, int64_t stride, int64_t n,
+                            int64_t H) {
   const int64_t hw = H - H % kWide;
   int64_t j = 0;
   for (; j + 4 * kWide <= hw; j += 4 * kWide) AccumulatePVBlock<4>(acc + j, alpha, p, v + j, stride, n);
@@ -214,7 +214,7 @@ AJ_INLINE void AccumulatePV(float* acc, float alpha, const float* p, const T* v,
   }
   for (j = hw; j < H; ++j) {
     float a = acc[j] * alpha;
-    for (int64_t c = 0; c < n; ++c) a += p[c] * ToFloat(v[c * stride + j]);
+    for (int64_t c = 0; c < n; ++c) a += p[c] * v[c * stride + j];
     acc[j] = a;
   }
 }
@@ -236,6 +236,9 @@ struct Geometry {
   int64_t layer;
   int32_t window;
   float sm_scale, soft_cap;
+
+  // The first key a query token at ``pos`` sees: 0, or the start of its sliding window.
+  int64_t FirstVisible(int64_t pos) const { return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0; }
 };
 
 // Query tokens [tok0, tok0 + ntok) of one sequence, at context positions pos0, pos0 + 1, ...: writes their output
@@ -249,7 +252,6 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
   const int64_t H = HD > 0 ? HD : g.head_dim, K = g.kv_heads, Nq = g.num_q_heads, S = g.page_size;
   const int64_t group = Nq / K, rows = ntok * Nq, stride = K * H;
   const int64_t last = pos0 + ntok - 1;  // the last token's position: no key past it is read
-  auto lo_of = [&](int64_t pos) { return g.window > 0 ? std::max<int64_t>(pos - g.window + 1, 0) : int64_t{0}; };
   // scratch: m [rows], l [rows], acc [rows, H], kbuf [16, H], vbuf [16, H]
   scratch.assign(rows * (2 + H) + 2 * kWide * H, 0.0f);
   float* m = scratch.data();
@@ -263,7 +265,7 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
   const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const V16 neg_inf = V16{} - std::numeric_limits<float>::infinity();
   alignas(64) float p[kWide];
-  const int64_t start = std::max<int64_t>(lo_of(pos0), 0);
+  const int64_t start = std::max<int64_t>(g.FirstVisible(pos0), 0);
   for (int64_t first = (start / S) * S; first <= last; first += S) {
     const int64_t page = pages[first / S];
     const T* kp = k_cache + (layer_base + page) * S * stride;
@@ -298,7 +300,7 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
         bool fetch = kn != nullptr && c0 == std::max(first, start);
         for (int64_t i = 0; i < ntok; ++i) {
           const int64_t pos = pos0 + i;
-          const int64_t vlo = std::max(lo_of(pos), c0), vhi = std::min(pos + 1, c0 + nb);  // visible keys
+          const int64_t vlo = std::max(g.FirstVisible(pos), c0), vhi = std::min(pos + 1, c0 + nb);  // visible keys
           if (vlo >= vhi) continue;
           const I16 visible = (lane >= static_cast<int32_t>(vlo - c0)) & (lane < static_cast<int32_t>(vhi - c0));
           for (int64_t gi = 0; gi < group; ++gi) {
@@ -352,20 +354,23 @@ void AttendRowsT(const Geometry& g, const float* q, const T* k_cache, const T* v
   const int64_t K = g.kv_heads, Nq = g.num_q_heads, S = g.page_size, group = Nq / K, stride = K * HD;
   const int64_t rows = ntok * group, lanes = (rows + kWide - 1) / kWide;  // per KV head
   const int64_t last = pos0 + ntok - 1;
-  auto lo_of = [&](int64_t pos) { return g.window > 0 ? std::max<int64_t>(pos - g.window + 1, 0) : int64_t{0}; };
   // scratch per (KV head, lane group): qT [HD][16], accT [HD][16], m [16], l [16]; then kbuf, vbuf [16][HD]
   const int64_t per = 2 * HD * kWide + 2 * kWide;
   scratch.assign(K * lanes * per + 2 * kWide * HD, 0.0f);
   float* kbuf = scratch.data() + K * lanes * per;
   float* vbuf = kbuf + kWide * HD;
   std::vector<I16> pos_v(lanes), lo_v(lanes);  // per lane group: each lane's position, first visible key
+  std::vector<int64_t> max_pos(lanes), min_lo(lanes);  // and the group's bounds: its keys lie within them
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t lg = 0; lg < lanes; ++lg) {
     for (int u = 0; u < kWide; ++u) {
       const int64_t r = lg * kWide + u;
       pos_v[lg][u] = r < rows ? static_cast<int32_t>(pos0 + r / group) : -1;
-      lo_v[lg][u] = r < rows ? static_cast<int32_t>(lo_of(pos0 + r / group)) : 0;
+      lo_v[lg][u] = r < rows ? static_cast<int32_t>(g.FirstVisible(pos0 + r / group)) : 0;
     }
+    const int64_t r_last = std::min(rows, (lg + 1) * kWide) - 1;  // rows run in token order
+    max_pos[lg] = pos0 + r_last / group;
+    min_lo[lg] = g.FirstVisible(pos0 + lg * kWide / group);
   }
   for (int64_t kh = 0; kh < K; ++kh) {
     for (int64_t lg = 0; lg < lanes; ++lg) {
@@ -380,7 +385,7 @@ void AttendRowsT(const Geometry& g, const float* q, const T* k_cache, const T* v
     }
   }
   const int64_t layer_base = g.layer * g.num_pages;
-  const int64_t start = std::max<int64_t>(lo_of(pos0), 0);
+  const int64_t start = std::max<int64_t>(g.FirstVisible(pos0), 0);
   const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const V16 ninf = V16{} + neg_inf, zero = {};
   for (int64_t first = (start / S) * S; first <= last; first += S) {
@@ -400,10 +405,8 @@ void AttendRowsT(const Geometry& g, const float* q, const T* k_cache, const T* v
           float* accT = qT + HD * kWide;
           float* m = accT + HD * kWide;
           float* l = m + kWide;
+          if (c0 > max_pos[lg] || c0 + nb - 1 < min_lo[lg]) continue;  // every lane's keys are elsewhere
           const I16 pv = pos_v[lg], lv = lo_v[lg];
-          int32_t max_pos = pv[0], min_lo = lv[0];
-          for (int u = 1; u < kWide; ++u) max_pos = std::max(max_pos, pv[u]), min_lo = std::min(min_lo, lv[u]);
-          if (c0 > max_pos || c0 + nb - 1 < min_lo) continue;  // every lane's keys are elsewhere
           V16 sc[kWide];
           for (int c = 0; c < kWide; ++c) sc[c] = zero;
           for (int64_t h = 0; h < HD; ++h) {
@@ -528,12 +531,12 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
     std::fill(covered.begin() + cu[s], covered.begin() + cu[s + 1], 1);
     for (int64_t t = 0; t < q_len; t += kBlockTokens) {
       const int64_t ntok = std::min(kBlockTokens, q_len - t), pos0 = kv_len - q_len + t;
-      if (pos0 + ntok <= 0) {  // tokens before the context's start see nothing: zero rows
-        std::fill(covered.begin() + cu[s] + t, covered.begin() + cu[s] + t + ntok, 0);
-        continue;
-      }
+      // tokens before the context's start (a chunk longer than its kv_len) see nothing: zero rows
+      const int64_t skip = std::min(ntok, std::max<int64_t>(-pos0, 0));
+      std::fill(covered.begin() + cu[s] + t, covered.begin() + cu[s] + t + skip, 0);
+      if (skip == ntok) continue;
       const int64_t ctx = g.window > 0 ? std::min<int64_t>(pos0 + ntok, g.window + ntok) : pos0 + ntok;
-      work.push_back({s, cu[s] + t, ntok, pos0, ntok * ctx});
+      work.push_back({s, cu[s] + t + skip, ntok - skip, pos0 + skip, ntok * ctx});
     }
   }
   const int64_t row = g.num_q_heads * g.head_dim;
@@ -553,13 +556,7 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
     std::vector<float> scratch;
     for (int64_t i = st.next.fetch_add(1); i < n; i = st.next.fetch_add(1)) {
       const WorkItem& w = work[i];
-      if (w.pos0 < 0) {  // the first tokens of a chunk longer than its context see nothing
-        const int64_t skip = -w.pos0;
-        std::fill(o + w.tok0 * row, o + (w.tok0 + skip) * row, 0.0f);
-        AttendBlock(g, qp, kc, vc, table + w.seq * g.pages_per_seq, w.tok0 + skip, w.ntok - skip, 0, o, scratch);
-      } else {
-        AttendBlock(g, qp, kc, vc, table + w.seq * g.pages_per_seq, w.tok0, w.ntok, w.pos0, o, scratch);
-      }
+      AttendBlock(g, qp, kc, vc, table + w.seq * g.pages_per_seq, w.tok0, w.ntok, w.pos0, o, scratch);
       st.done.fetch_add(1, std::memory_order_release);
     }
   };
