@@ -100,7 +100,7 @@ class ModelRunner:
         if matmul_dtype is not None and jnp.dtype(matmul_dtype) != params["embed"].dtype:
             self.matmul_weights = jax.jit(lambda s: nnx.merge(self.graphdef, s).matmul_weights())(self.state)
         self.kv_dtype = jnp.dtype(cache_cfg.dtype or params["embed"].dtype)  # default: the weights' dtype
-        cpp = attention_impl in ("auto", "xla") and self.kv_dtype in cpu_ffi.CACHE_DTYPES and cpu_ffi.available()
+        cpp = attention_impl in ("auto", "xla") and cpu_ffi.serves(self.kv_dtype) and cpu_ffi.available()
         if self.kv_dtype != jnp.float32 and jax.default_backend() == "cpu" and attention_impl != "pallas" and not cpp:
             warnings.warn(f"a {self.kv_dtype} KV cache on the CPU is slow without the C++ attention: XLA:CPU converts "
                           "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "

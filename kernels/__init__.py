@@ -13,10 +13,10 @@ Layouts and semantics are defined once, in ``reference.py``.
   "auto"       Pallas kernel compiled for the platform on GPU / TPU; "xla" on anything else (the CPU).
   "pallas"     the Pallas kernel; on a platform it was not written for (the CPU) it runs in interpret
                mode. ``backend="gpu"|"tpu"`` picks which kernel (default: the platform's, GPU-style on CPU).
-  "xla"        the jnp/lax implementation built to be fast on the CPU (``ragged_paged_attention_xla.py``); writes
-               K/V with the reference. It hands the whole call to a C++ kernel called through XLA FFI
-               (``cpu_paged_attention.cc``, built on first use by ``cpu_ffi.py``) when the caches are float32
-               on the CPU and a C++ compiler is there; else its own blocks compute it.
+  "xla"        the CPU path. Attention and the K/V write go to C++ kernels called through XLA FFI
+               (``cpu_paged_attention.cc``, built on first use by ``cpu_ffi.py``) when a C++ compiler is there
+               (attention: for float32 or bfloat16 caches); else attention runs in jnp/lax blocks
+               (``ragged_paged_attention_xla.py``) and K/V is written with the reference scatter.
   "reference"  the jnp reference, anywhere.
 """
 

@@ -117,6 +117,12 @@ def unavailable_reason() -> str | None:
     return None if _load() else _error
 
 
+def serves(dtype) -> bool:
+    """Whether the C++ kernels apply to a pool of this dtype on the current backend (built or not: see
+    ``available``)."""
+    return jnp.dtype(dtype) in CACHE_DTYPES and jax.default_backend() == "cpu"
+
+
 def paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
                     sm_scale: float, soft_cap: float | None) -> jax.Array:
     """[T, Nq, H] float32 ragged paged attention (``reference.ragged_paged_attention_ref``'s contract): every

@@ -88,8 +88,8 @@ def ragged_paged_attention_xla(
       block_q: query tokens per block for sequences with more than one query token (overrides the hint).
       ctx_chunk, decode_chunk: context tokens per online-softmax step for those blocks and for 1-token
         sequences (override the defaults).
-      impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32 or bfloat16 caches on the CPU), "xla" the blocks
-        here, "auto" the C++ kernel where it applies and could be built, else the blocks.
+      impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32 or bfloat16 caches on the CPU),
+        "xla" the blocks here, "auto" the C++ kernel where it applies and could be built, else the blocks.
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
@@ -112,8 +112,7 @@ def ragged_paged_attention_xla(
     no_window = isinstance(sliding_window, int) and sliding_window <= 0  # statically off: no window mask at all
     if impl not in ("auto", "ffi", "xla"):
         raise ValueError(f"impl must be 'auto', 'ffi' or 'xla', got {impl!r}")
-    fits = (k_cache.dtype == v_cache.dtype and k_cache.dtype in cpu_ffi.CACHE_DTYPES
-            and jax.default_backend() == "cpu")
+    fits = k_cache.dtype == v_cache.dtype and cpu_ffi.serves(k_cache.dtype)
     if impl == "ffi":
         if not fits:
             raise ValueError("impl='ffi' needs float32 or bfloat16 caches on the CPU backend, got "

@@ -30,6 +30,7 @@ SM_SCALE = 0.125
 # 20..24), one starting on a page boundary (32..47), one of 3 tokens (odd against small blocks).
 MIXED_Q = [15, 16, 17, 0, 1, 1, 1, 5, 16, 3]
 MIXED_KV = [15, 16, 17, 15, 16, 17, 1, 25, 48, 40]
+PREFILL_WINDOW = ([70, 1, 20], [150, 90, 20], 37)  # q_lens, kv_lens, sliding window
 DECODE_Q = [1] * 7
 DECODE_KV = [1, 15, 16, 17, 33, 70, 129]
 PREFILL_Q = [15, 16, 17, 70]
@@ -259,8 +260,8 @@ def test_cpu_impls_match_reference(impl, case):
     elif case == "prefill":  # chunks longer than the C++ kernel's 16-token blocks, at the start and mid-context
         b = make_batch([40, 100, 1, 33], [40, 300, 50, 47], seed=17)
     elif case == "prefill-window":
-        b = make_batch([70, 1, 20], [150, 90, 20], seed=18)
-        window, soft_cap = jnp.int32(37), 5.0
+        b = make_batch(*PREFILL_WINDOW[:2], seed=18)
+        window, soft_cap = jnp.int32(PREFILL_WINDOW[2]), 5.0
     elif case == "page8":  # pages shorter than the C++ kernel's 16-key groups
         b = make_batch([1, 1, 19, 1], [3, 40, 50, 17], seed=19, page=8)
     elif case == "page24":  # a 16-key group and a partial one per page
@@ -277,7 +278,7 @@ def test_ffi_reads_bf16_caches(case):
     """bfloat16 caches: the C++ kernel widens each element exactly, so it must match the reference run on the
     same values in float32 to float32 tolerance."""
     q_lens, kv_lens, window = {"decode": (DECODE_Q, DECODE_KV, 0), "mixed": (MIXED_Q, MIXED_KV, 0),
-                               "prefill-window": ([70, 1, 20], [150, 90, 20], 37)}[case]
+                               "prefill-window": PREFILL_WINDOW}[case]
     b = make_batch(q_lens, kv_lens, seed=21)
     b16 = dataclasses.replace(b, k_cache=b.k_cache.astype(jnp.bfloat16), v_cache=b.v_cache.astype(jnp.bfloat16))
     widened = dataclasses.replace(b, k_cache=b16.k_cache.astype(jnp.float32), v_cache=b16.v_cache.astype(jnp.float32))
