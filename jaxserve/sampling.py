@@ -1,8 +1,10 @@
 """Sampling: user-facing ``SamplingParams`` and a jitted, batched sampler driven by per-row arrays.
 
 Host side, ``SamplingParams`` validates one request's settings and ``SamplingMetadata.from_params`` packs a
-batch of them into padded arrays of bucketed shapes. Device side, ``sample`` reads only those arrays, so one
-compile serves every mix of temperatures, top-k/top-p/min-p, penalties, biases and seeds at a given shape.
+batch of them into padded arrays. Device side, ``sample`` reads only those arrays, so one compile serves every
+mix of temperatures, top-k/top-p/min-p, penalties, biases, logprobs and seeds at a given shape. The runner
+asks for fixed widths (bias entries and token history), so no request parameter can change a shape and
+trigger a compile after warm-up; without them the widths are bucketed to what the batch needs.
 
 The order follows vLLM v1: logit bias (and the ``min_tokens`` ban on stop tokens), penalties, then
 temperature, min-p, top-k, top-p and a Gumbel-max draw; greedy rows (temperature < 1e-5) take the argmax of
@@ -22,12 +24,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import GREEDY_EPS, MAX_LOGPROBS, PAD_ID, TOP_K_CAP, SamplingParams  # noqa: F401
+from jaxserve.sampling_params import (  # noqa: F401
+    GREEDY_EPS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, PAD_ID, TOP_K_CAP, SamplingParams,
+)
 
 
 def _bucket(n: int, minimum: int) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return 1 << (max(n, minimum, 1) - 1).bit_length()
+
+
+def bias_width(num_eos_tokens: int) -> int:
+    """Fixed bias width that holds any valid request: its logit_bias plus, under min_tokens, the ban on its
+    stop_token_ids and the model's EOS tokens."""
+    return MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + num_eos_tokens
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(shape: tuple[int, ...], dtype: str, fill) -> np.ndarray:
+    """A read-only array of one value, shared by every batch that needs no per-row data in it."""
+    out = np.full(shape, fill, dtype)
+    out.flags.writeable = False
+    return out
+
+
+def _width(name: str, need: int, fixed: int | None, minimum: int) -> int:
+    if fixed is None:
+        return _bucket(need, minimum)
+    if need > fixed:
+        raise ValueError(f"a row needs {need} {name} entries, more than the fixed width {fixed}")
+    return fixed
 
 
 @jax.tree_util.register_dataclass
@@ -47,10 +73,13 @@ class SamplingMetadata:
     frequency_penalty: jax.Array  # [B] float32; 0 = off
     seed: jax.Array  # [B, 2] uint32; threefry key data (hi, lo) of the 64-bit seed, = PRNGKey(seed)
     step: jax.Array  # [B] int32; folded into the key: the number of tokens the request generated so far
+    num_logprobs: jax.Array  # [B] int32; top logprobs the row asks for (the top-K runs only if some row does)
     bias_ids: jax.Array  # [B, Nb] int32; pads are id 0 with value 0 (a no-op add)
     bias_values: jax.Array  # [B, Nb] float32; -inf bans a token (min_tokens)
-    prompt_ids: jax.Array  # [B, Lp] int32, PAD_ID padded; only rows with a repetition penalty fill it
-    output_ids: jax.Array  # [B, Lo] int32, PAD_ID padded; only rows with any penalty fill it
+    # [B, H] int32, PAD_ID padded: the prompt (rows with a repetition penalty) then the outputs (rows with any
+    # penalty); the first num_prompt[i] entries of row i are prompt tokens.
+    history: jax.Array
+    num_prompt: jax.Array  # [B] int32
 
     @classmethod
     def from_params(
@@ -65,8 +94,10 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int] = (),
         min_history: int = 16,
         min_bias: int = 4,
+        history_width: int | None = None,
+        bias_width: int | None = None,
     ) -> SamplingMetadata:
-        """Pack a batch of requests into padded numpy-backed arrays of bucketed shapes.
+        """Pack a batch of requests into padded numpy-backed arrays of bucketed or fixed shapes.
 
         Args:
             params: one ``SamplingParams`` per live row.
@@ -80,9 +111,12 @@ class SamplingMetadata:
             eos_token_ids: banned, with ``stop_token_ids``, while a row has fewer than ``min_tokens`` outputs
                 (EOS is not banned when ``ignore_eos``).
             min_history, min_bias: smallest buckets of the history and bias widths (powers of two).
+            history_width, bias_width: fixed widths instead of buckets (the runner's: every step then has the
+                same shapes). A batch that needs no history or bias gets shared constant arrays.
 
         Raises:
-            ValueError: ``pad_to`` is smaller than the batch, or a per-row list has the wrong length.
+            ValueError: ``pad_to`` is smaller than the batch, a per-row list has the wrong length, or a row
+                needs more than a fixed width.
         """
         n = len(params)
         b = n if pad_to is None else pad_to
@@ -98,14 +132,14 @@ class SamplingMetadata:
         top_k, step = np.zeros(b, np.int32), np.zeros(b, np.int32)
         top_p, min_p = np.ones(b, np.float32), np.zeros(b, np.float32)
         rep, pres, freq = np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
-        seed = np.zeros((b, 2), np.uint32)
+        seed, num_logprobs, num_prompt = np.zeros((b, 2), np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         biases: list[list[tuple[int, float]]] = [[] for _ in range(b)]
         prompts: list[Sequence[int]] = [()] * b
         outputs: list[Sequence[int]] = [()] * b
         for i, p in enumerate(params):
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-            step[i] = steps[i]
+            step[i], num_logprobs[i] = steps[i], p.logprobs or 0
             s = seeds[i] if seeds is not None and seeds[i] is not None else p.seed
             if s is None:
                 s = int(np.random.default_rng().integers(0, 2**63))
@@ -117,26 +151,34 @@ class SamplingMetadata:
                 biases[i] += [(t, -np.inf) for t in dict.fromkeys(banned)]
             if p.repetition_penalty != 1.0 and prompt_ids is not None:
                 prompts[i] = prompt_ids[i]
+                num_prompt[i] = len(prompts[i])
             penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             if penalized and output_ids is not None:
                 outputs[i] = output_ids[i]
 
-        nb = _bucket(max(map(len, biases)), min_bias)
-        bias_ids, bias_values = np.zeros((b, nb), np.int32), np.zeros((b, nb), np.float32)
-        for i, pairs in enumerate(biases):
-            if pairs:
-                bias_ids[i, : len(pairs)], bias_values[i, : len(pairs)] = zip(*pairs)
+        nb = _width("bias", max(map(len, biases)), bias_width, min_bias)
+        if any(biases):
+            bias_ids, bias_values = np.zeros((b, nb), np.int32), np.zeros((b, nb), np.float32)
+            for i, pairs in enumerate(biases):
+                if pairs:
+                    bias_ids[i, : len(pairs)], bias_values[i, : len(pairs)] = zip(*pairs)
+        else:
+            bias_ids, bias_values = _constant((b, nb), "int32", 0), _constant((b, nb), "float32", 0.0)
 
-        def pad_history(rows):
-            out = np.full((b, _bucket(max(map(len, rows)), min_history)), PAD_ID, np.int32)
-            for i, ids in enumerate(rows):
-                out[i, : len(ids)] = ids
-            return out
+        lengths = [len(p) + len(o) for p, o in zip(prompts, outputs)]
+        h = _width("history", max(lengths), history_width, min_history)
+        if any(lengths):
+            history = np.full((b, h), PAD_ID, np.int32)
+            for i, (ids, out) in enumerate(zip(prompts, outputs)):
+                history[i, : len(ids)] = ids
+                history[i, len(ids): lengths[i]] = out
+        else:
+            history = _constant((b, h), "int32", PAD_ID)
 
         return cls(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
-            presence_penalty=pres, frequency_penalty=freq, seed=seed, step=step, bias_ids=bias_ids,
-            bias_values=bias_values, prompt_ids=pad_history(prompts), output_ids=pad_history(outputs),
+            presence_penalty=pres, frequency_penalty=freq, seed=seed, step=step, num_logprobs=num_logprobs,
+            bias_ids=bias_ids, bias_values=bias_values, history=history, num_prompt=num_prompt,
         )  # fmt: skip
 
 
@@ -153,9 +195,11 @@ def _apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """vLLM's penalties: repetition on tokens seen in prompt or output; presence/frequency on output counts."""
     b, v = logits.shape
     rows = jnp.arange(b)[:, None]  # [B, 1]
-    # Pads point one past the vocabulary so mode="drop" discards them (negative ids would wrap instead).
-    out_ids = jnp.where(meta.output_ids < 0, v, meta.output_ids)  # [B, Lo]
-    prompt_ids = jnp.where(meta.prompt_ids < 0, v, meta.prompt_ids)  # [B, Lp]
+    in_output = jnp.arange(meta.history.shape[1])[None, :] >= meta.num_prompt[:, None]  # [B, H]
+    # Pads and the other part point one past the vocabulary so mode="drop" discards them (negative ids
+    # would wrap instead).
+    ids = jnp.where(meta.history < 0, v, meta.history)  # [B, H]
+    out_ids, prompt_ids = jnp.where(in_output, ids, v), jnp.where(in_output, v, ids)
     out_counts = jnp.zeros((b, v), jnp.float32).at[rows, out_ids].add(1.0, mode="drop")  # [B, V]
     in_prompt = jnp.zeros((b, v), jnp.bool_).at[rows, prompt_ids].set(True, mode="drop")  # [B, V]
     seen = in_prompt | (out_counts > 0)
@@ -237,15 +281,22 @@ def process_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return _process(logits, meta)[0]
 
 
-def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array | None = None):
+    """Chosen tokens' logprobs [T] and the top-k [T, K]; the top-k runs only when ``wanted`` (zeros else)."""
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [T, 1]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]  # [T]
-    k = min(k, logits.shape[-1])
-    if k == 0:
-        n = logits.shape[0]
-        return chosen, jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), jnp.float32)
-    top_values, top_ids = jax.lax.top_k(logits, k)  # [T, K]
-    return chosen, top_ids.astype(jnp.int32), top_values - lse
+    n, k = logits.shape[0], min(k, logits.shape[-1])
+
+    def top(x):
+        top_values, top_ids = jax.lax.top_k(x, k)  # [T, K]
+        return top_ids.astype(jnp.int32), top_values - lse
+
+    def skipped(_):
+        return jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32)
+
+    if k == 0 or wanted is None:
+        return (chosen, *(skipped if k == 0 else top)(logits))
+    return (chosen, *jax.lax.cond(wanted, top, skipped, logits))
 
 
 @functools.partial(jax.jit, static_argnames=("max_logprobs",))
@@ -256,7 +307,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         logits: [B, V] model logits (cast to float32).
         meta: the batch's ``SamplingMetadata`` with B rows.
         max_logprobs: static K of the top-logprob outputs, capped at V (0 skips them; the host slices
-            per request).
+            per request). The top-K runs only when some row's ``num_logprobs`` is positive (zeros else).
 
     Returns:
         ``SamplerOutput`` with tokens [B], their raw logprobs [B] and the top-K raw logprobs [B, K].
@@ -273,7 +324,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         return jnp.where(greedy, argmax, drawn)
 
     tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
-    chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs)
+    chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs, jnp.any(meta.num_logprobs > 0))
     return SamplerOutput(tokens=tokens, logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_values)
 
 

@@ -15,6 +15,10 @@ MAX_LOGPROBS = 20  # Most top logprobs a request may ask for (OpenAI's limit); t
 GREEDY_EPS = 1e-5  # Temperatures below this are greedy (argmax), as in vLLM.
 TOP_K_CAP = 256  # Top-k/top-p read the top this-many logits (lax.top_k); a full vocabulary sort is the fallback.
 PAD_ID = -1  # Pad value of the token-history arrays.
+MAX_LOGIT_BIAS = 1024  # Most logit_bias entries per request: the sampler's bias arrays have a fixed width.
+MAX_STOP_TOKEN_IDS = 256  # Most stop_token_ids per request (banned through the same arrays under min_tokens).
+INT32_MAX = 2**31 - 1  # Every int the device sees (token ids, top_k, counts) is an int32.
+SEED_RANGE = (-(2**63), 2**63 - 1)  # seeds are 64-bit signed ints, as in vLLM
 _MAX_ABS_PENALTY = 2.0
 _MAX_ABS_BIAS = 100.0
 
@@ -62,7 +66,8 @@ class SamplingParams:
 
     def __post_init__(self):
         def fail(name: str, why: str):
-            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+            got = repr(getattr(self, name))
+            raise ValueError(f"SamplingParams.{name} {why}, got {got if len(got) <= 200 else got[:200] + '...'}")
 
         def check_real(name, lo, hi, lo_open=False):
             v = getattr(self, name)
@@ -72,12 +77,12 @@ class SamplingParams:
                 fail(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
             object.__setattr__(self, name, float(v))  # numpy scalars become plain floats
 
-        def check_int(name, lo, optional=False):
+        def check_int(name, lo, optional=False, hi=INT32_MAX):
             v = getattr(self, name)
             if v is None and optional:
                 return
-            if not _is_int(v) or v < lo:
-                fail(name, f"must be an int >= {lo}" + (" or None" if optional else ""))
+            if not _is_int(v) or not lo <= v <= hi:
+                fail(name, f"must be an int in [{lo}, {hi}]" + (" or None" if optional else ""))
             object.__setattr__(self, name, int(v))
 
         check_int("n", 1)
@@ -88,18 +93,13 @@ class SamplingParams:
         check_real("repetition_penalty", 0.0, float("inf"), lo_open=True)
         check_real("presence_penalty", -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY)
         check_real("frequency_penalty", -_MAX_ABS_PENALTY, _MAX_ABS_PENALTY)
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "must be an int or None")
-        if self.seed is not None:
-            object.__setattr__(self, "seed", int(self.seed))
+        check_int("seed", SEED_RANGE[0], optional=True, hi=SEED_RANGE[1])  # a 64-bit signed int
         check_int("max_tokens", 1, optional=True)
         check_int("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
-            check_int(name, 0, optional=True)
-            if getattr(self, name) is not None and getattr(self, name) > MAX_LOGPROBS:
-                fail(name, f"must be <= {MAX_LOGPROBS}")
+            check_int(name, 0, optional=True, hi=MAX_LOGPROBS)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a bool")
@@ -110,18 +110,22 @@ class SamplingParams:
         object.__setattr__(self, "stop", list(stop))
 
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            fail("stop_token_ids", "must be a list of non-negative ints or None")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+            fail("stop_token_ids", f"must be a list of token ids in [0, {INT32_MAX}] or None")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids (got {len(ids)})")
         object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 fail("logit_bias", "must be a dict {token_id: bias} or None")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                fail("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")
             bias = {}
             for key, value in self.logit_bias.items():
                 tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-                if not _is_int(tok) or tok < 0:
-                    fail("logit_bias", f"keys must be non-negative token ids (bad key {key!r})")
+                if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
+                    fail("logit_bias", f"keys must be token ids in [0, {INT32_MAX}] (bad key {key!r})")
                 if not _is_real(value) or abs(value) > _MAX_ABS_BIAS:
                     fail("logit_bias", f"values must be numbers in [-100, 100] (bad value {value!r})")
                 bias[int(tok)] = float(value)

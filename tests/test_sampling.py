@@ -69,11 +69,38 @@ def kept_set(logits, params):
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        # Everything the device sees is an int32; seeds are 64-bit signed ints (as in vLLM).
+        ({"top_k": 2**40}, "top_k"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"min_tokens": 2**40}, "min_tokens"),
+        ({"n": 2**31}, "n"),
+        ({"logit_bias": {2**40: 1.0}}, "logit_bias"),
+        ({"logit_bias": {str(2**31): 1.0}}, "logit_bias"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": True}, "seed"),
+        # The sampler's bias arrays have a fixed width.
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
+        ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
     ],
 )
 def test_invalid_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
         SamplingParams(**kwargs)
+
+
+def test_int_limits_are_inclusive():
+    top = 2**31 - 1
+    p = SamplingParams(top_k=top, max_tokens=top, logit_bias={top: 1.0}, stop_token_ids=[top], seed=2**63 - 1)
+    assert (p.top_k, p.logit_bias, p.stop_token_ids) == (top, {top: 1.0}, [top])
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert len(SamplingParams(logit_bias={i: 1.0 for i in range(1024)}).logit_bias) == sampling.MAX_LOGIT_BIAS
+    # A huge value is cut short in the message.
+    with pytest.raises(ValueError, match=r"logit_bias may hold at most 1024 entries \(got 5000\), got .{200}\.\.\.$"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(5000)})
 
 
 def test_params_normalization_and_defaults():
@@ -101,12 +128,37 @@ def test_from_params_pads_rows_and_buckets_history():
     np.testing.assert_array_equal(meta.temperature, np.float32([0.8, 1.0, 0.0, 0.0]))  # padding rows greedy
     np.testing.assert_array_equal(meta.top_k, [0, 0, 0, 0])  # -1 -> 0 (off)
     np.testing.assert_array_equal(meta.step, [3, 1, 0, 0])  # default step = outputs so far
-    assert meta.prompt_ids.shape == (4, 32) and meta.output_ids.shape == (4, 16)  # powers of two, >= 16
+    assert meta.history.shape == (4, 32)  # a power of two >= 16 holding prompt + outputs (23 tokens)
+    np.testing.assert_array_equal(meta.history[0, :23], list(range(20)) + [5] * 3)
+    np.testing.assert_array_equal(meta.num_prompt, [20, 0, 0, 0])
     # Row 1 has no penalty, so its history is not shipped.
-    assert (meta.prompt_ids[1] == sampling.PAD_ID).all() and (meta.output_ids[1] == sampling.PAD_ID).all()
+    assert (meta.history[0, 23:] == sampling.PAD_ID).all() and (meta.history[1] == sampling.PAD_ID).all()
     assert meta.bias_ids.shape == (4, 4) and meta.bias_ids[0, 0] == 3 and meta.bias_values[0, 0] == 1.0
     with pytest.raises(ValueError, match="pad_to"):
         meta_for(params, pad_to=1)
+
+
+def test_fixed_widths_keep_every_shape():
+    """With fixed widths (the runner's), no parameter of any request changes a shape."""
+    fixed = dict(pad_to=4, history_width=300, bias_width=sampling.bias_width(1), eos_token_ids=[2])
+    batches = [
+        ([SamplingParams()], {}),
+        ([SamplingParams(logit_bias={i: 1.0 for i in range(sampling.MAX_LOGIT_BIAS)}, min_tokens=3,
+                         stop_token_ids=list(range(sampling.MAX_STOP_TOKEN_IDS)))], {}),
+        ([SamplingParams(repetition_penalty=1.1, logprobs=20)] * 2,
+         dict(prompt_ids=[list(range(200))] * 2, output_ids=[[1] * 99] * 2)),
+    ]
+    shapes = set()
+    for params, hist in batches:
+        meta = meta_for(params, **hist, **fixed)
+        shapes.add(tuple((f.name, np.shape(getattr(meta, f.name))) for f in dataclasses.fields(meta)))
+    assert len(shapes) == 1
+    assert dict(shapes.pop())["history"] == (4, 300)
+    with pytest.raises(ValueError, match="history"):
+        meta_for([SamplingParams(frequency_penalty=1.0)], output_ids=[[1] * 301], **fixed)
+    # Batches without bias or penalties share constant arrays instead of building them each step.
+    a, b = meta_for([SamplingParams()], **fixed), meta_for([SamplingParams(seed=3)], **fixed)
+    assert a.history is b.history and a.bias_ids is b.bias_ids and not a.history.flags.writeable
 
 
 def test_seed_key_matches_prng_key():
@@ -372,6 +424,7 @@ def test_logprobs_are_raw_log_softmax():
         SamplingParams(temperature=1.5, seed=4),
         SamplingParams(temperature=0.0),
     ]
+    params[0] = dataclasses.replace(params[0], logprobs=2)  # one row asking is enough to compute the top-K
     out = sample(jnp.asarray(raw), meta_for(params, output_ids=[[1, 2, 3]] * b), max_logprobs=sampling.MAX_LOGPROBS)
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(raw), axis=-1))
     tokens = np.asarray(out.tokens)
@@ -382,6 +435,11 @@ def test_logprobs_are_raw_log_softmax():
     np.testing.assert_array_equal(out.top_logprob_ids, top)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, top, -1), rtol=1e-5, atol=1e-5)
     assert sample(jnp.asarray(raw), meta_for(params), max_logprobs=0).top_logprobs.shape == (b, 0)
+    # No row asks: same shapes (no new compile), the top-K is skipped, the chosen logprobs are still there.
+    params[0] = dataclasses.replace(params[0], logprobs=None)
+    quiet = sample(jnp.asarray(raw), meta_for(params, output_ids=[[1, 2, 3]] * b), max_logprobs=sampling.MAX_LOGPROBS)
+    assert quiet.top_logprobs.shape == (b, sampling.MAX_LOGPROBS) and not np.asarray(quiet.top_logprobs).any()
+    np.testing.assert_allclose(quiet.logprobs, ref[np.arange(b), np.asarray(quiet.tokens)], rtol=1e-5, atol=1e-5)
 
 
 def test_compute_logprobs_for_prompt():
@@ -424,3 +482,36 @@ def test_one_compile_serves_every_parameter_mix():
     # The counter is live: a new batch bucket is a new compile.
     step(jnp.concatenate([logits, logits]), meta_for(mixes[2], pad_to=16)).tokens.block_until_ready()
     assert traces == 2
+
+
+def test_fixed_widths_one_compile_for_every_size():
+    """Biases of 0-1024 keys, histories of any length, logprobs on or off: one trace at fixed widths."""
+    traces = 0
+
+    def counted(logits, meta):
+        nonlocal traces
+        traces += 1
+        return sample(logits, meta, max_logprobs=sampling.MAX_LOGPROBS)
+
+    step = jax.jit(counted)
+    rng = np.random.default_rng(7)
+    v = 1100
+    logits = jnp.asarray(rng.normal(size=(4, v)).astype(np.float32))
+    fixed = dict(pad_to=4, history_width=512, bias_width=sampling.bias_width(1), eos_token_ids=[2])
+    ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for keys in (0, 33, 65, 129, 513, 1024):
+        for n_hist in (0, 40, 100, 300):
+            params = [SamplingParams(temperature=0, logit_bias={t: -50.0 for t in range(keys)} or None,
+                                     repetition_penalty=1.1 if n_hist else 1.0, logprobs=20 if keys % 2 else None,
+                                     min_tokens=1, stop_token_ids=[7, 8])]
+            meta = meta_for(params, prompt_ids=[list(range(n_hist))], output_ids=[[]], **fixed)
+            out = step(logits, meta)
+            x = np.asarray(logits[0]).copy()  # numpy: bias, the min_tokens ban, the repetition penalty
+            x[:keys] -= 50.0
+            x[[2, 7, 8]] = -np.inf
+            x[:n_hist] = np.where(x[:n_hist] > 0, x[:n_hist] / 1.1, x[:n_hist] * 1.1)
+            assert int(out.tokens[0]) == int(np.argmax(x)), (keys, n_hist)
+            top = np.asarray(out.top_logprob_ids[0])
+            if keys % 2:  # asked: the raw top 20
+                np.testing.assert_array_equal(top, np.argsort(-ref[0])[:20])
+    assert traces == 1
