@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _SPACE = "\u2581"  # sentencepiece's visible space
 _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+# Texts (characters) and id lists longer than this go through the backend's batch calls, which let go of the GIL
+# while they work: its single-text calls hold it throughout (3 s for a 4 MB text), so no other thread, the
+# server's event loop included, runs meanwhile.
+_RELEASE_GIL_FROM = 16 * 1024
 
 
 class Tokenizer:
@@ -117,11 +121,17 @@ class Tokenizer:
             text: the text.
             add_special_tokens: add BOS/EOS as this tokenizer's config says (SmolLM2's GGUF adds none).
         """
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < _RELEASE_GIL_FROM:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)  # fast: no offsets
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; special tokens are left out unless ``skip_special_tokens`` is False."""
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) < _RELEASE_GIL_FROM:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
@@ -199,8 +209,9 @@ class IncrementalDetokenizer:
     strip it from both, so it cancels. A delta that ends in U+FFFD is held back: the bytes of a multi-byte
     character are still arriving through byte-level or byte-fallback tokens.
 
-    The deltas joined equal ``tokenizer.decode(generated ids)`` once ``flush`` has been called (which only matters
-    when generation ends inside a broken character). ``prompt_ids`` is kept for callers, but the text covers the
+    The deltas joined equal ``tokenizer.decode(generated ids)`` once ``flush`` has been called, except that a
+    character whose last bytes never came (generation stopped inside it) is left out rather than written as U+FFFD,
+    as vLLM's detokenizer does. ``prompt_ids`` is kept for callers, but the text covers the
     generated tokens alone, like ``decode`` of them, so streamed and non-streamed outputs agree.
     """
 
@@ -224,7 +235,7 @@ class IncrementalDetokenizer:
         return self._advance(hold_partial=True)
 
     def flush(self) -> str:
-        """Returns the text held back at the end (a character whose remaining bytes never came)."""
+        """Returns the text held back at the end, less a trailing character whose remaining bytes never came."""
         return self._advance(hold_partial=False)
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -235,12 +246,14 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._window[self._prefix : self._read])
         full = self._decode(self._window[self._prefix :])
-        if hold_partial and full.endswith(_REPLACEMENT):
-            return ""
+        if full.endswith(_REPLACEMENT):
+            if hold_partial:
+                return ""
+            full = full.rstrip(_REPLACEMENT)  # the end: the cut character's bytes will never be completed
         if full.startswith(prefix_text):
             delta = full[len(prefix_text) :]
         else:  # a decoder that rewrote earlier text: decode everything once; emitted text cannot be taken back
-            whole = self._decode(self._window)
+            whole = self._decode(self._window).rstrip(_REPLACEMENT)  # (it ends as full does)
             delta = whole[len(self.text) :] if whole.startswith(self.text) else ""
         self._prefix, self._read = self._read, len(self._window)
         self.text += delta

@@ -479,7 +479,7 @@ def _stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = Tr
 def _check_stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> None:
     deltas = _stream(tokenizer, ids, skip_special_tokens)
     full = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    assert "".join(deltas) == full
+    assert "".join(deltas) == full.rstrip("\ufffd")  # a character cut at the end is left out
     if "\ufffd" not in full:
         assert not any("\ufffd" in d for d in deltas), deltas
 
