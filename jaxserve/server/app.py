@@ -30,7 +30,7 @@ from jaxserve.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from jaxserve.server.serving import ServerState
+from jaxserve.server.serving import DEFAULT_MAX_PROMPT_CHARS, ServerState
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
@@ -106,7 +106,7 @@ class _Guard:
 
 def build_app(engine, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_body_bytes: int = 4 * 1024 * 1024, max_waiting: int = 256,
-              shutdown_timeout: float = 30.0) -> FastAPI:
+              shutdown_timeout: float = 30.0, max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``LLMEngine``); the engine thread runs while the app does.
 
     Args:
@@ -114,9 +114,12 @@ def build_app(engine, *, served_model_names: list[str] | None = None, api_key: s
         api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``.
         max_body_bytes: larger request bodies are answered 413.
         max_waiting: admitted requests without a first token beyond which new ones are answered 503.
+        max_prompt_chars: a longer prompt (or chat messages' content, all together) is answered 400 before it is
+            tokenized; None: no limit.
     """
     names = list(served_model_names or [engine.model_name])
-    state = ServerState(AsyncEngine(engine, names[0], max_waiting), names, api_key, max_body_bytes)
+    state = ServerState(AsyncEngine(engine, names[0], max_waiting), names, api_key, max_body_bytes,
+                        max_prompt_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -174,6 +177,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             ids = await render_chat(state, req.messages, req.add_generation_prompt, req.continue_final_message,
                                     req.chat_template_kwargs)
         else:
+            state.check_prompt_chars(len(req.prompt))
             ids = await state.encode(req.prompt, req.add_special_tokens is not False)
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
@@ -181,7 +185,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(req: DetokenizeRequest):
         state.check_model(req.model)
         check_token_ids(req.tokens, state.vocab_size, "tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens, skip_special_tokens=False))
+        return DetokenizeResponse(prompt=await state.decode(req.tokens))
 
 
 def _card(state: ServerState, name: str) -> ModelCard:

@@ -15,6 +15,7 @@ from jaxserve.server.protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.server.serving import (
     ServerState,
     merge,
+    off_loop,
     respond,
     sse,
     sse_error,
@@ -28,20 +29,27 @@ def _message(m: ChatMessage) -> dict:
     return {"role": m.role, "content": content, "name": m.name}
 
 
+def _render(tokenizer, msgs: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+    try:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **kwargs)
+    except Exception as e:
+        raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                       param="messages") from e
+
+
 async def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool | None,
                       continue_final_message: bool | None, template_kwargs: dict | None) -> list[int]:
     """Token ids of the conversation in the model's chat template (400 if the template refuses it)."""
     msgs = [_message(m) for m in messages]
+    size = sum(len(m["content"] or "") for m in msgs)
+    state.check_prompt_chars(size, "messages")
     cont = bool(continue_final_message)
     kwargs = dict(template_kwargs or {})
     for reserved in ("messages", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize"):
         kwargs.pop(reserved, None)
-    try:
-        text = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=not cont and add_generation_prompt
-                                                   is not False, tokenize=False, **kwargs)
-    except Exception as e:
-        raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
-                       param="messages") from e
+    text = await off_loop(size, _render, state.tokenizer, msgs, not cont and add_generation_prompt is not False,
+                          kwargs)
     if cont:  # end the text right after the last message's content, so the model carries on from there
         last = msgs[-1]["content"] or ""
         at = text.rfind(last) if last else -1

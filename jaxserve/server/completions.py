@@ -26,6 +26,9 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
     if isinstance(p, str) or p and isinstance(p[0], int):
         p = [p]
     add_special = req.add_special_tokens is not False
+    for x in p:
+        if isinstance(x, str):
+            state.check_prompt_chars(len(x))
     prompts = []
     for x in p:
         ids = await state.encode(x, add_special) if isinstance(x, str) else list(x)

@@ -17,7 +17,17 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerBusyError
 from jaxserve.server.errors import APIError, JSONResponse, error_body
 
-_LONG_TEXT = 64 * 1024  # characters beyond which tokenizing moves off the event loop
+# Inputs (characters or token ids) beyond which tokenizing, rendering and detokenizing run in a worker thread. The
+# tokenizer lets go of the GIL for such inputs (jaxserve.tokenizer), so the event loop keeps answering meanwhile.
+_LONG_INPUT = 16 * 1024
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # ~250K tokens of English: twice the longest prompt of a 128K-context model
+
+
+async def off_loop(size: int, fn: Callable, *args):
+    """``fn(*args)``, in a worker thread when ``size`` (the input's length) is large, else right here."""
+    if size > _LONG_INPUT:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 @dataclasses.dataclass
@@ -28,6 +38,7 @@ class ServerState:
     served_model_names: list[str]
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -53,14 +64,23 @@ class ServerState:
         raise APIError(404, f"The model {name!r} does not exist; this server serves {self.served_model_names}.",
                        param="model", code="model_not_found")
 
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """400 naming the limit when a prompt is longer than ``max_prompt_chars`` (checked before any tokenizing)."""
+        limit = self.max_prompt_chars
+        if limit is not None and num_chars > limit:
+            raise APIError(400, f"The {param} has {num_chars} characters, more than this server's limit of {limit} "
+                                "(--max-prompt-chars).", param=param, code="prompt_too_long")
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; a long text is tokenized in a worker thread, the event loop free meanwhile."""
         try:
             text.encode()
         except UnicodeEncodeError as e:  # JSON can carry a lone surrogate ("\\ud800"); no tokenizer can
             raise APIError(400, f"the text is not valid Unicode: {e.reason} at character {e.start}") from e
-        if len(text) > _LONG_TEXT:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens)
+        return await off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await off_loop(len(ids), self.tokenizer.decode, ids, False)
 
     async def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int,
                   arrival: float) -> RequestStream:
