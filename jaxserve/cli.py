@@ -7,19 +7,18 @@ import sys
 import time
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model and how it runs: shared by generate, chat and serve."""
+def add_model_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """The model and every engine setting (one flag per ``EngineConfig`` field): shared by generate, chat and
+    serve. ``defaults`` overrides a setting's default for this command."""
+    from jaxserve.config import EngineConfig
+
     p.add_argument("--model", default=None,
                    help="GGUF file, HF directory, orbax directory, preset or hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--matmul-dtype", default=None, choices=["bfloat16"],
-                   help="bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation "
-                        "(products about 2x faster on the CPU; default: exact, in --dtype)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"],
-                   help="the KV page pool's dtype (default: --dtype's). bfloat16 halves the memory attention reads; "
-                        "on the CPU attention still computes in float32")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
+    EngineConfig.add_cli_args(p, **defaults)
+
+
+# generate and chat run one request at a time: a small batch compiles fewer, smaller buckets.
+_ONE_STREAM = dict(max_num_seqs=1, max_num_batched_tokens=256)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,10 +42,9 @@ def _sampling_params(args):
 
 def _engine(args):
     from jaxserve import LLMEngine
+    from jaxserve.config import EngineConfig
 
-    return LLMEngine(args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, max_model_len=args.max_model_len,
-                     kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1,
-                     max_num_batched_tokens=256, attention_impl=args.attention_impl)
+    return LLMEngine(args.model, EngineConfig.from_cli_args(args))
 
 
 def _stream(engine, request_id: str, prompt, params, out=None) -> str:
@@ -117,13 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="print load time and engine stats")
-    add_model_args(g)
+    add_model_args(g, **_ONE_STREAM)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat on the terminal")
     c.add_argument("--system", default=None, help="system prompt")
-    add_model_args(c)
+    add_model_args(c, **_ONE_STREAM)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 

@@ -249,14 +249,17 @@ def load_preset(name: str) -> ModelConfig:
 class CacheConfig:
     """The paged KV pool: ``num_pages`` pages of ``page_size`` tokens per layer.
 
-    If ``num_pages`` is None, the pool is sized from ``kv_cache_memory_fraction`` of the device memory left
-    after the weights.
+    If ``num_pages`` is None, the pool is sized from ``kv_cache_memory``: bytes (an int) or a fraction (a
+    float in (0, 1]) of the memory available at startup; if that is None too, from
+    ``kv_cache_memory_fraction`` of the device memory left after the weights (on the CPU: what every
+    sequence can use, within a share of the available host memory).
     """
 
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.9
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU/TPU.
+    kv_cache_memory: int | float | None = None
 
     def __post_init__(self):
         _positive(self, "page_size")
@@ -268,6 +271,11 @@ class CacheConfig:
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"CacheConfig.dtype must be float32, bfloat16, float16 or None, got {self.dtype!r}")
+        m = self.kv_cache_memory
+        if m is not None and (isinstance(m, bool) or not (isinstance(m, int) and m > 0
+                                                          or isinstance(m, float) and 0 < m <= 1)):
+            raise ValueError(f"CacheConfig.kv_cache_memory must be bytes (an int > 0), a fraction of the available "
+                             f"memory (a float in (0, 1]) or None, got {m!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,18 +294,113 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+def _setting(default, help: str, **cli):
+    """An EngineConfig field: its default, its help, and how its command-line flag parses (``cli``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **cli})
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def bytes_or_fraction(text: str) -> int | float:
+    """``--kv-cache-memory``: "0.5" is a fraction (float); "8000000000", "8G", "8GiB", "512M" are bytes (int)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if "." in t or "E" in t:
+        return float(t)
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    return int(t[: len(t) - len(unit)]) * _UNITS[unit]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: ModelConfig
-    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
-    dtype: str | None = None  # weights/activations; None: float32 on CPU, bfloat16 on GPU/TPU.
-    attention_impl: str = "auto"  # "auto" | "reference" | "pallas"
+    """Every setting of an engine, in one place: ``LLM(**settings)``, ``LLMEngine(config=...)`` and the command
+    line (``add_engine_args`` / ``from_cli_args``, one flag per field) all read this.
+
+    Raises:
+        ValueError: a bad value, naming the field (at construction).
+    """
+
+    dtype: str | None = _setting(None, "weights and activations (default: float32 on the CPU, bfloat16 on "
+                                       "GPU/TPU)", choices=_DTYPES)
+    matmul_dtype: str | None = _setting(
+        None, "bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation (about 2x "
+              "faster on the CPU; default: exact, in --dtype)", choices=_DTYPES)
+    kv_cache_dtype: str | None = _setting(
+        None, "the KV page pool's dtype (default: --dtype's); bfloat16 halves the memory attention reads",
+        choices=_DTYPES)
+    num_pages: int | None = _setting(None, "KV pages per data-parallel replica (default: from memory)", type=int)
+    page_size: int = _setting(16, "tokens per KV page", type=int)
+    kv_cache_memory_fraction: float = _setting(0.9, "share of free device memory the KV pool may take", type=float)
+    kv_cache_memory: int | float | None = _setting(
+        None, "KV pool size: bytes (8000000000, 8G, 512MiB) or a fraction of the memory available at startup "
+              "(0.5); default: on the CPU at most min(4 GiB, a quarter of available memory)", type=bytes_or_fraction)
+    max_num_seqs: int = _setting(64, "most sequences in one step", type=int)
+    max_num_batched_tokens: int = _setting(512, "most tokens in one step (the token budget)", type=int)
+    max_model_len: int | None = _setting(None, "longest prompt + output in tokens (default: the model's, at most "
+                                               "2048)", type=int)
+    enable_prefix_caching: bool = _setting(True, "reuse the KV pages of shared prompt prefixes",
+                                           flag="--no-prefix-caching", action="store_false")
+    policy: str = _setting("fcfs", "priority: requests' priority orders the queue (lower first)",
+                           flag="--scheduling-policy", choices=("fcfs", "priority"))
+    attention_impl: str = _setting("auto", "attention kernels (auto: Pallas on GPU/TPU, C++/XLA on the CPU)",
+                                   choices=("auto", "xla", "reference", "pallas"))
+    tensor_parallel_size: int = _setting(1, "devices each replica's weights, heads and KV pool are split over",
+                                         type=int)
+    data_parallel_size: int = _setting(1, "independent replicas (each on its own tensor_parallel_size devices) that "
+                                          "requests are balanced over", type=int)
+    seed: int = _setting(0, "seeds the per-request seeds of requests that give none", flag="--engine-seed",
+                         type=int)
+    compilation_cache: bool = _setting(True, "JAX's persistent compilation cache (~/.cache/jaxserve/xla)",
+                                       flag="--no-compilation-cache", action="store_false")
 
     def __post_init__(self):
-        if self.attention_impl not in ("auto", "reference", "pallas"):
-            raise ValueError(
-                f"EngineConfig.attention_impl must be 'auto', 'reference' or 'pallas', got {self.attention_impl!r}"
-            )
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"EngineConfig.dtype must be float32, bfloat16, float16 or None, got {self.dtype!r}")
+        for name in ("dtype", "kv_cache_dtype", "matmul_dtype", "policy", "attention_impl"):
+            value, choices = getattr(self, name), self._meta(name)["choices"]
+            if value not in choices and not (value is None and name != "policy" and name != "attention_impl"):
+                raise ValueError(f"EngineConfig.{name} must be one of {', '.join(choices)}, got {value!r}")
+        _positive(self, "page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                  "data_parallel_size")
+        for name in ("num_pages", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        self.cache_config()  # validates the pool's fields
+
+    @classmethod
+    def _meta(cls, name: str) -> dict:
+        return {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
+
+    @classmethod
+    def from_settings(cls, config: EngineConfig | None = None, **settings) -> EngineConfig:
+        """``config`` (default: the defaults) with ``settings`` replaced; an unknown setting is a TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise TypeError(f"unknown engine setting(s) {unknown}; known: {', '.join(sorted(known))}")
+        return dataclasses.replace(config or cls(), **settings)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.page_size, self.num_pages, self.kv_cache_memory_fraction, self.kv_cache_dtype,
+                           self.kv_cache_memory)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
+                               self.enable_prefix_caching, self.policy)
+
+    # ------------------------------------------------------------------ command line
+    @classmethod
+    def add_cli_args(cls, parser, **defaults) -> None:
+        """One flag per field (``--max-num-seqs`` ...); ``defaults`` overrides a field's default for this parser."""
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+            default = defaults.get(f.name, f.default)
+            if meta.get("action") == "store_false":
+                meta["help"] = "off: " + meta["help"]
+            elif default is not None:
+                meta["help"] += f" (default: {default})"
+            parser.add_argument(flag, dest=f.name, default=default, **meta)
+
+    @classmethod
+    def from_cli_args(cls, args) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

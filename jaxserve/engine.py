@@ -8,15 +8,18 @@ strings, and reports every request that made progress.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import random
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxserve.block_manager import BlockManager
-from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.config import EngineConfig
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -24,6 +27,7 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
+from jaxserve.sharding import check_parallelism, kv_heads_for, make_mesh
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -35,6 +39,20 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class StepFailed(RuntimeError):
+    """Part of a step failed. ``request_ids`` (the requests it held) were aborted and their pages freed;
+    ``outputs`` are the step's outputs of every other request, to deliver as usual; every other request
+    goes on. The cause is ``__cause__``."""
+
+    def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException):
+        super().__init__(f"requests {request_ids[:8]}{'...' if len(request_ids) > 8 else ''} failed: {cause!r}")
+        self.request_ids, self.outputs, self.cause = request_ids, outputs, cause
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 @dataclasses.dataclass
@@ -65,61 +83,48 @@ class LLMEngine:
 
     Args:
         model: GGUF file, HF directory, orbax directory, preset name or hub id; None = the default model.
-        dtype: weights/activations dtype; None = float32 on CPU, bfloat16 on GPU/TPU.
-        matmul_dtype: None (= ``dtype``) or "bfloat16": dtype of the weights in the matrix products. "bfloat16"
-            with float32 ``dtype`` on the CPU about doubles the matmul rate at bfloat16 input precision.
-        num_pages, page_size, kv_cache_memory_fraction, kv_cache_dtype: the KV page pool.
-        max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, policy: batching.
-        attention_impl: "auto" | "reference" | "pallas".
-        seed: seeds the per-request seeds of requests that give none.
+        config: the engine's settings (``jaxserve.config.EngineConfig``: dtypes, KV pool, batching, attention
+            kernels, tensor / data parallelism); default: the defaults.
+        **settings: fields of ``EngineConfig`` that replace ``config``'s (``max_num_seqs=8``,
+            ``tensor_parallel_size=4`` ...).
+
+    Raises:
+        TypeError: an unknown setting.
+        ValueError: a bad setting, or a parallel layout the devices or the model cannot take (before the
+            weights are read).
     """
 
-    def __init__(
-        self,
-        model: str | Path | LoadedModel | None = None,
-        *,
-        dtype: str | None = None,
-        matmul_dtype: str | None = None,
-        num_pages: int | None = None,
-        page_size: int = 16,
-        kv_cache_memory_fraction: float = 0.9,
-        kv_cache_dtype: str | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        policy: str = "fcfs",
-        attention_impl: str = "auto",
-        seed: int = 0,
-        compilation_cache: bool = True,
-    ):
-        if compilation_cache:
+    def __init__(self, model: str | Path | LoadedModel | None = None, config: EngineConfig | None = None,
+                 **settings):
+        config = self.config = EngineConfig.from_settings(config, **settings)
+        if config.compilation_cache:
             enable_compilation_cache()
         t0 = time.perf_counter()
-        dtype = dtype or default_dtype()
-        if matmul_dtype not in (None, dtype, "bfloat16"):
+        tp = config.tensor_parallel_size
+        check_parallelism(tp, config.data_parallel_size)
+        dtype = config.dtype or default_dtype()
+        if config.matmul_dtype not in (None, dtype, "bfloat16"):
             raise ValueError(f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', "
-                             f"got {matmul_dtype!r}")
+                             f"got {config.matmul_dtype!r}")
         if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
+            kv_heads_for(model.config, tp)
             loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
         else:
-            loaded = load_model(model, dtype)
+            loaded = load_model(model, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp))
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = load_tokenizer(loaded.tokenizer_path)
-        max_model_len = max_model_len or min(loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        max_model_len = config.max_model_len or min(loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > loaded.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{loaded.config.max_position_embeddings}")
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
-                                                enable_prefix_caching, policy)
-        cache_cfg = CacheConfig(page_size, num_pages, kv_cache_memory_fraction, kv_cache_dtype)
-        self.runner = ModelRunner(loaded.config, loaded.params, cache_cfg, self.scheduler_config, attention_impl,
-                                  matmul_dtype)
+        self.scheduler_config = config.scheduler_config(max_model_len)
+        self.runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,
+                                  config.attention_impl, config.matmul_dtype, make_mesh(tp))
         self.scheduler = Scheduler(self.scheduler_config,
-                                   BlockManager(self.runner.num_pages, page_size, enable_prefix_caching))
+                                   BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching))
         self.load_seconds = time.perf_counter() - t0
-        self._rng = random.Random(seed)
+        self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._seq_owner: dict[str, tuple[_Tracked, _Sequence]] = {}  # scheduler request id -> owner
 
@@ -137,28 +142,74 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Queues a prompt (text or token ids).
+        """Queues a prompt (text, or token ids: a list, tuple or 1-D integer numpy array).
 
         Raises:
-            ValueError: duplicate id, empty prompt, token ids out of the vocabulary, a prompt longer than
-                max_model_len (naming both lengths), or a request that cannot fit the page pool.
+            ValueError: an id in use (or one of its ``#k`` children's, for ``n > 1``), an empty prompt or one
+                of the wrong type, token ids out of the vocabulary (in the prompt, ``logit_bias`` or
+                ``stop_token_ids``), a prompt longer than max_model_len (naming both lengths), or a request
+                that cannot fit the page pool.
         """
-        if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = sampling_params or SamplingParams()
-        if isinstance(prompt, str):
-            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            prompt_text, prompt_ids = None, [int(t) for t in prompt]
-            bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+        self.add_requests([(request_id, prompt, sampling_params, priority)], arrival_time=arrival_time)
+
+    def add_requests(self, items: Iterable[tuple], *, arrival_time: float | None = None) -> None:
+        """Queues several prompts at once, atomically: all are validated before any is queued, so either all
+        are admitted or, if one is bad, none. The next step can admit them all, within its token budget.
+
+        Args:
+            items: ``(request_id, prompt, sampling_params)`` or ``(request_id, prompt, sampling_params,
+                priority)``; ``sampling_params`` may be None (the defaults).
+
+        Raises:
+            ValueError: as ``add_request``, naming the bad item's request id (and its index in ``items``).
+        """
+        items = list(items)
+        prepared: list[_Tracked] = []
+        taken: set[str] = set()  # ids (and children's ids) of the items before this one
+        for k, item in enumerate(items):
+            try:
+                if not isinstance(item, (tuple, list)) or len(item) not in (3, 4):
+                    raise ValueError("an item must be (request_id, prompt, sampling_params[, priority]), "
+                                     f"got {type(item).__name__}")
+                prepared.append(self._prepare(*item, arrival_time=arrival_time, taken=taken))
+            except ValueError as e:
+                raise ValueError(str(e) if len(items) == 1 else f"item {k} of {len(items)}: {e}") from None
+        self.scheduler.add_requests([t.seqs[0].request for t in prepared])  # validates all, then queues all
+        for tracked in prepared:
+            tracked.pending_forks = tracked.seqs[1:]
+            self._tracked[tracked.request_id] = tracked
+            for seq in tracked.seqs:
+                self._seq_owner[seq.request.request_id] = (tracked, seq)
+
+    def _prepare(self, request_id: str, prompt, sampling_params: SamplingParams | None, priority: int = 0, *,
+                 arrival_time: float | None, taken: set[str]) -> _Tracked:
+        """One request, validated and built, not queued; its ids are added to ``taken``."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"a request id must be a non-empty string, got {request_id!r}")
+        where = f"request {request_id!r}"
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"{where}: sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not _is_token_id(priority):
+            raise ValueError(f"{where}: priority must be an int, got {priority!r}")
+        ids = [request_id] + ([f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [])
+        for rid in ids:  # children's ids too: "x#1" and "x" with n=2 would share a sequence id
+            if rid in self._tracked or rid in self._seq_owner or rid in taken:
+                raise ValueError(f"request id {request_id!r} is already in use" if rid == request_id else
+                                 f"{where}: its sequence id {rid!r} (n={params.n}) is already in use")
+        prompt_text, prompt_ids = self._prompt_ids(where, prompt)
+        vocab = self.model_config.vocab_size
+        for name, toks in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in toks if t >= vocab]
             if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
-                                 f"{self.model_config.vocab_size})")
-        if not prompt_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+                raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {vocab})")
+        if params.n > self.runner.num_pages:
+            raise ValueError(f"{where}: SamplingParams.n={params.n} sequences cannot each hold a page of the "
+                             f"{self.runner.num_pages}-page KV pool")
         max_len = self.scheduler_config.max_model_len
         if len(prompt_ids) >= max_len:
-            raise ValueError(f"request {request_id!r}: the prompt has {len(prompt_ids)} tokens, which leaves no room "
+            raise ValueError(f"{where}: the prompt has {len(prompt_ids)} tokens, which leaves no room "
                              f"to generate within max_model_len={max_len}")
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(prompt_ids)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -166,27 +217,44 @@ class LLMEngine:
         for i in range(params.n):
             child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens,
                                                seed=base_seed if i == 0 else hash((base_seed, i)) & (2**63 - 1))
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, prompt_ids, child_params, self.eos_token_ids, arrival_time, priority)
+            req = Request(ids[i + 1] if params.n > 1 else request_id, prompt_ids, child_params, self.eos_token_ids,
+                          arrival_time, int(priority))
             seq = _Sequence(i, req, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
                             logprobs=[] if params.logprobs is not None else None)
             tracked.seqs.append(seq)
-        self.scheduler.add_request(tracked.seqs[0].request)  # validates before anything is recorded
-        tracked.pending_forks = tracked.seqs[1:]
-        self._tracked[request_id] = tracked
-        for seq in tracked.seqs:
-            self._seq_owner[seq.request.request_id] = (tracked, seq)
+        taken.update(ids)
+        return tracked
+
+    def _prompt_ids(self, where: str, prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: a string, or token ids as a list, tuple or 1-D int array."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
+            ids = prompt.tolist()
+        elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            got = (f"an array of {prompt.dtype} with shape {prompt.shape}" if isinstance(prompt, np.ndarray) else
+                   f"a {type(prompt).__name__} holding {sorted({type(t).__name__ for t in prompt})}"
+                   if isinstance(prompt, (list, tuple)) else f"a {type(prompt).__name__}")
+            raise ValueError(f"{where}: the prompt must be a string or a list of int token ids, got {got}")
+        if not ids:
+            raise ValueError(f"{where}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{where}: prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return (prompt if isinstance(prompt, str) else None), ids
 
     def abort_request(self, request_id: str) -> bool:
         """Aborts a request (all its sequences) and frees its pages at once. Returns False if unknown."""
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self._tracked.get(request_id)
         if tracked is None:
             return False
         for seq in tracked.seqs:
             self.scheduler.abort_request(seq.request.request_id)
             seq.request.status = RequestStatus.FINISHED_ABORTED
-            self._seq_owner.pop(seq.request.request_id, None)
-            self.runner.prompt_logprobs.pop(seq.request.request_id, None)
+        self._forget(tracked)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -194,29 +262,57 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler + device step. Returns an output for every request that progressed."""
+        """Runs one scheduler + device step. Returns an output for every request that progressed.
+
+        Raises:
+            StepFailed: the device step, or a request's own processing, raised. The requests concerned are
+                aborted (pages freed); the exception carries every other request's outputs of this step.
+        """
         sched = self.scheduler.schedule()
-        sampled = self.runner.execute(sched, self.scheduler.requests)
+        try:
+            sampled = self.runner.execute(sched, self.scheduler.requests)
+        except Exception as e:
+            if self.runner.k_cache.is_deleted():  # the pool was donated to the failed step: nothing can go on
+                raise
+            failed = {self._seq_owner[s.req_id][0].request_id for s in sched.scheduled if s.req_id in self._seq_owner}
+            self._abort_failed(failed)
+            raise StepFailed(sorted(failed), [], e) from e
         self.scheduler.update_from_output(sched, {rid: [s.token_id] for rid, s in sampled.items()})
         touched: dict[str, _Tracked] = {}
+        errors: dict[str, Exception] = {}
         for rid, tok in sampled.items():
             owner = self._seq_owner.get(rid)
-            if owner is None:
+            if owner is None or owner[0].request_id in errors:
                 continue
             tracked, seq = owner
-            self._append(tracked, seq, tok)
+            try:
+                self._append(tracked, seq, tok)
+            except Exception as e:  # noqa: BLE001 - e.g. detokenization: only this request fails
+                errors[tracked.request_id] = e
             touched[tracked.request_id] = tracked
         self._start_forks()
         outputs = []
         for tracked in touched.values():
+            if tracked.request_id in errors:
+                continue
             out = self._output(tracked)
             outputs.append(out)
             if out.finished:
-                self._tracked.pop(tracked.request_id, None)
-                for seq in tracked.seqs:
-                    self._seq_owner.pop(seq.request.request_id, None)
-                    self.runner.prompt_logprobs.pop(seq.request.request_id, None)
+                self._forget(tracked)
+        if errors:
+            self._abort_failed(errors)
+            raise StepFailed(sorted(errors), outputs, next(iter(errors.values())))
         return outputs
+
+    def _abort_failed(self, request_ids) -> None:
+        for rid in request_ids:
+            self.abort_request(rid)
+
+    def _forget(self, tracked: _Tracked) -> None:
+        self._tracked.pop(tracked.request_id, None)
+        for seq in tracked.seqs:
+            self._seq_owner.pop(seq.request.request_id, None)
+            self.runner.prompt_logprobs.pop(seq.request.request_id, None)
 
     def _append(self, tracked: _Tracked, seq: _Sequence, tok) -> None:
         params = seq.request.sampling_params

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 import time
@@ -24,18 +25,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve import kernels
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kernels import cpu_ffi
-from jaxserve.models.llama import AttentionBatch, model_from_params
+from jaxserve.models.llama import OUTPUT_AXES, AttentionBatch, Llama, ParamSpec, model_from_params, param_schema
 from jaxserve.request import Request
-from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, compute_logprobs, sample
+from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
+from jaxserve.sharding import (KV_POOL_SPEC, VOCAB_SPEC, kv_heads_for, make_mesh, param_shardings, replicate_kv_heads,
+                               shard_kernels)
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
+_CPU_KV_AVAILABLE_SHARE = 0.25  # ... and to at most this share of the memory available at startup
+
+logger = logging.getLogger(__name__)
+
+
+def available_host_memory(meminfo: str = "/proc/meminfo") -> int:
+    """Bytes of host memory available now: MemAvailable from /proc/meminfo (what the kernel can hand out
+    without swapping), else the free physical pages."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _pow2_at_least(n: int) -> int:
@@ -91,14 +112,28 @@ class ModelRunner:
         sched_cfg: SchedulerConfig,
         attention_impl: str = "auto",
         matmul_dtype: str | None = None,
+        mesh: Mesh | None = None,
     ):
+        self.mesh = mesh or make_mesh(1)
+        self.tensor_parallel_size = self.mesh.shape["model"]
+        # Fewer KV heads than devices: each is repeated so that every device holds one (cfg says how many now).
+        model_cfg, params = replicate_kv_heads(model_cfg, params, kv_heads_for(model_cfg, self.tensor_parallel_size))
         self.cfg = model_cfg
         self.page_size = cache_cfg.page_size
-        self.graphdef, state = model_from_params(model_cfg, params)
-        self.state = jax.device_put(state)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.kv_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
+        schema = param_schema(model_cfg)
+        self.param_shardings = param_shardings(schema, self.mesh)
+        # Tensor by tensor, each device receiving only its shard.
+        placed = {name: jax.device_put(value, self.param_shardings[name]) for name, value in params.items()}
+        self.graphdef, self.state = model_from_params(model_cfg, placed)
         self.matmul_weights = None
         if matmul_dtype is not None and jnp.dtype(matmul_dtype) != params["embed"].dtype:
-            self.matmul_weights = jax.jit(lambda s: nnx.merge(self.graphdef, s).matmul_weights())(self.state)
+            make = lambda s: nnx.merge(self.graphdef, s).matmul_weights()  # noqa: E731
+            shapes = {n: a.shape for n, a in jax.eval_shape(make, self.state).items()}  # packed: last dim halved
+            axes = {n: schema[n] for n in Llama.MATMUL_PARAMS} | {"output": ParamSpec(shapes["output"], OUTPUT_AXES)}
+            self.matmul_weights = jax.jit(make, out_shardings=param_shardings(axes, self.mesh, shapes=shapes))(
+                self.state)
         self.kv_dtype = jnp.dtype(cache_cfg.dtype or params["embed"].dtype)  # default: the weights' dtype
         cpp = attention_impl in ("auto", "xla") and cpu_ffi.serves(self.kv_dtype) and cpu_ffi.available()
         if self.kv_dtype != jnp.float32 and jax.default_backend() == "cpu" and attention_impl != "pallas" and not cpp:
@@ -107,8 +142,8 @@ class ModelRunner:
                           "kv_cache_dtype='float32' is the CPU default", RuntimeWarning, stacklevel=3)
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.k_cache = jnp.zeros(shape, self.kv_dtype)
-        self.v_cache = jnp.zeros(shape, self.kv_dtype)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)
+        self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
         self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
         self.max_seqs = _pow2_at_least(sched_cfg.max_num_seqs)
         self.page_buckets = _buckets(min(8, math.ceil(sched_cfg.max_model_len / self.page_size)),
@@ -118,7 +153,7 @@ class ModelRunner:
         self.reset_timers()
         self._steps: dict[tuple, object] = {}
         self.prompt_logprobs: dict[str, dict[int, SampledToken]] = {}  # req -> position -> entry; engine pops
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1))
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1), out_shardings=(self.kv_sharding,) * 2)
 
     def reset_timers(self) -> None:
         self.num_tokens_computed = 0  # real (unpadded) tokens run through the model
@@ -134,37 +169,68 @@ class ModelRunner:
         return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
 
     def _pages_from_memory(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> int:
+        """Pool size when ``num_pages`` is not given; logs the pages, tokens and bytes.
+
+        ``cache_cfg.kv_cache_memory`` bytes (an int) or that fraction (a float) of the memory available now
+        (device: its limit minus what is in use; CPU: MemAvailable). By default: on a device
+        ``kv_cache_memory_fraction`` of its limit minus what is in use; on the CPU enough for every sequence
+        at full length, but at most min(4 GiB, a quarter of the available host memory), since the host
+        runs other processes (the pool is allocated, and touched, at startup).
+        """
         device = jax.devices()[0]
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] * cache_cfg.kv_cache_memory_fraction - stats.get("bytes_in_use", 0)
-            pages = int(free // self._page_bytes())
-        else:  # CPU: enough for every sequence at full length, within a share of host memory
-            want = sched_cfg.max_num_seqs * math.ceil(sched_cfg.max_model_len / self.page_size) + 1
-            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cache_cfg.kv_cache_memory_fraction
-            pages = min(want, int(min(_CPU_KV_CAP_BYTES, host / 4) // self._page_bytes()))
+        on_device = bool(stats and "bytes_limit" in stats)
+        available = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if on_device else available_host_memory()
+        explicit, page_bytes = cache_cfg.kv_cache_memory, self._page_bytes()
+        if isinstance(explicit, int):
+            budget = explicit
+        elif explicit is not None:
+            budget = int(explicit * available)
+        elif on_device:
+            budget = int(stats["bytes_limit"] * cache_cfg.kv_cache_memory_fraction - stats.get("bytes_in_use", 0))
+        else:
+            budget = int(min(_CPU_KV_CAP_BYTES, available * _CPU_KV_AVAILABLE_SHARE))
+        pages = budget // page_bytes
+        if explicit is None and not on_device:
+            pages = min(pages, sched_cfg.max_num_seqs * math.ceil(sched_cfg.max_model_len / self.page_size) + 1)
         if pages < 2:
-            raise ValueError(f"not enough memory for a KV cache: {pages} pages of {self._page_bytes()} bytes")
+            raise ValueError(f"not enough memory for a KV cache: {budget} bytes hold {pages} pages of {page_bytes} "
+                             f"bytes ({available} bytes available); set num_pages or kv_cache_memory")
+        if budget > available:
+            logger.warning("kv_cache_memory=%r asks for %d bytes but only %d are available", explicit, budget, available)
+        logger.info("KV pool: %d pages of %d tokens = %d tokens, %.2f GiB (%.2f GiB available, kv_cache_memory=%r)",
+                    pages, self.page_size, pages * self.page_size, pages * page_bytes / 2**30, available / 2**30,
+                    explicit)
         return pages
 
     # ------------------------------------------------------------------ compiled functions
-    def _step_fn(self, max_logprobs: int, prompt_logprobs: bool, decode_only: bool):
-        key = (max_logprobs, prompt_logprobs, decode_only)
+    def _step_fn(self, decode_only: bool):
+        """The step for every batch; ``decode_only`` is the one variant besides the shape buckets.
+
+        Request parameters change no shape (fixed-width sampler arrays, top logprobs always [B, K]) and the
+        optional work (top logprobs, prompt logprobs) runs under ``lax.cond``, so nothing a request asks
+        for can trigger a compile after warm-up.
+        """
+        key = (decode_only,)
         if key in self._steps:
             return self._steps[key]
-        attention, write = _attention_fns(self.attention_impl, decode_only)
-        graphdef = self.graphdef
+        attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only), self.mesh)
+        graphdef, gathered = self.graphdef, self.replicated
+
+        def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
+            per_shard = jax.lax.with_sharding_constraint(model.logits(hidden, mm), NamedSharding(self.mesh, VOCAB_SPEC))
+            return jax.lax.with_sharding_constraint(per_shard, gathered)
 
         def step(state, mm, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens):
             self.num_compilations += 1  # runs once per trace
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, mm)
-            out = sample(model.logits(hidden[logits_indices], mm), meta, max_logprobs=max_logprobs)
+            out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
-            plp = compute_logprobs(model.logits(hidden, mm), next_tokens, MAX_LOGPROBS) if prompt_logprobs else None
+            plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)
             return out, plp, k_cache, v_cache
 
-        fn = jax.jit(step, donate_argnums=(2, 3))
+        fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(gathered, gathered, self.kv_sharding, self.kv_sharding))
         self._steps[key] = fn
         return fn
 
@@ -215,21 +281,20 @@ class ModelRunner:
         self.num_steps += 1
         reqs = [requests[s.req_id] for s in sched.scheduled]
         params = [r.sampling_params for r in reqs]
-        meta = SamplingMetadata.from_params(
+        meta = self._sampling_metadata(
             params, steps=[r.num_output_tokens for r in reqs],
             prompt_ids=[r.prompt_token_ids for r in reqs], output_ids=[r.output_token_ids for r in reqs],
-            pad_to=len(logits_indices), eos_token_ids=self.cfg.eos_token_ids,
-        )
-        max_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
+            pad_to=len(logits_indices))
         want_plp = [p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
                     for p, s, r in zip(params, sched.scheduled, reqs)]
-        next_tokens = self._next_tokens(sched, reqs, len(tokens)) if any(want_plp) else None
+        # -1: no position has a target, and the step skips the prompt logprobs.
+        next_tokens = self._next_tokens(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
         t1 = time.perf_counter()
         decode_only = all(len(s.token_ids) == 1 for s in sched.scheduled)
-        out, plp, self.k_cache, self.v_cache = self._step_fn(max_logprobs, any(want_plp), decode_only)(
+        out, plp, self.k_cache, self.v_cache = self._step_fn(decode_only)(
             self.state, self.matmul_weights, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta,
             next_tokens)
-        out, plp = jax.device_get((out, plp))
+        out, plp = jax.device_get((out, plp if any(want_plp) else None))
         t2 = time.perf_counter()
         self.pack_seconds += t1 - t0
         self.device_seconds += t2 - t1
@@ -264,25 +329,57 @@ class ModelRunner:
             t += n
         return out
 
-    def warmup_shapes(self, max_logprobs: tuple[int, ...] = (0,)) -> list[tuple[int, int, int, bool]]:
-        """(max_logprobs, token bucket, page bucket, decode_only) of every step variant traffic can need."""
-        return [(lp, tb, pb, decode) for lp in max_logprobs for tb in self.token_buckets for pb in self.page_buckets
+    def _sampling_metadata(self, params: list[SamplingParams], **kwargs) -> SamplingMetadata:
+        """The batch's sampler arrays at the fixed widths every step uses (bias entries, token history)."""
+        return SamplingMetadata.from_params(
+            params, eos_token_ids=self.cfg.eos_token_ids, bias_width=bias_width(len(self.cfg.eos_token_ids)),
+            history_width=self.page_buckets[-1] * self.page_size, **kwargs)  # >= max_model_len
+
+    def warmup_shapes(self) -> list[tuple[int, int, bool]]:
+        """(token bucket, page bucket, decode_only) of every step variant traffic can need."""
+        return [(tb, pb, decode) for tb in self.token_buckets for pb in self.page_buckets
                 for decode in ((False, True) if tb <= self.max_seqs else (False,))]
 
-    def warmup(self, max_logprobs: tuple[int, ...] = (0,)) -> int:
-        """Compiles every step variant ahead of traffic. Returns the number of compilations."""
-        before = self.num_compilations
-        for lp, tb, pb, decode in self.warmup_shapes(max_logprobs):
-            sb = min(tb, self.max_seqs)
-            batch = AttentionBatch(
-                positions=np.zeros(tb, np.int32), slot_mapping=np.full(tb, -1, np.int32),
-                kv_lens=np.zeros(sb, np.int32), page_indices=np.zeros((sb, pb), np.int32),
-                cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
-            meta = SamplingMetadata.from_params([SamplingParams(temperature=0.0)], pad_to=sb)
-            _, _, self.k_cache, self.v_cache = self._step_fn(lp, False, decode)(
-                self.state, self.matmul_weights, self.k_cache, self.v_cache, np.zeros(tb, np.int32), batch,
-                np.zeros(sb, np.int32), meta, None)
-        return self.num_compilations - before
+    def warmup(self) -> int:
+        """Compiles every step variant ahead of traffic; logs how many and how long. Returns the number of
+        compilations (traces: a variant found in the persistent compilation cache still counts)."""
+        t0, before = time.perf_counter(), self.num_compilations
+        for tb, pb, decode in self.warmup_shapes():
+            _, _, self.k_cache, self.v_cache = self._step_fn(decode)(*self._example_args(tb, pb))
+        n = self.num_compilations - before
+        logger.info("warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d) in %.1fs",
+                    n, len(self.token_buckets), len(self.page_buckets), self.max_seqs, time.perf_counter() - t0)
+        return n
+
+    def _example_args(self, tokens: int, pages: int) -> tuple:
+        """Arguments of a step of an empty batch in the (tokens, pages) bucket (every token is padding)."""
+        sb = min(tokens, self.max_seqs)
+        batch = AttentionBatch(
+            positions=np.zeros(tokens, np.int32), slot_mapping=np.full(tokens, -1, np.int32),
+            kv_lens=np.zeros(sb, np.int32), page_indices=np.zeros((sb, pages), np.int32),
+            cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
+        meta = self._sampling_metadata([SamplingParams(temperature=0.0)], pad_to=sb)
+        return (self.state, self.matmul_weights, self.k_cache, self.v_cache, np.zeros(tokens, np.int32), batch,
+                np.zeros(sb, np.int32), meta, _no_targets(tokens))
+
+    def lower_step(self, tokens: int, pages: int, decode_only: bool = False):
+        """The step of one bucket, lowered (``.compile().as_text()`` is the partitioned HLO); runs nothing."""
+        return self._step_fn(decode_only).lower(*self._example_args(tokens, pages))
+
+
+def _no_targets(tokens: int) -> np.ndarray:
+    return np.full(tokens, -1, np.int32)
+
+
+def _prompt_logprobs(logits_fn, next_tokens: jax.Array):
+    """Logprobs of ``next_tokens`` under ``logits_fn()`` [T, V] and the top MAX_LOGPROBS, computed only when
+    some position has a target (>= 0); zeros otherwise, so one compile serves steps with and without them."""
+    def run(_):
+        return compute_logprobs(logits_fn(), jnp.maximum(next_tokens, 0), MAX_LOGPROBS)
+
+    shapes = jax.eval_shape(run, None)
+    skip = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    return jax.lax.cond(jnp.any(next_tokens >= 0), run, skip, None)
 
 
 def _sampled(token: int, logprob, top_ids, top_logprobs, k: int) -> SampledToken:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -53,8 +54,13 @@ def resolve_model_path(model: str | Path | None) -> Path:
         raise FileNotFoundError(f"could not fetch {hf_repo!r} from the Hugging Face hub: {e}") from e
 
 
-def load_model(model: str | Path | None = None, dtype: str = "float32") -> LoadedModel:
-    """Loads config + weights (as host arrays of ``dtype``) from any supported source."""
+def load_model(model: str | Path | None = None, dtype: str = "float32",
+               check_config: Callable[[ModelConfig], object] | None = None) -> LoadedModel:
+    """Loads config + weights (as host arrays of ``dtype``) from any supported source.
+
+    ``check_config`` sees the model's config before any weight is read (it raises to refuse the model).
+    """
+    check = check_config or (lambda cfg: None)
     from jaxserve.loading import orbax_ckpt
     from jaxserve.loading.weights import params_from_hf_tensors
 
@@ -66,6 +72,7 @@ def load_model(model: str | Path | None = None, dtype: str = "float32") -> Loade
 
         ckpt = GGUFCheckpoint(path)
         cfg = ckpt.model_config()
+        check(cfg)
         params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(progress=False), dtype, total=len(ckpt.tensors))
         return LoadedModel(path.stem, cfg, params, path)
     if orbax_ckpt.is_orbax_dir(path):
@@ -80,6 +87,7 @@ def load_model(model: str | Path | None = None, dtype: str = "float32") -> Loade
         from jaxserve.loading.safetensors_dir import count_tensors, iter_hf_dir, read_config
 
         cfg = read_config(path)
+        check(cfg)
         params = params_from_hf_tensors(cfg, iter_hf_dir(path), dtype, total=count_tensors(path))
         return LoadedModel(path.name, cfg, params, path)
     raise FileNotFoundError(f"{path} is not a GGUF file, an HF model directory (config.json) or an orbax directory")

@@ -15,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.llama import param_schema
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -41,23 +42,8 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of every parameter of :class:`jaxserve.models.llama.Llama` for this config."""
-    L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.vocab_size)
-    shapes = {
-        "embed": (V, D), "attn_norm": (L, D), "wq": (L, D, N * H), "wk": (L, D, K * H), "wv": (L, D, K * H),
-        "wo": (L, N * H, D), "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
-        "final_norm": (D,),
-    }
-    if cfg.attention_bias:
-        shapes.update(bq=(L, N * H), bk=(L, K * H), bv=(L, K * H))
-    if cfg.qk_norm:
-        shapes.update(q_norm=(L, H), k_norm=(L, H))
-    if cfg.sandwich_norms:
-        shapes.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (D, V)
-    return shapes
+    """Shapes of every parameter of :class:`jaxserve.models.llama.Llama` for this config (from its schema)."""
+    return {name: spec.shape for name, spec in param_schema(cfg).items()}
 
 
 def _target(cfg: ModelConfig, hf_name: str) -> tuple[str, int | None, bool] | None:

@@ -110,45 +110,69 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array
     return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter, declared once: its shape, the logical axis of each dimension, and how it starts.
+
+    Logical axes (``jaxserve.sharding.DEFAULT_RULES`` maps them to mesh axes): ``layers`` (the stacked layer
+    axis), ``embed`` (hidden), ``vocab``, ``q_heads`` / ``kv_heads`` (heads x head_dim, flattened), ``head_dim``
+    and ``mlp`` (the MLP hidden).
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    norm: bool = False  # a norm scale: starts at 1 (0 for Gemma's 1 + w norms) instead of random
+
+
+def param_schema(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Every parameter of :class:`Llama` for this config: the model builds from it, loaders fill it, the
+    sharding rules place it."""
+    L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, cfg.vocab_size)
+
+    def norm(*dims: tuple[int, str]) -> ParamSpec:
+        return ParamSpec(tuple(n for n, _ in dims), tuple(a for _, a in dims), norm=True)
+
+    def dense(*dims: tuple[int, str]) -> ParamSpec:
+        return ParamSpec(tuple(n for n, _ in dims), tuple(a for _, a in dims))
+
+    layers, embed = (L, "layers"), (D, "embed")
+    q, kv, mlp = (N * H, "q_heads"), (K * H, "kv_heads"), (F, "mlp")
+    schema = {
+        "embed": dense((V, "vocab"), embed),
+        "attn_norm": norm(layers, embed),
+        "wq": dense(layers, embed, q), "wk": dense(layers, embed, kv), "wv": dense(layers, embed, kv),
+        "wo": dense(layers, q, embed),
+    }
+    if cfg.attention_bias:
+        schema.update(bq=dense(layers, q), bk=dense(layers, kv), bv=dense(layers, kv))
+    if cfg.qk_norm:
+        schema.update(q_norm=norm(layers, (H, "head_dim")), k_norm=norm(layers, (H, "head_dim")))
+    if cfg.sandwich_norms:
+        schema.update(post_attn_norm=norm(layers, embed), post_mlp_norm=norm(layers, embed))
+    schema.update(mlp_norm=norm(layers, embed), w_gate=dense(layers, embed, mlp), w_up=dense(layers, embed, mlp),
+                  w_down=dense(layers, mlp, embed), final_norm=norm(embed))
+    if not cfg.tie_word_embeddings:
+        schema["lm_head"] = dense(embed, (V, "vocab"))
+    return schema
+
+
+# The [D, V] output projection in ``Llama.matmul_weights`` (the transposed embedding when tied).
+OUTPUT_AXES = ("embed", "vocab")
+
+
 class Llama(nnx.Module):
-    """Decoder-only transformer. Parameters are created at the right shapes and filled by the loaders."""
+    """Decoder-only transformer. Parameters are created from :func:`param_schema` and filled by the loaders."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
         rngs = rngs or nnx.Rngs(0)
-        L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                               cfg.intermediate_size, cfg.vocab_size)
         init = nnx.initializers.normal(0.02)
-
-        def param(*shape):
-            return nnx.Param(init(rngs.params(), shape, dtype))
-
-        def norm(*shape):  # Gemma scales by (1 + w): start from w = 0 there, from w = 1 elsewhere.
-            return nnx.Param(jnp.full(shape, 1.0 - cfg.norm_weight_offset, dtype))
-
-        self.embed = param(V, D)
-        self.attn_norm = norm(L, D)
-        self.wq = param(L, D, N * H)
-        self.wk = param(L, D, K * H)
-        self.wv = param(L, D, K * H)
-        self.wo = param(L, N * H, D)
-        if cfg.attention_bias:
-            self.bq = param(L, N * H)
-            self.bk = param(L, K * H)
-            self.bv = param(L, K * H)
-        if cfg.qk_norm:
-            self.q_norm = norm(L, H)
-            self.k_norm = norm(L, H)
-        if cfg.sandwich_norms:
-            self.post_attn_norm = norm(L, D)
-            self.post_mlp_norm = norm(L, D)
-        self.mlp_norm = norm(L, D)
-        self.w_gate = param(L, D, F)
-        self.w_up = param(L, D, F)
-        self.w_down = param(L, F, D)
-        self.final_norm = norm(D)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = param(D, V)
+        for name, spec in param_schema(cfg).items():
+            # Gemma scales by (1 + w): its norms start from w = 0, the others' from w = 1.
+            value = (jnp.full(spec.shape, 1.0 - cfg.norm_weight_offset, dtype) if spec.norm
+                     else init(rngs.params(), spec.shape, dtype))
+            setattr(self, name, nnx.Param(value))
 
     _LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
                      "post_attn_norm", "post_mlp_norm", "mlp_norm", "w_gate", "w_up", "w_down")

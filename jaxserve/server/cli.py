@@ -23,11 +23,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients send as 'model' (default: the model's name)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from memory)")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="priority: requests' 'priority' field orders the queue (lower first)")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests queued without a first token beyond which new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
@@ -41,15 +36,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_serve(args) -> int:
     from jaxserve import LLMEngine
+    from jaxserve.config import EngineConfig
     from jaxserve.server.app import build_app
     from jaxserve.server.launch import make_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    engine = LLMEngine(args.model, dtype=args.dtype, matmul_dtype=args.matmul_dtype, max_model_len=args.max_model_len,
-                       kv_cache_dtype=args.kv_cache_dtype, num_pages=args.num_pages,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       attention_impl=args.attention_impl, policy=args.scheduling_policy)
+    engine = LLMEngine(args.model, EngineConfig.from_cli_args(args))
     if not args.no_warmup:
         n = engine.runner.warmup()
         logger.info("compiled %d step buckets", n)

@@ -1,0 +1,169 @@
+"""The device mesh, logical-axis rules, and how parameters, the KV pool and the kernels are laid over it.
+
+One engine replica runs one SPMD program over a ``Mesh`` with axes ``("data", "model")``:
+
+* ``model`` is tensor parallelism. Attention heads, the MLP hidden and the vocabulary are split over it
+  (Megatron style): the q/k/v and gate/up products are column-parallel, the output and down products are
+  row-parallel (one all-reduce each per layer), the logits are computed per vocabulary shard and gathered once
+  before sampling. The KV pool is split over KV heads, so each device stores and reads only its heads.
+* ``data`` is reserved for data parallelism inside one program; today data-parallel replicas are separate
+  programs on disjoint sub-meshes (see ``jaxserve.engine``), so a replica's mesh has ``data`` of size 1.
+  ``expert`` and ``stage`` would be further axes.
+
+Every parameter is declared once with logical axes (``jaxserve.models.llama.param_schema``); ``DEFAULT_RULES``
+maps logical axes to mesh axes. The custom kernels (Pallas, the CPU's C++ FFI calls) are not partitionable by
+XLA, so they run under ``jax.shard_map`` on each device's heads; without it XLA would gather the whole pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+
+MESH_AXES = ("data", "model")
+
+# logical axis -> mesh axis (None: replicated)
+DEFAULT_RULES: Mapping[str, str | None] = {
+    "layers": None,
+    "embed": None,
+    "head_dim": None,
+    "vocab": "model",
+    "q_heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+}
+
+# The KV pool [layers, pages, page_size, kv_heads, head_dim] and a step's heads [tokens, heads, head_dim].
+KV_POOL_SPEC = P(None, None, None, "model", None)
+HEADS_SPEC = P(None, "model", None)
+VOCAB_SPEC = P(None, "model")  # [rows, vocab] logits
+
+
+def check_parallelism(tensor_parallel_size: int, data_parallel_size: int = 1, num_devices: int | None = None) -> None:
+    """Raises ValueError for a degree below 1 or more devices than exist (before anything loads)."""
+    for name, v in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    need = tensor_parallel_size * data_parallel_size
+    if need > num_devices:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
+                         f"needs {need} devices, but {num_devices} {jax.default_backend()} device(s) exist")
+
+
+def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh of ``tensor_parallel_size`` devices (default: the first ones of ``jax.devices()``)."""
+    devices = list(jax.devices()[:tensor_parallel_size] if devices is None else devices)
+    if len(devices) != tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices, got {len(devices)}")
+    grid = np.array(devices, dtype=object).reshape(1, tensor_parallel_size)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def kv_heads_for(cfg: ModelConfig, tensor_parallel_size: int) -> int:
+    """KV heads the pool holds under ``tensor_parallel_size``-way tensor parallelism.
+
+    With at least as many KV heads as devices they are split evenly; with fewer, each KV head is replicated onto
+    ``tp / kv_heads`` devices (as vLLM and tpu-inference do), so every device holds one.
+
+    Raises:
+        ValueError: the degree does not divide the query heads, or neither divides the other for the KV heads.
+    """
+    tp, n, k = tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads
+    if n % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {n} attention heads")
+    if k % tp == 0:
+        return k
+    if tp % k == 0:
+        return tp
+    raise ValueError(f"tensor_parallel_size={tp} and the model's {k} KV heads must divide one another "
+                     f"(KV heads are split over the devices, or replicated when there are fewer of them)")
+
+
+def replicate_kv_heads(cfg: ModelConfig, params: dict, kv_heads: int) -> tuple[ModelConfig, dict]:
+    """(config, params) with each KV head repeated ``kv_heads / cfg.num_kv_heads`` times (a no-op when equal).
+
+    Query head ``j`` reads KV head ``j // (N / K)``; after repeating each KV head r times it reads KV head
+    ``j // (N / (K r))`` of the new layout, which holds the same values: the attention is unchanged.
+    """
+    r = kv_heads // cfg.num_kv_heads
+    if r == 1:
+        return cfg, params
+    h = cfg.head_dim
+    out = dict(params)
+    for name in ("wk", "wv", "bk", "bv"):
+        if name in params:
+            w = np.asarray(params[name])
+            heads = w.reshape(*w.shape[:-1], cfg.num_kv_heads, h)
+            out[name] = np.repeat(heads, r, axis=-2).reshape(*w.shape[:-1], kv_heads * h)
+    return dataclasses.replace(cfg, num_kv_heads=kv_heads), out
+
+
+def logical_spec(name: str, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh,
+                 rules: Mapping[str, str | None] = DEFAULT_RULES) -> P:
+    """The PartitionSpec of one parameter.
+
+    Raises:
+        ValueError: naming the parameter, when an axis has no rule, two dimensions map to one mesh axis, or a
+            dimension does not divide by its mesh axis' size.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"parameter {name!r}: {len(axes)} logical axes {axes} for shape {shape}")
+    spec, used = [], {}
+    for dim, (size, axis) in enumerate(zip(shape, axes)):
+        if axis not in rules:
+            raise ValueError(f"parameter {name!r}: logical axis {axis!r} has no sharding rule")
+        mesh_axis = rules[axis]
+        if mesh_axis is not None:
+            if mesh_axis in used:
+                raise ValueError(f"parameter {name!r}: logical axes {used[mesh_axis]!r} and {axis!r} both map to "
+                                 f"mesh axis {mesh_axis!r}")
+            used[mesh_axis] = axis
+            n = mesh.shape[mesh_axis]
+            if size % n:
+                raise ValueError(f"parameter {name!r}: dimension {dim} ({axis}, size {size}) does not divide over "
+                                 f"mesh axis {mesh_axis!r} of size {n}")
+        spec.append(mesh_axis)
+    return P(*spec)
+
+
+def param_shardings(schema: Mapping, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES,
+                    shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, NamedSharding]:
+    """{name: NamedSharding} for a ``param_schema`` (``shapes`` overrides a schema's shapes, e.g. packed ones)."""
+    return {name: NamedSharding(mesh, logical_spec(name, (shapes or {}).get(name, spec.shape), spec.axes, mesh,
+                                                   rules))
+            for name, spec in schema.items()}
+
+
+def shard_kernels(attention, write_kv, mesh: Mesh):
+    """Wraps the model's (attention, write_kv) so each device runs them on its own heads of q, K/V and the pool.
+
+    Both take and return arrays laid out as ``HEADS_SPEC`` / ``KV_POOL_SPEC``; the batch description is
+    replicated. With one device this is a plain call of the kernel.
+    """
+    rep = P()
+
+    def sharded_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                          sliding_window=0, soft_cap=None):
+        def local(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window):
+            return attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
+                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(HEADS_SPEC, KV_POOL_SPEC, KV_POOL_SPEC) + (rep,) * 6,
+                             out_specs=HEADS_SPEC, check_vma=False)(
+            q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window)
+
+    def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping):
+        return jax.shard_map(write_kv, mesh=mesh,
+                             in_specs=(KV_POOL_SPEC, KV_POOL_SPEC, rep, HEADS_SPEC, HEADS_SPEC, rep),
+                             out_specs=(KV_POOL_SPEC, KV_POOL_SPEC), check_vma=False)(
+            k_cache, v_cache, layer, new_k, new_v, slot_mapping)
+
+    return sharded_attention, sharded_write_kv

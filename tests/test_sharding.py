@@ -1,0 +1,146 @@
+"""Tensor parallelism over a mesh of fake CPU devices (tests/conftest.py asks XLA for 8).
+
+The reference is the same engine on one device: sharding must not change a single greedy token. Tiny random
+models cover every degree (including more devices than KV heads, where KV heads are replicated); the default
+model covers TP 3 (9 query heads, 3 KV heads). The compiled step's HLO is checked for the collectives Megatron-style
+tensor parallelism needs and for the absence of any gather of the KV pool.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.loading import LoadedModel
+from jaxserve.models.llama import param_schema
+from jaxserve.sharding import DEFAULT_RULES, KV_POOL_SPEC, logical_spec, make_mesh
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64)
+
+
+def _tiny(tokenizer_path, num_heads=8, num_kv_heads=2, **cfg) -> LoadedModel:
+    cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=16, max_position_embeddings=256, **cfg)
+    rng = np.random.default_rng(0)
+    params = {name: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
+              for name, s in param_schema(cfg).items()}
+    return LoadedModel("tiny", cfg, params, tokenizer_path)
+
+
+def _prompts(n=5, seed=0):
+    rng = np.random.default_rng(seed)  # lengths around the 64-token budget: chunked prefill and mixed steps
+    return [rng.integers(3, 49000, size=int(k)).tolist() for k in rng.integers(2, 150, size=n)]
+
+
+def _generate(llm, prompts, params=GREEDY):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny(default_loaded):
+    return _tiny(default_loaded.tokenizer_path, attention_bias=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    return _generate(LLM(tiny, **ENGINE), _prompts(), params)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_tokens_equal_one_device(tiny, tiny_reference, tp):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    llm = LLM(tiny, tensor_parallel_size=tp, **ENGINE)
+    tokens, logprobs = _generate(llm, _prompts(), params)
+    assert tokens == tiny_reference[0]
+    got = [[next(iter(d.values())).logprob for d in row] for row in logprobs]
+    want = [[next(iter(d.values())).logprob for d in row] for row in tiny_reference[1]]
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=1e-4)  # float32, summed in another order
+    # More devices than the model's 2 KV heads: each device holds one (replicated) head.
+    assert llm.engine.runner.cfg.num_kv_heads == max(2, tp)
+
+
+def _per_device_bytes(x: jax.Array) -> set[int]:
+    return {s.data.nbytes for s in x.addressable_shards}
+
+
+def test_weights_and_pool_are_sharded(tiny):
+    tp = 4
+    runner = LLM(tiny, tensor_parallel_size=tp, **ENGINE).engine.runner
+    schema = param_schema(runner.cfg)
+    params = nnx.to_pure_dict(runner.state)
+    assert set(params) == set(schema)
+    for name, spec in schema.items():
+        arr, split = params[name], any(DEFAULT_RULES[a] == "model" for a in spec.axes)
+        assert len(arr.sharding.device_set) == tp, name
+        assert _per_device_bytes(arr) == {arr.nbytes // tp if split else arr.nbytes}, name
+    # wq is column-parallel, wo row-parallel, embed split over the vocabulary, norms whole on every device.
+    assert params["wq"].sharding.spec == P(None, None, "model")
+    assert params["wo"].sharding.spec == P(None, "model", None)
+    assert params["embed"].sharding.spec == P("model", None)
+    assert params["attn_norm"].sharding.spec == P(None, None)
+    for cache in (runner.k_cache, runner.v_cache):
+        assert cache.sharding.spec == KV_POOL_SPEC
+        assert _per_device_bytes(cache) == {cache.nbytes // tp}
+
+
+def test_default_model_tp3_equals_one_device(default_loaded, default_llm):
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three colours: red,"]
+    want = _generate(default_llm, prompts)[0]
+    llm = LLM(default_loaded, tensor_parallel_size=3, **ENGINE)
+    assert _generate(llm, prompts)[0] == want
+    runner = llm.engine.runner
+    assert runner.cfg.num_kv_heads == 3 and _per_device_bytes(runner.k_cache) == {runner.k_cache.nbytes // 3}
+
+    # The compiled step: per layer one all-reduce after attention and one after the MLP (both [T, D], inside the
+    # layer loop) and one for the vocabulary-parallel embedding lookup; all-gathers only of [rows, V] logits
+    # (the sampled rows, and every row under the prompt-logprobs branch). Nothing moves the KV pool.
+    hlo = runner.lower_step(16, 8).compile().as_text()
+    collectives = re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                             r"(?:-start)?\(", hlo)
+    d, v = default_loaded.config.hidden_size, default_loaded.config.vocab_size
+    assert [shape for shape, op in collectives if op == "all-reduce"] == [f"f32[16,{d}]{{1,0}}"] * 3, collectives
+    gathers = [shape for shape, op in collectives if op == "all-gather"]
+    assert gathers and all(re.fullmatch(rf"f32\[\d+,{v}\]\{{[01],[01]\}}", g) for g in gathers), collectives
+    assert {op for _, op in collectives} == {"all-reduce", "all-gather"}, collectives
+
+
+def test_steady_state_does_not_recompile_under_tp(tiny):
+    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    llm.engine.runner.warmup()
+    before = llm.engine.runner.num_compilations
+    _generate(llm, _prompts(8, seed=1))
+    assert llm.engine.runner.num_compilations == before
+
+
+def test_bad_degrees_are_clear_errors(tiny, default_loaded):
+    with pytest.raises(ValueError, match="needs 16 devices, but 8"):
+        LLM(tiny, tensor_parallel_size=16, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's 8 attention heads"):
+        LLM(tiny, tensor_parallel_size=3, **ENGINE)
+    with pytest.raises(ValueError, match="6 and the model's 4 KV heads must divide one another"):
+        LLM(_tiny(default_loaded.tokenizer_path, num_heads=12, num_kv_heads=4), tensor_parallel_size=6, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(TypeError, match="unknown engine setting"):
+        LLM(tiny, tensor_paralel_size=2)
+
+
+def test_logical_rules_name_the_parameter():
+    mesh = make_mesh(4)
+    assert logical_spec("w", (8, 12), ("embed", "mlp"), mesh) == P(None, "model")
+    with pytest.raises(ValueError, match=r"parameter 'w_up': dimension 1 \(mlp, size 10\) does not divide"):
+        logical_spec("w_up", (8, 10), ("embed", "mlp"), mesh)
+    with pytest.raises(ValueError, match="parameter 'x': logical axes 'vocab' and 'mlp' both map to mesh axis"):
+        logical_spec("x", (8, 8), ("vocab", "mlp"), mesh)
+    with pytest.raises(ValueError, match="parameter 'y': logical axis 'experts' has no sharding rule"):
+        logical_spec("y", (8,), ("experts",), mesh)
