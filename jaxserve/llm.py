@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.engine import LLMEngine
@@ -56,15 +58,8 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added = []
-        try:
-            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
-                added.append(rid)
-        except Exception:
-            for rid in added:
-                self.engine.abort_request(rid)
-            raise
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        self.engine.add_requests(zip(ids, prompts, params, priorities))  # all queued, or none
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -105,12 +100,14 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    """One prompt (a string, a list of token ids, a 1-D int array) or a list of them, as a list; the engine
+    checks each prompt's type and contents."""
+    if isinstance(prompts, (str, np.ndarray)) and np.ndim(prompts) < 2:
         return [prompts]
+    if not isinstance(prompts, (list, tuple, np.ndarray)):
+        raise ValueError(f"prompts must be a string, a list of token ids or a list of prompts, got "
+                         f"{type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         return [prompts]  # one prompt of token ids
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str) and not (isinstance(p, Sequence) and all(isinstance(t, int) for t in p)):
-            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
     return prompts

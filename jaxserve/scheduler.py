@@ -113,9 +113,24 @@ class Scheduler:
             ValueError: the id is in use, the prompt is longer than ``max_model_len``, or the request may
                 need more pages than the whole pool.
         """
-        self._validate(request)
-        self.requests[request.request_id] = request
-        self._push_waiting(request)
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queues new requests atomically: every one is validated (ids unique among them too) before any is
+        queued. The next ``schedule`` admits as many as its token budget, sequences and pages allow.
+
+        Raises:
+            ValueError: as ``add_request``, for the first bad request; nothing is queued then.
+        """
+        ids: set[str] = set()
+        for request in requests:
+            self._validate(request)
+            if request.request_id in ids:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            ids.add(request.request_id)
+        for request in requests:
+            self.requests[request.request_id] = request
+            self._push_waiting(request)
 
     def fork_request(self, parent_id: str, child: Request) -> None:
         """Adds ``child`` sharing the running parent's computed pages (``n > 1`` over one prompt).

@@ -1,0 +1,268 @@
+"""Issue 13 on the engine side: no compile after warm-up whatever a request asks, batch admission,
+validation at the door, failures confined to their requests, the CPU pool sized from available memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import CacheConfig, SchedulerConfig, bytes_or_fraction
+from jaxserve.engine import StepFailed
+from jaxserve.runner import ModelRunner, available_host_memory
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+WORDS = "river city light north stone garden music paper window seven quiet market winter".split()
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def llm(default_loaded):
+    return LLM(default_loaded, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512, num_pages=400)
+
+
+def _run(engine, ids=None):
+    """Steps until every request finishes; returns {request_id: final output} and the number of steps."""
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done, steps
+
+
+def _idle(engine):
+    s = engine.scheduler
+    return not engine.has_unfinished_requests() and not s.requests and s.block_manager.num_used_pages == 0
+
+
+# ---------------------------------------------------------------- item 1: no compile after warm-up
+
+
+def test_no_compile_after_warmup_for_any_sampling_option(default_loaded):
+    llm = LLM(default_loaded, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, num_pages=300)
+    runner = llm.engine.runner
+    assert runner.warmup() == len(runner.warmup_shapes())
+    before = runner.num_compilations
+    rng = random.Random(3)
+    prompts, params = [], []
+    for keys in (33, 65, 129, 513, 1024):
+        prompts.append(_text(rng, 8))
+        params.append(SamplingParams(max_tokens=3, logit_bias={rng.randrange(49152): -5.0 for _ in range(keys)}))
+    for words in (40, 100, 300):  # ~ tokens of history: every history length shares the fixed width
+        prompts.append(_text(rng, words))
+        params.append(SamplingParams(max_tokens=3, repetition_penalty=1.1, seed=words))
+    options = [dict(logprobs=1), dict(logprobs=20), dict(logprobs=0), dict(prompt_logprobs=0),
+               dict(prompt_logprobs=20, logprobs=5, seed=11), dict(presence_penalty=0.5, frequency_penalty=-0.5),
+               dict(top_k=5, top_p=0.9, min_p=0.1, seed=7), dict(temperature=0.0, stop=["e", "a"]),
+               dict(min_tokens=2, stop_token_ids=list(range(256))), dict(n=3, temperature=0.8),
+               dict(seed=-(2**63)), dict(temperature=0.0, top_k=2**31 - 1)]
+    for o in options:
+        prompts.append(_text(rng, rng.randint(1, 60)))
+        params.append(SamplingParams(max_tokens=4, **o))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.finished for o in outs)
+    assert runner.num_compilations == before
+    # The optional outputs did come back, and alone or batched they are the same.
+    plp = outs[len(prompts) - len(options) + 4]
+    assert plp.prompt_logprobs[0] is None and all(len(d) >= 20 for d in plp.prompt_logprobs[1:])
+    assert all(len(d) >= 5 for d in plp.outputs[0].logprobs)
+    alone = llm.generate([prompts[-len(options) + 4]], [params[-len(options) + 4]], use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == plp.outputs[0].token_ids
+    assert runner.num_compilations == before
+
+
+# ---------------------------------------------------------------- item 3: batch admission
+
+
+def test_many_prompts_at_once_take_as_few_steps_as_separate_requests(llm):
+    engine = llm.engine
+    prompts = [f"Prompt number {i} says" for i in range(64)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_requests([(f"b{i}", p, params) for i, p in enumerate(prompts)])
+    batched, batched_steps = _run(engine)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, params)
+    separate, separate_steps = _run(engine)
+    # max_num_seqs=32: two waves of a prefill step and a decode step each.
+    assert batched_steps == separate_steps == 4
+    assert [batched[f"b{i}"].outputs[0].token_ids for i in range(64)] == \
+           [separate[f"s{i}"].outputs[0].token_ids for i in range(64)]
+    # LLM.generate queues all its prompts at once too.
+    steps = engine.runner.num_steps
+    llm.generate(prompts, params, use_tqdm=False)
+    assert engine.runner.num_steps - steps == 4
+
+
+def test_add_requests_is_atomic_and_names_the_bad_item(llm):
+    engine = llm.engine
+    good = ("ok", "Hello there", GREEDY)
+    cases = [
+        ([good, ("bad", "x", SamplingParams(logit_bias={49152: 1.0}))], r"item 1 of 2: request 'bad'.*logit_bias"),
+        ([good, ("ok", "again", None)], r"item 1 of 2: request id 'ok' is already in use"),
+        ([good, ("x", [1, 2], SamplingParams(n=2)), ("x#1", [3], None)], r"item 2 of 3: request id 'x#1'"),
+        ([good, ("x#0", [3], None), ("x", [1, 2], SamplingParams(n=2))], r"item 2 of 3:.*'x#0' \(n=2\)"),
+        ([good, ("big", [5] * 600, None)], r"item 1 of 2: request 'big'.*max_model_len=512"),
+        ([good, ("p", "hi", None, "high")], r"item 1 of 2: request 'p': priority"),
+        ([good, ("two", "hi")], r"item 1 of 2: an item must be"),
+    ]
+    for items, match in cases:
+        with pytest.raises(ValueError, match=match):
+            engine.add_requests(items)
+        assert _idle(engine)  # nothing was queued
+    with pytest.raises(ValueError, match=r"prompt 0|request 'gen-"):  # LLM.generate: nothing queued either
+        llm.generate(["fine", "also fine", {"a": 1}], GREEDY, use_tqdm=False)
+    assert _idle(engine)
+
+
+# ---------------------------------------------------------------- item 4: validation at the door
+
+
+def test_ids_collide_with_children_ids_in_both_orders(llm):
+    engine = llm.engine
+    engine.add_request("x#1", "First prompt", GREEDY)
+    with pytest.raises(ValueError, match=r"request 'x': its sequence id 'x#1' \(n=2\) is already in use"):
+        engine.add_request("x", "Second prompt", dataclasses.replace(GREEDY, n=2))
+    engine.add_request("y", "Third prompt", dataclasses.replace(GREEDY, n=2))
+    for taken in ("y#0", "y#1", "y"):
+        with pytest.raises(ValueError, match=rf"'{taken}'.* already in use"):
+            engine.add_request(taken, "Fourth", GREEDY)
+    done, _ = _run(engine)
+    assert sorted(done) == ["x#1", "y"] and len(done["y"].outputs) == 2
+    assert all(len(o.token_ids) == 6 for out in done.values() for o in out.outputs)
+    assert _idle(engine)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([True, False], r"holding \['bool'\]"),
+    ([1, 2.0], r"holding \['float', 'int'\]"),
+    ({"a": 1}, "got a dict"),
+    (b"abc", "got a bytes"),
+    (np.array([[1, 2]]), r"int64 with shape \(1, 2\)"),
+    (np.array([1.0, 2.0]), "float64"),
+    ([], "empty"),
+    ([49152], "outside the vocabulary"),
+    ([-1], "outside the vocabulary"),
+])
+def test_bad_prompts_are_rejected_and_others_go_on(llm, prompt, match):
+    engine = llm.engine
+    engine.add_request("before", "The river", GREEDY)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("bad", prompt, GREEDY)
+    done, _ = _run(engine)
+    assert list(done) == ["before"] and len(done["before"].outputs[0].token_ids) == 6
+    assert _idle(engine)
+
+
+def test_token_arrays_and_vocabulary_checked_params(llm):
+    ids = llm.tokenizer.encode("The quiet market at night")
+    as_list = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for arr in (np.array(ids), np.array(ids, np.int32), np.array(ids, np.uint16)):
+        assert llm.generate(arr, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == as_list  # one 1-D prompt
+    two = llm.generate(np.array([ids, ids]), GREEDY, use_tqdm=False)  # 2-D: one prompt per row
+    assert [o.outputs[0].token_ids for o in two] == [as_list, as_list]
+    vocab = llm.engine.model_config.vocab_size
+    for params, field in ((SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+                          (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids")):
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{field} has token ids \[{vocab}"):
+            llm.generate(["ok", "fine"], params, use_tqdm=False)
+    # The largest valid id is fine.
+    out = llm.generate(["ok"], SamplingParams(temperature=0, max_tokens=2, logit_bias={vocab - 1: 100.0}),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [vocab - 1, vocab - 1]
+    assert _idle(llm.engine)
+
+
+def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
+    engine = llm.engine
+    rng = random.Random(9)
+    prompts = [_text(rng, 5) for _ in range(4)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    engine.add_requests([(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[:2])])
+    engine.step()  # r0 and r1 are running
+    engine.add_requests([(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[2:], 2)])
+    real = engine.runner.execute
+
+    def broken(sched, requests):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    with pytest.raises(StepFailed, match="device fault") as err:
+        engine.step()  # holds r0, r1 (decoding) and r2, r3 (admitted this step)
+    assert err.value.request_ids == ["r0", "r1", "r2", "r3"] and err.value.outputs == []
+    assert isinstance(err.value.__cause__, RuntimeError) and _idle(engine)
+    monkeypatch.setattr(engine.runner, "execute", real)
+    # A host-side failure of one request: the others' outputs of the step come with the exception.
+    engine.add_requests([(f"q{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    real_append = engine._append
+
+    def append(tracked, seq, tok):
+        if tracked.request_id == "q1":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+        real_append(tracked, seq, tok)
+
+    monkeypatch.setattr(engine, "_append", append)
+    with pytest.raises(StepFailed) as err:
+        engine.step()
+    assert err.value.request_ids == ["q1"] and sorted(o.request_id for o in err.value.outputs) == ["q0", "q2", "q3"]
+    monkeypatch.setattr(engine, "_append", real_append)
+    done, _ = _run(engine)
+    assert sorted(done) == ["q0", "q2", "q3"]
+    assert [done[f"q{i}"].outputs[0].token_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+    assert _idle(engine)
+
+
+# ---------------------------------------------------------------- item 5: the pool from available memory
+
+
+class _FakeRunner:
+    page_size = 16
+
+    def _page_bytes(self):
+        return 1 << 20  # 1 MiB pages
+
+
+def test_cpu_pool_sized_from_available_memory(monkeypatch, tmp_path, caplog):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:    2097152 kB\n")
+    assert available_host_memory(str(meminfo)) == 2 << 30
+    assert available_host_memory(str(tmp_path / "missing")) > 0  # falls back to sysconf
+    import jaxserve.runner as runner_mod
+
+    sched = SchedulerConfig(max_num_seqs=64, max_model_len=2048)  # wants 64 * 128 + 1 pages
+    pages = lambda **kw: ModelRunner._pages_from_memory(_FakeRunner(), CacheConfig(**kw), sched)  # noqa: E731
+    for available, expected in ((2 << 30, 512), (64 << 30, 4096), (1 << 40, 4096), (8 << 20, 2)):
+        monkeypatch.setattr(runner_mod, "available_host_memory", lambda: available)
+        with caplog.at_level("INFO", logger="jaxserve.runner"):
+            assert pages() == expected  # a quarter of what is available, at most 4 GiB
+        assert f"KV pool: {expected} pages of 16 tokens = {expected * 16} tokens" in caplog.text
+    monkeypatch.setattr(runner_mod, "available_host_memory", lambda: 2 << 30)
+    assert pages(kv_cache_memory=100 << 20) == 100  # bytes: exactly that
+    assert pages(kv_cache_memory=0.5) == 1024  # a fraction of what is available
+    assert pages(kv_cache_memory=1.0) == 2048
+    with pytest.raises(ValueError, match="not enough memory"):
+        pages(kv_cache_memory=1 << 20)
+    small = SchedulerConfig(max_num_seqs=2, max_model_len=64)  # the default never exceeds what can be used
+    assert ModelRunner._pages_from_memory(_FakeRunner(), CacheConfig(), small) == 2 * 4 + 1
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, 0.0, True, "1G"])
+def test_kv_cache_memory_validated(bad):
+    with pytest.raises(ValueError, match="CacheConfig.kv_cache_memory"):
+        CacheConfig(kv_cache_memory=bad)
+
+
+def test_kv_cache_memory_flag_parses_bytes_and_fractions():
+    assert [bytes_or_fraction(s) for s in ("0.25", "1.0", "8000000000", "8G", "8GiB", "512MiB", "512m")] == \
+           [0.25, 1.0, 8000000000, 8 << 30, 8 << 30, 512 << 20, 512 << 20]
+    with pytest.raises(ValueError):
+        bytes_or_fraction("lots")
