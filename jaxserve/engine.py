@@ -27,7 +27,7 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
-from jaxserve.sharding import check_parallelism, kv_heads_for, make_mesh
+from jaxserve.sharding import check_parallelism, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -102,6 +102,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         tp = config.tensor_parallel_size
         check_parallelism(tp, config.data_parallel_size)
+        mesh = make_mesh(tp)
         dtype = config.dtype or default_dtype()
         if config.matmul_dtype not in (None, dtype, "bfloat16"):
             raise ValueError(f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', "
@@ -110,7 +111,8 @@ class LLMEngine:
             kv_heads_for(model.config, tp)
             loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
         else:
-            loaded = load_model(model, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp))
+            loaded = load_model(model, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp),
+                                shardings=lambda cfg: checkpoint_shardings(cfg, mesh))
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = load_tokenizer(loaded.tokenizer_path)
@@ -120,7 +122,7 @@ class LLMEngine:
                              f"{loaded.config.max_position_embeddings}")
         self.scheduler_config = config.scheduler_config(max_model_len)
         self.runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,
-                                  config.attention_impl, config.matmul_dtype, make_mesh(tp))
+                                  config.attention_impl, config.matmul_dtype, mesh)
         self.scheduler = Scheduler(self.scheduler_config,
                                    BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching))
         self.load_seconds = time.perf_counter() - t0

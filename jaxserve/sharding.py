@@ -21,6 +21,7 @@ import dataclasses
 from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -100,10 +101,22 @@ def replicate_kv_heads(cfg: ModelConfig, params: dict, kv_heads: int) -> tuple[M
     out = dict(params)
     for name in ("wk", "wv", "bk", "bv"):
         if name in params:
-            w = np.asarray(params[name])
+            w = params[name]
+            xp = jnp if isinstance(w, jax.Array) else np  # restored onto devices: repeat there
             heads = w.reshape(*w.shape[:-1], cfg.num_kv_heads, h)
-            out[name] = np.repeat(heads, r, axis=-2).reshape(*w.shape[:-1], kv_heads * h)
+            out[name] = xp.repeat(heads, r, axis=-2).reshape(*w.shape[:-1], kv_heads * h)
     return dataclasses.replace(cfg, num_kv_heads=kv_heads), out
+
+
+def checkpoint_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
+    """Where a checkpoint's parameters are restored: as served, except the KV projections of a model with fewer
+    KV heads than devices, which come whole (the runner then repeats their heads, see ``replicate_kv_heads``)."""
+    from jaxserve.models.llama import param_schema
+
+    rules = dict(DEFAULT_RULES)
+    if cfg.num_kv_heads % mesh.shape["model"]:
+        rules["kv_heads"] = None
+    return param_shardings(param_schema(cfg), mesh, rules)
 
 
 def logical_spec(name: str, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh,

@@ -144,3 +144,25 @@ def test_logical_rules_name_the_parameter():
         logical_spec("x", (8, 8), ("vocab", "mlp"), mesh)
     with pytest.raises(ValueError, match="parameter 'y': logical axis 'experts' has no sharding rule"):
         logical_spec("y", (8,), ("experts",), mesh)
+
+
+def test_orbax_restores_shards_onto_another_mesh(default_loaded, default_model_path, tmp_path):
+    from jaxserve.loading import load_model, orbax_ckpt
+    from jaxserve.sharding import checkpoint_shardings
+
+    tiny = _tiny(default_loaded.tokenizer_path, num_heads=8, num_kv_heads=4)
+    written = LLM(tiny, tensor_parallel_size=2, **ENGINE)  # the checkpoint is written from arrays split 2 ways
+    orbax_ckpt.save(tmp_path, tiny.config, nnx.to_pure_dict(written.engine.runner.state), "float32")
+    orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
+    on_devices = load_model(tmp_path, "float32", shardings=lambda cfg: checkpoint_shardings(cfg, make_mesh(4)))
+    assert on_devices.params["wq"].sharding.spec == P(None, None, "model")  # restored straight onto 4 devices
+    # Restored 8 ways: 8 devices, 4 KV heads, so the KV projections come whole and their heads are repeated.
+    restored = LLM(str(tmp_path), tensor_parallel_size=8, **ENGINE)
+    got = nnx.to_pure_dict(restored.engine.runner.state)
+    for name, want in tiny.params.items():
+        arr = got[name]
+        assert len(arr.sharding.device_set) == 8, name
+        if name in ("wk", "wv"):
+            want = np.repeat(want.reshape(2, 64, 4, 16), 2, axis=2).reshape(2, 64, 128)
+        np.testing.assert_array_equal(np.asarray(arr), want, err_msg=name)
+    assert _generate(restored, _prompts(3))[0] == _generate(LLM(tiny, **ENGINE), _prompts(3))[0]

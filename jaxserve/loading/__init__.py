@@ -55,10 +55,13 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def load_model(model: str | Path | None = None, dtype: str = "float32",
-               check_config: Callable[[ModelConfig], object] | None = None) -> LoadedModel:
+               check_config: Callable[[ModelConfig], object] | None = None,
+               shardings: Callable[[ModelConfig], dict] | None = None) -> LoadedModel:
     """Loads config + weights (as host arrays of ``dtype``) from any supported source.
 
     ``check_config`` sees the model's config before any weight is read (it raises to refuse the model).
+    ``shardings`` (config -> {param name: Sharding}): an orbax checkpoint is restored straight onto the devices,
+    each reading its own shards; the other formats give host arrays, placed tensor by tensor by the runner.
     """
     check = check_config or (lambda cfg: None)
     from jaxserve.loading import orbax_ckpt
@@ -76,7 +79,10 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
         params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(progress=False), dtype, total=len(ckpt.tensors))
         return LoadedModel(path.stem, cfg, params, path)
     if orbax_ckpt.is_orbax_dir(path):
-        cfg, params, saved_dtype = orbax_ckpt.load(path)
+        cfg, params, saved_dtype = orbax_ckpt.load(path, None if shardings is None else
+                                                   lambda cfg: (check(cfg), shardings(cfg))[1])
+        if shardings is None:
+            check(cfg)
         if saved_dtype != dtype:
             from jaxserve.loading.weights import cast_params
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
+import jax
 import numpy as np
 
 from jaxserve.config import ModelConfig
@@ -30,7 +32,7 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict[str, np.ndarray], dtype
     dst = Path(dst).resolve()
     dst.mkdir(parents=True, exist_ok=True)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(dst / "params", params, force=True)
+    ckpt.save(dst / "params", params, force=True)  # host arrays, or sharded device arrays (each shard written once)
     ckpt.wait_until_finished()
     (dst / MARKER).write_text(json.dumps({"model": cfg.to_dict(), "dtype": dtype}, indent=1))
 
@@ -59,12 +61,24 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
     writer.close()
 
 
-def load(path: str | Path) -> tuple[ModelConfig, dict, str]:
-    """Restores (config, params as host numpy arrays, dtype name) from an orbax directory."""
+def load(path: str | Path, shardings: Callable[[ModelConfig], dict] | None = None) -> tuple[ModelConfig, dict, str]:
+    """Restores (config, params, dtype name) from an orbax directory.
+
+    Without ``shardings`` the params are host numpy arrays. With it (config -> {name: Sharding}), each device
+    reads only its own shard from disk, onto any mesh shape (whatever mesh the checkpoint was written from).
+    """
     import orbax.checkpoint as ocp
 
     path = Path(path).resolve()
     meta = json.loads((path / MARKER).read_text())
     cfg = ModelConfig.from_dict(meta["model"])
-    params = ocp.StandardCheckpointer().restore(path / "params")
-    return cfg, {k: np.asarray(v) for k, v in params.items()}, meta["dtype"]
+    ckpt = ocp.StandardCheckpointer()
+    if shardings is None:
+        params = ckpt.restore(path / "params")
+        return cfg, {k: np.asarray(v) for k, v in params.items()}, meta["dtype"]
+    stored = ckpt.metadata(path / "params")
+    stored = getattr(stored, "item_metadata", stored)  # orbax >= 0.11 wraps the tree
+    placement = shardings(cfg)
+    target = {name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=placement[name])
+              for name, m in stored.items()}
+    return cfg, ckpt.restore(path / "params", target), meta["dtype"]
