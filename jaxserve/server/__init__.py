@@ -23,3 +23,6 @@ In Python::
     with ServerThread(build_app(LLMEngine())) as server:  # a free loopback port: server.url
         ...
 """
+
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # ~250K tokens of English: twice the longest prompt of a 128K-context model
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a client may take to send a request's line and headers

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
+from jaxserve.server import DEFAULT_MAX_PROMPT_CHARS
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.chat import create_chat_completion, render_chat
 from jaxserve.server.completions import create_completion
@@ -30,7 +31,7 @@ from jaxserve.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from jaxserve.server.serving import DEFAULT_MAX_PROMPT_CHARS, ServerState
+from jaxserve.server.serving import ServerState
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
@@ -66,8 +67,11 @@ class _Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         key = self.state.api_key
         if key and scope["path"].startswith(_PROTECTED):
-            given = headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            given = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
+            if len(given) > 1:  # which one to believe? (a proxy may have added one) Neither.
+                return await error_response(400, "More than one Authorization header.",
+                                            code="invalid_api_key")(scope, receive, send)
+            if not secrets.compare_digest(given[0] if given else b"", f"Bearer {key}".encode()):
                 return await error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                                             code="invalid_api_key",
                                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -24,10 +24,15 @@ from jaxserve.server.metrics import ServerMetrics
 logger = logging.getLogger("jaxserve.server")
 
 _ABORTED = object()  # the end of a stream the engine aborted (shutdown, drain)
+MAX_STEP_FAILURES = 3  # consecutive failed engine steps after which the engine is declared dead
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can be served (answered 503)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised: the requests in that step failed (answered 500); the engine serves on."""
 
 
 class ServerBusyError(RuntimeError):
@@ -121,6 +126,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._num_waiting = 0
+        self._step_failures = 0  # consecutive
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -162,14 +168,15 @@ class AsyncEngine:
         return self._num_waiting
 
     # ------------------------------------------------------------------ requests (event loop)
-    async def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                          priority: int = 0, arrival: float | None = None) -> RequestStream:
-        """Queues a request; returns its stream once the engine has accepted it.
+    async def add_requests(self, items: Sequence[tuple[str, Sequence[int]]], params: SamplingParams,
+                           priority: int = 0, arrival: float | None = None) -> list[RequestStream]:
+        """Queues the ``(request_id, prompt_ids)`` of one client request as one command: the engine admits them
+        all between two steps (so the next step can schedule them all), or none. Returns their streams.
 
         Raises:
             ServerBusyError: too many requests waiting, or shutting down.
             EngineDeadError: the engine thread has failed.
-            ValueError: the engine rejected the request.
+            ValueError: the engine rejected one of them (then none is queued), or an id is in use.
         """
         if self.dead is not None or not self.alive:
             raise EngineDeadError(f"the engine is not running ({self.dead!r})")
@@ -178,21 +185,26 @@ class AsyncEngine:
         if self._num_waiting >= self.max_waiting:
             raise ServerBusyError(f"{self._num_waiting} requests are already waiting (limit {self.max_waiting}); "
                                   "retry later")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        st = _Stream(request_id, len(prompt_ids), params.n, arrival or time.perf_counter(),
-                     self._loop.create_future())
-        self._streams[request_id] = st
-        self._num_waiting += 1
-        self._inbox.put(("add", request_id, list(prompt_ids), params, priority))
+        ids = [rid for rid, _ in items]
+        in_use = next((rid for k, rid in enumerate(ids) if rid in self._streams or rid in ids[:k]), None)
+        if in_use is not None:
+            raise ValueError(f"request id {in_use!r} is already in use")
+        added = self._loop.create_future()  # one answer for all of them
+        arrival = arrival or time.perf_counter()
+        streams = [_Stream(rid, len(prompt), params.n, arrival, added) for rid, prompt in items]
+        for st in streams:
+            self._streams[st.request_id] = st
+        self._num_waiting += len(streams)
+        self._inbox.put(("add", [(rid, list(prompt), params, priority) for rid, prompt in items]))
         if self.dead is not None:  # the engine thread died after the check above: it may never read the inbox
             self._fail_all(EngineDeadError(f"the engine is not running ({self.dead!r})"))
         try:
-            await st.added
+            await added
         except BaseException:  # rejected by the engine, or the caller was cancelled meanwhile
-            self.abort(request_id, count=False)
+            for rid in ids:
+                self.abort(rid, count=False)
             raise
-        return RequestStream(self, st)
+        return [RequestStream(self, st) for st in streams]
 
     def abort(self, request_id: str, count: bool = True) -> None:
         """Stops a request (e.g. its client went away); the engine frees its pages at its next command drain."""
@@ -249,14 +261,20 @@ class AsyncEngine:
 
     def _fail_all(self, err: BaseException | None) -> None:
         """The engine aborted (err None: shutdown) or lost (err: it died) every request it had or was sent."""
-        for rid in list(self._streams):
-            st = self._streams.pop(rid)
+        self._fail(list(self._streams), err)
+
+    def _fail(self, request_ids, err: BaseException | None) -> None:
+        """These requests end: aborted (err None) or failed with ``err``, which their readers get."""
+        for rid in request_ids:
+            st = self._streams.pop(rid, None)
+            if st is None:
+                continue
             self._unwait(st)
             if not st.added.done():
                 st.added.set_exception(err or ServerBusyError("the server is shutting down", retry_after=5))
             st.end = _ABORTED if err is None else err
             st.ready.set()
-            self.metrics.finished("abort")
+            self.metrics.finished("error" if isinstance(err, EngineStepError) else "abort")
 
     # ------------------------------------------------------------------ the engine thread
     def _call(self, fn, *args) -> None:
@@ -286,13 +304,13 @@ class AsyncEngine:
             acks, stop = [], False
             for cmd in cmds:
                 if cmd[0] == "add":
-                    _, rid, ids, params, priority = cmd
+                    batch = cmd[1]
                     try:
-                        engine.add_request(rid, ids, params, priority=priority)
-                        live.add(rid)
-                        acks.append((rid, None))
+                        _admit(engine, batch)
+                        live.update(item[0] for item in batch)
+                        acks += [(item[0], None) for item in batch]
                     except Exception as e:  # noqa: BLE001 - every rejection goes back to its caller
-                        acks.append((rid, e))
+                        acks += [(item[0], e) for item in batch]
                 elif cmd[0] == "abort":
                     if cmd[1] in live:
                         engine.abort_request(cmd[1])
@@ -313,7 +331,11 @@ class AsyncEngine:
                 self._call(self._fail_all, None)
                 return
             if engine.has_unfinished_requests():
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                    self._step_failures = 0
+                except Exception as e:
+                    outputs = self._step_failed(e, live)
                 now = time.perf_counter()
                 for out in outputs:
                     if out.finished:
@@ -321,3 +343,38 @@ class AsyncEngine:
                 if outputs:
                     self._call(self._dispatch, outputs, now)
             self.stats = engine.get_stats()
+
+    def _step_failed(self, e: Exception, live: set[str]) -> list[RequestOutput]:
+        """A step raised. If the engine confined the failure to some requests (its ``StepFailed``: they are aborted,
+        their pages freed), those fail with a 500 naming the cause and the step's other outputs are returned;
+        anything else, or ``MAX_STEP_FAILURES`` steps in a row that failed with nothing to show, kills the thread."""
+        failed, outputs = getattr(e, "request_ids", None), getattr(e, "outputs", None)
+        if failed is None or outputs is None:
+            raise e  # not confined: the engine's state is unknown
+        self._step_failures = 0 if outputs else self._step_failures + 1
+        if self._step_failures >= MAX_STEP_FAILURES:
+            raise e
+        cause = getattr(e, "cause", None) or e.__cause__ or e
+        logger.error("an engine step failed for %d request(s); the engine serves on", len(failed), exc_info=cause)
+        live.difference_update(failed)
+        self._call(self._fail, list(failed), EngineStepError(f"the engine step failed: {type(cause).__name__}: "
+                                                             f"{cause}"))
+        return outputs
+
+
+def _admit(engine, batch: list[tuple]) -> None:
+    """Adds ``(request_id, prompt_ids, params, priority)`` items to the engine, all of them or (ValueError) none."""
+    add_requests = getattr(engine, "add_requests", None)
+    if add_requests is not None:
+        add_requests(batch)
+        return
+    added = []
+    try:
+        for rid, ids, params, priority in batch:
+            engine.add_request(rid, ids, params, priority=priority)
+            added.append(rid)
+    except Exception:
+        for rid in added:
+            engine.abort_request(rid)
+        raise
+

@@ -14,6 +14,7 @@ logger = logging.getLogger("jaxserve.server")
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Registers ``jaxserve serve``."""
     from jaxserve.cli import add_model_args
+    from jaxserve.server import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_PROMPT_CHARS
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions).")
     add_model_args(p)
@@ -26,6 +27,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests queued without a first token beyond which new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument("--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS,
+                   help="longer prompts (chat: all messages' content together) get 400 before they are tokenized; "
+                        "0: no limit (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a client may take to send a request's line and headers; then 408 and the "
+                        "connection is closed (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before serving")
@@ -38,7 +45,7 @@ def cmd_serve(args) -> int:
     from jaxserve import LLMEngine
     from jaxserve.config import EngineConfig
     from jaxserve.server.app import build_app
-    from jaxserve.server.launch import make_server
+    from jaxserve.server.launch import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
@@ -50,11 +57,9 @@ def cmd_serve(args) -> int:
                 time.perf_counter() - t0, engine.scheduler_config.max_model_len, engine.runner.num_pages)
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting_requests,
-                    shutdown_timeout=args.shutdown_timeout)
-    server = make_server(app, args.host, args.port, log_level=args.log_level,
-                         shutdown_timeout=args.shutdown_timeout)
-    server.run()
-    return 0 if server.started else 1
+                    shutdown_timeout=args.shutdown_timeout, max_prompt_chars=args.max_prompt_chars or None)
+    return serve(app, args.host, args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+                 header_timeout=args.header_timeout)
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:

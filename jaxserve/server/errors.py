@@ -64,7 +64,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: APIError):
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
-    from jaxserve.server.async_engine import EngineDeadError, ServerBusyError
+    from jaxserve.server.async_engine import EngineDeadError, EngineStepError, ServerBusyError
 
     @app.exception_handler(ServerBusyError)
     async def _busy(request: Request, exc: ServerBusyError):
@@ -73,6 +73,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
         return error_response(503, str(exc), code="engine_dead", headers={"Retry-After": "30"})
+
+    @app.exception_handler(EngineStepError)
+    async def _step_failed(request: Request, exc: EngineStepError):
+        return error_response(500, str(exc), code="engine_step_failed")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -20,16 +20,18 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
         APIError: 400 for a token id past the vocabulary or a combination the engine rejects (min_tokens >
             max_tokens, ...); the message names the field.
     """
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise APIError(400, f"best_of={req.best_of} is not supported: this server does not rank candidates, so "
+                            f"best_of must equal n ({n}) or be left out", param="best_of")
     bias = None
     if req.logit_bias:
         bias = {int(k): v for k, v in req.logit_bias.items()}
         check_token_ids(bias, vocab_size, "logit_bias")
     check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
-    # Any 64-bit seed (OpenAI's are signed) maps onto the engine's unsigned 64-bit seeds.
-    seed = None if req.seed is None else req.seed & (2**64 - 1)
     try:
         return SamplingParams(
-            n=req.n or 1,
+            n=n,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
@@ -38,7 +40,7 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=bias,
-            seed=seed,
+            seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens or 0,
             stop=req.stop,

@@ -12,12 +12,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.sampling_params import MAX_LOGPROBS, SEED_RANGE
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request
-INT32_MAX, INT64_MIN, UINT64_MAX = 2**31 - 1, -(2**63), 2**64 - 1  # the engine keeps some fields in int32
+INT32_MAX = 2**31 - 1  # the engine keeps some fields in int32
 
 
 def _integral(v):
@@ -51,6 +51,7 @@ class _SamplingRequest(_Strict):
 
     model: str | None = Field(None, description="a served model name; omitted = the served model")
     n: Int(1, MAX_N) | None = 1
+    best_of: Int(1, MAX_N) | None = Field(None, description="only best_of = n is served (candidates are not ranked)")
     temperature: float | None = Field(None, ge=0.0, le=100.0, description="default 1.0; 0 = greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = None
@@ -59,7 +60,7 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    seed: Int(INT64_MIN, UINT64_MAX) | None = None
+    seed: Int(*SEED_RANGE) | None = Field(None, description="a 64-bit signed int, as vLLM takes")
     user: str | None = None
     # vLLM's extras
     top_k: Int(-1, INT32_MAX) | None = Field(None, description="0 or -1 = off")

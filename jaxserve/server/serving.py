@@ -14,13 +14,19 @@ from starlette.types import Receive, Scope, Send
 
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, ServerBusyError
+from jaxserve.server import DEFAULT_MAX_PROMPT_CHARS
+from jaxserve.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    RequestStream,
+    ServerBusyError,
+)
 from jaxserve.server.errors import APIError, JSONResponse, error_body
 
 # Inputs (characters or token ids) beyond which tokenizing, rendering and detokenizing run in a worker thread. The
 # tokenizer lets go of the GIL for such inputs (jaxserve.tokenizer), so the event loop keeps answering meanwhile.
 _LONG_INPUT = 16 * 1024
-DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # ~250K tokens of English: twice the longest prompt of a 128K-context model
 
 
 async def off_loop(size: int, fn: Callable, *args):
@@ -82,11 +88,13 @@ class ServerState:
     async def decode(self, ids: list[int]) -> str:
         return await off_loop(len(ids), self.tokenizer.decode, ids, False)
 
-    async def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int,
-                  arrival: float) -> RequestStream:
-        """Admits a request, mapping refusals to HTTP errors (503 + Retry-After when busy, 400 when invalid)."""
+    async def add_all(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                      arrival: float) -> list[RequestStream]:
+        """Admits every prompt of a request at once, or none, mapping refusals to HTTP errors (503 + Retry-After
+        when busy, 400 naming the bad prompt when invalid)."""
+        ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{k}" for k in range(len(prompts))]
         try:
-            return await self.engine.add_request(request_id, prompt_ids, params, priority, arrival)
+            return await self.engine.add_requests(list(zip(ids, prompts)), params, priority, arrival)
         except ServerBusyError as e:
             self.engine.metrics.rejected(503)
             raise APIError(503, str(e), code="server_busy", headers={"Retry-After": str(e.retry_after)}) from e
@@ -94,20 +102,6 @@ class ServerState:
             raise APIError(503, str(e), code="engine_dead", headers={"Retry-After": "30"}) from e
         except ValueError as e:
             raise APIError(400, str(e)) from e
-
-    async def add_all(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-                      arrival: float) -> list[RequestStream]:
-        """Admits every prompt of a request, or none (the admitted ones are aborted if one is refused)."""
-        streams = []
-        try:
-            for k, ids in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{k}"
-                streams.append(await self.add(rid, ids, params, priority, arrival))
-        except BaseException:
-            for s in streams:
-                s.close()
-            raise
-        return streams
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -156,6 +150,8 @@ def sse(data: dict | str) -> str:
 
 def sse_error(e: BaseException) -> str:
     status = 503 if isinstance(e, (EngineDeadError, ServerBusyError)) else 400
+    if isinstance(e, EngineStepError):
+        status = 500
     return sse(error_body(status, str(e)))
 
 
