@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -365,6 +366,97 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(served):
     aborted = after.get(key, 0) - before.get(key, 0)
     assert aborted == 2
     assert served.state.engine.num_in_flight == 0
+
+
+def _steps_for(served, monkeypatch, send) -> int:
+    """Engine steps taken by the requests ``send()`` makes. The first step waits until all of them are in the
+    server, so that separate requests, which reach it one by one, are not spread over extra steps by their arrival
+    (the batch, admitted at once, needs no such help)."""
+    engine = served.state.engine
+    wait_idle(served)
+    before = engine.stats["num_steps"]
+    gate = threading.Event()
+    step = engine.engine.step
+
+    def gated():
+        gate.wait(60)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", gated)
+    sender = threading.Thread(target=send)
+    sender.start()
+    deadline = time.monotonic() + 60
+    while engine.num_in_flight < NUM_CONCURRENT and time.monotonic() < deadline:
+        time.sleep(0.005)
+    gate.set()
+    sender.join(120)
+    monkeypatch.undo()
+    wait_idle(served)
+    return engine.stats["num_steps"] - before
+
+
+def test_64_prompt_request_takes_the_steps_of_64_requests(served, monkeypatch):
+    prompts = _concurrent_prompts()
+    body = {"model": served.model, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    results: dict = {}
+
+    def batch():
+        results["batch"] = httpx.post(served.url + "/v1/completions", json={**body, "prompt": prompts}, timeout=120)
+
+    async def separate():
+        async with httpx.AsyncClient(base_url=served.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=NUM_CONCURRENT)) as client:
+            results["separate"] = await asyncio.gather(*[client.post("/v1/completions", json={**body, "prompt": p})
+                                                         for p in prompts])
+
+    batch_steps = _steps_for(served, monkeypatch, batch)
+    separate_steps = _steps_for(served, monkeypatch, lambda: asyncio.run(separate()))
+    r = results["batch"]
+    assert r.status_code == 200 and len(r.json()["choices"]) == NUM_CONCURRENT
+    assert all(x.status_code == 200 for x in results["separate"])
+    print(f"steps: one 64-prompt request {batch_steps}, 64 requests {separate_steps}")
+    # one admission per step took 65 steps here; now both take the prefill's steps plus the decode's
+    assert abs(batch_steps - separate_steps) <= 2 and batch_steps < NUM_CONCURRENT // 4, (batch_steps, separate_steps)
+
+
+def test_failed_device_step_fails_its_request_frees_its_pages_and_serving_goes_on(served, monkeypatch):
+    runner = served.state.engine.engine.runner
+    execute = runner.execute
+    calls = {"n": 0}
+
+    def faulty(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected device fault")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", faulty)
+    body = {"model": served.model, "prompt": "Tell me about the sea.", "max_tokens": 4, "temperature": 0}
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
+    err = r.json()["error"]
+    assert r.status_code == 500 and err["code"] == "engine_step_failed", r.text
+    assert "RuntimeError: injected device fault" in err["message"]
+    after = wait_idle(served)
+    assert after["jaxserve:kv_cache_used_pages"] == 0
+    bm = served.state.engine.engine.scheduler.block_manager
+    assert bm.num_free_pages == bm.num_usable_pages
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_chat_reply_cut_inside_an_emoji_has_no_replacement_char(served):
+    first = httpx.post(served.url + "/tokenize", json={"prompt": "😀", "add_special_tokens": False}).json()["tokens"]
+    assert len(first) > 1  # the emoji takes several byte-level tokens
+    kw = {"model": served.model, "messages": [{"role": "user", "content": "Smile!"}], "max_tokens": 1,
+          "temperature": 0, "logit_bias": {str(first[0]): 100}}
+    c = served.client()
+    whole = c.chat.completions.create(**kw)
+    assert whole.usage.completion_tokens == 1 and whole.choices[0].finish_reason == "length"
+    assert "\ufffd" not in whole.choices[0].message.content
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
+                       if ch.choices)
+    assert streamed == whole.choices[0].message.content
 
 
 def test_bench_serve_cli_reports_and_plots(served, tmp_path):
