@@ -108,7 +108,7 @@ class Offline:
 
         self.llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens)
-        self.llm.engine.runner.warmup()
+        self.llm.engine.warmup()
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
     def run(self, prompts: list[list[int]]) -> dict:

@@ -63,7 +63,7 @@ def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_k
     llm = LLM(None, max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens,
               max_model_len=1024, **engine_kwargs)
     t = time.perf_counter()
-    compiled = llm.engine.runner.warmup()
+    compiled = llm.engine.warmup()
     warm = time.perf_counter() - t
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     runner = llm.engine.runner

@@ -69,6 +69,18 @@ class _Sequence:
 
 
 @dataclasses.dataclass
+class Replica:
+    """One data-parallel replica: its own devices (a mesh of ``tensor_parallel_size``), weights, KV pool,
+    compiled steps and scheduler. Requests go to the least loaded one and stay there."""
+
+    runner: ModelRunner
+    scheduler: Scheduler
+
+    def load(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+
+@dataclasses.dataclass
 class _Tracked:
     request_id: str
     prompt: str | None
@@ -76,6 +88,7 @@ class _Tracked:
     params: SamplingParams
     seqs: list[_Sequence]
     pending_forks: list[_Sequence]  # n > 1: children waiting for the first sequence's prompt pages
+    replica: Replica | None = None  # where it is queued (set when it is)
 
 
 class LLMEngine:
@@ -100,9 +113,10 @@ class LLMEngine:
         if config.compilation_cache:
             enable_compilation_cache()
         t0 = time.perf_counter()
-        tp = config.tensor_parallel_size
-        check_parallelism(tp, config.data_parallel_size)
-        mesh = make_mesh(tp)
+        tp, dp = config.tensor_parallel_size, config.data_parallel_size
+        check_parallelism(tp, dp)
+        devices = jax.devices()
+        meshes = [make_mesh(tp, devices[i * tp:(i + 1) * tp]) for i in range(dp)]  # disjoint, one per replica
         dtype = config.dtype or default_dtype()
         if config.matmul_dtype not in (None, dtype, "bfloat16"):
             raise ValueError(f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', "
@@ -112,7 +126,7 @@ class LLMEngine:
             loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
         else:
             loaded = load_model(model, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp),
-                                shardings=lambda cfg: checkpoint_shardings(cfg, mesh))
+                                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[0]))
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = load_tokenizer(loaded.tokenizer_path)
@@ -121,14 +135,30 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{loaded.config.max_position_embeddings}")
         self.scheduler_config = config.scheduler_config(max_model_len)
-        self.runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,
-                                  config.attention_impl, config.matmul_dtype, mesh)
-        self.scheduler = Scheduler(self.scheduler_config,
-                                   BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching))
+        self.replicas: list[Replica] = []
+        for mesh in meshes:
+            runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,
+                                 config.attention_impl, config.matmul_dtype, mesh)
+            block_manager = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
+            self.replicas.append(Replica(runner, Scheduler(self.scheduler_config, block_manager)))
         self.load_seconds = time.perf_counter() - t0
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._seq_owner: dict[str, tuple[_Tracked, _Sequence]] = {}  # scheduler request id -> owner
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The first replica's runner (the only one unless ``data_parallel_size`` > 1)."""
+        return self.replicas[0].runner
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's scheduler (the only one unless ``data_parallel_size`` > 1)."""
+        return self.replicas[0].scheduler
+
+    def warmup(self) -> int:
+        """Compiles every step variant of every replica ahead of traffic; returns the number of compilations."""
+        return sum(r.runner.warmup() for r in self.replicas)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -176,12 +206,32 @@ class LLMEngine:
                 prepared.append(self._prepare(*item, arrival_time=arrival_time, taken=taken))
             except ValueError as e:
                 raise ValueError(str(e) if len(items) == 1 else f"item {k} of {len(items)}: {e}") from None
-        self.scheduler.add_requests([t.seqs[0].request for t in prepared])  # validates all, then queues all
+        self._dispatch(prepared)
         for tracked in prepared:
             tracked.pending_forks = tracked.seqs[1:]
             self._tracked[tracked.request_id] = tracked
             for seq in tracked.seqs:
                 self._seq_owner[seq.request.request_id] = (tracked, seq)
+
+    def _dispatch(self, prepared: list[_Tracked]) -> None:
+        """Queues each request on the least loaded replica, all or none (each scheduler validates all of its
+        share before queueing any)."""
+        loads = [r.load() for r in self.replicas]
+        shares: dict[int, list[_Tracked]] = {}
+        for tracked in prepared:
+            i = min(range(len(loads)), key=loads.__getitem__)
+            loads[i] += len(tracked.seqs)
+            tracked.replica = self.replicas[i]
+            shares.setdefault(i, []).append(tracked)
+        queued: list[_Tracked] = []
+        try:
+            for i, share in shares.items():
+                self.replicas[i].scheduler.add_requests([t.seqs[0].request for t in share])
+                queued += share
+        except Exception:
+            for tracked in queued:
+                tracked.replica.scheduler.abort_request(tracked.seqs[0].request.request_id)
+            raise
 
     def _prepare(self, request_id: str, prompt, sampling_params: SamplingParams | None, priority: int = 0, *,
                  arrival_time: float | None, taken: set[str]) -> _Tracked:
@@ -254,7 +304,7 @@ class LLMEngine:
         if tracked is None:
             return False
         for seq in tracked.seqs:
-            self.scheduler.abort_request(seq.request.request_id)
+            tracked.replica.scheduler.abort_request(seq.request.request_id)
             seq.request.status = RequestStatus.FINISHED_ABORTED
         self._forget(tracked)
         return True
@@ -264,22 +314,37 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler + device step. Returns an output for every request that progressed.
+        """Runs one scheduler + device step on every replica. Returns an output for every request that progressed.
 
         Raises:
             StepFailed: the device step, or a request's own processing, raised. The requests concerned are
                 aborted (pages freed); the exception carries every other request's outputs of this step.
         """
-        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        failures: list[StepFailed] = []
+        for replica in self.replicas:
+            try:
+                outputs += self._step_replica(replica)
+            except StepFailed as e:
+                failures.append(e)
+                outputs += e.outputs
+        if failures:
+            raise StepFailed([r for f in failures for r in f.request_ids], outputs,
+                             failures[0].cause) from failures[0].cause
+        return outputs
+
+    def _step_replica(self, replica: Replica) -> list[RequestOutput]:
+        scheduler, runner = replica.scheduler, replica.runner
+        sched = scheduler.schedule()
         try:
-            sampled = self.runner.execute(sched, self.scheduler.requests)
+            sampled = runner.execute(sched, scheduler.requests)
         except Exception as e:
-            if self.runner.k_cache.is_deleted():  # the pool was donated to the failed step: nothing can go on
+            if runner.k_cache.is_deleted():  # the pool was donated to the failed step: nothing can go on
                 raise
             failed = {self._seq_owner[s.req_id][0].request_id for s in sched.scheduled if s.req_id in self._seq_owner}
             self._abort_failed(failed)
             raise StepFailed(sorted(failed), [], e) from e
-        self.scheduler.update_from_output(sched, {rid: [s.token_id] for rid, s in sampled.items()})
+        scheduler.update_from_output(sched, {rid: [s.token_id] for rid, s in sampled.items()})
         touched: dict[str, _Tracked] = {}
         errors: dict[str, Exception] = {}
         for rid, tok in sampled.items():
@@ -292,7 +357,7 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - e.g. detokenization: only this request fails
                 errors[tracked.request_id] = e
             touched[tracked.request_id] = tracked
-        self._start_forks()
+        self._start_forks(replica)
         outputs = []
         for tracked in touched.values():
             if tracked.request_id in errors:
@@ -314,7 +379,7 @@ class LLMEngine:
         self._tracked.pop(tracked.request_id, None)
         for seq in tracked.seqs:
             self._seq_owner.pop(seq.request.request_id, None)
-            self.runner.prompt_logprobs.pop(seq.request.request_id, None)
+            tracked.replica.runner.prompt_logprobs.pop(seq.request.request_id, None)
 
     def _append(self, tracked: _Tracked, seq: _Sequence, tok) -> None:
         params = seq.request.sampling_params
@@ -338,22 +403,22 @@ class LLMEngine:
             if at >= 0:
                 seq.text = seq.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                 seq.stop_reason = stop
-                self.scheduler.finish_request(req.request_id, "stop")
+                tracked.replica.scheduler.finish_request(req.request_id, "stop")
                 req.status = RequestStatus.FINISHED_STOPPED
                 break
 
-    def _start_forks(self) -> None:
+    def _start_forks(self, replica: Replica) -> None:
         """n > 1: the other sequences share the first one's prompt pages once its prefill is done."""
         for tracked in list(self._tracked.values()):
-            if not tracked.pending_forks:
+            if not tracked.pending_forks or tracked.replica is not replica:
                 continue
             first = tracked.seqs[0].request
             if first.status is RequestStatus.RUNNING and first.num_computed_tokens >= len(tracked.prompt_token_ids):
                 for seq in tracked.pending_forks:
-                    self.scheduler.fork_request(first.request_id, seq.request)
+                    replica.scheduler.fork_request(first.request_id, seq.request)
             elif first.is_finished or first.status is not RequestStatus.RUNNING:
                 for seq in tracked.pending_forks:
-                    self.scheduler.add_request(seq.request)
+                    replica.scheduler.add_request(seq.request)
             else:
                 continue
             tracked.pending_forks = []
@@ -378,7 +443,7 @@ class LLMEngine:
     def _prompt_logprobs(self, tracked: _Tracked) -> list[dict[int, Logprob] | None] | None:
         if tracked.params.prompt_logprobs is None:
             return None
-        entries = self.runner.prompt_logprobs.get(tracked.seqs[0].request.request_id, {})
+        entries = tracked.replica.runner.prompt_logprobs.get(tracked.seqs[0].request.request_id, {})
         out: list[dict[int, Logprob] | None] = [None]
         for pos in range(1, len(tracked.prompt_token_ids)):
             e = entries.get(pos)
@@ -393,7 +458,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
-        s = self.scheduler.stats()
-        r = self.runner
-        return {**dataclasses.asdict(s), "num_compilations": r.num_compilations, "num_pages": r.num_pages,
-                "num_tokens_computed": r.num_tokens_computed, "num_steps": r.num_steps}
+        """Scheduler and runner counters, summed over the data-parallel replicas."""
+        per = [dataclasses.asdict(r.scheduler.stats()) for r in self.replicas]
+        stats = {k: sum(p[k] for p in per) for k in per[0]}
+        stats["kv_usage"] = stats["num_used_pages"] / max(stats["num_usable_pages"], 1)
+        stats["prefix_cache_hit_rate"] = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+        for name in ("num_compilations", "num_pages", "num_tokens_computed", "num_steps"):
+            stats[name] = sum(getattr(r.runner, name) for r in self.replicas)
+        return stats

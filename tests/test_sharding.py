@@ -166,3 +166,25 @@ def test_orbax_restores_shards_onto_another_mesh(default_loaded, default_model_p
             want = np.repeat(want.reshape(2, 64, 4, 16), 2, axis=2).reshape(2, 64, 128)
         np.testing.assert_array_equal(np.asarray(arr), want, err_msg=name)
     assert _generate(restored, _prompts(3))[0] == _generate(LLM(tiny, **ENGINE), _prompts(3))[0]
+
+
+def test_data_parallel_replicas_equal_one_device(tiny, tiny_reference):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    for tp, dp in ((1, 2), (2, 2)):
+        llm = LLM(tiny, tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE)
+        assert _generate(llm, _prompts(), params)[0] == tiny_reference[0], (tp, dp)
+        replicas = llm.engine.replicas
+        assert len(replicas) == dp
+        devices = [r.runner.k_cache.sharding.device_set for r in replicas]
+        assert all(len(d) == tp for d in devices) and not set.intersection(*devices)  # disjoint sub-meshes
+        # Balanced: each replica computed a share of the 5 prompts.
+        assert all(r.runner.num_tokens_computed > 0 for r in replicas)
+        assert llm.engine.get_stats()["num_used_pages"] == 0  # every replica freed its pages
+
+
+def test_data_parallel_steady_state_does_not_recompile(tiny):
+    llm = LLM(tiny, data_parallel_size=2, **ENGINE)
+    llm.engine.warmup()
+    before = llm.engine.get_stats()["num_compilations"]
+    _generate(llm, _prompts(8, seed=2))
+    assert llm.engine.get_stats()["num_compilations"] == before
