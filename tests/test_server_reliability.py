@@ -90,6 +90,8 @@ def test_health_answers_while_a_4mb_prompt_is_tokenized(tokenizing_server, path,
         out, _ = prober.communicate(timeout=60)  # closes its stdin: it stops and reports
     assert r.status_code in (200, 400), r.text
     assert re.search(r"\b\d{6}\b", r.text), r.text[:200]  # it was tokenized: the answer counts its ~900K tokens
+    if path == "/tokenize":
+        assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] == 256
     lat = [(s, d) for s, d in json.loads(out) if s < t1 and s + d > t0]  # the probes during the request
     assert len(lat) >= 5, f"too few probes during the {t1 - t0:.1f}s request: {lat}"
     assert max(d for _, d in lat) < HEALTH_LIMIT_S, sorted(d for _, d in lat)[-5:]

@@ -26,12 +26,12 @@ from jaxserve.server.errors import APIError, JSONResponse, error_body
 
 # Inputs (characters or token ids) beyond which tokenizing, rendering and detokenizing run in a worker thread. The
 # tokenizer lets go of the GIL for such inputs (jaxserve.tokenizer), so the event loop keeps answering meanwhile.
-_LONG_INPUT = 16 * 1024
+LONG_INPUT = 16 * 1024
 
 
 async def off_loop(size: int, fn: Callable, *args):
     """``fn(*args)``, in a worker thread when ``size`` (the input's length) is large, else right here."""
-    if size > _LONG_INPUT:
+    if size > LONG_INPUT:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
 
