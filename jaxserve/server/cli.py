@@ -51,7 +51,7 @@ def cmd_serve(args) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, EngineConfig.from_cli_args(args))
     if not args.no_warmup:
-        n = engine.runner.warmup()
+        n = engine.warmup()
         logger.info("compiled %d step buckets", n)
     logger.info("model %s ready in %.1fs (max_model_len %d, %d KV pages)", engine.model_name,
                 time.perf_counter() - t0, engine.scheduler_config.max_model_len, engine.runner.num_pages)
