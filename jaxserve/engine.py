@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
+from jaxserve.distributed import StepChannel, multi_process
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -115,6 +116,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         tp, dp = config.tensor_parallel_size, config.data_parallel_size
         check_parallelism(tp, dp)
+        if multi_process() and (dp != 1 or tp != jax.device_count()):
+            raise ValueError(f"under {jax.process_count()} processes, one tensor-parallel replica spans every device: "
+                             f"tensor_parallel_size must be {jax.device_count()} and data_parallel_size 1 (got "
+                             f"{tp} and {dp})")
         devices = jax.devices()
         meshes = [make_mesh(tp, devices[i * tp:(i + 1) * tp]) for i in range(dp)]  # disjoint, one per replica
         dtype = config.dtype or default_dtype()
@@ -141,6 +146,8 @@ class LLMEngine:
                                  config.attention_impl, config.matmul_dtype, mesh)
             block_manager = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
             self.replicas.append(Replica(runner, Scheduler(self.scheduler_config, block_manager)))
+        if multi_process():
+            self.runner.channel = StepChannel()
         self.load_seconds = time.perf_counter() - t0
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -155,6 +162,43 @@ class LLMEngine:
     def scheduler(self) -> Scheduler:
         """The first replica's scheduler (the only one unless ``data_parallel_size`` > 1)."""
         return self.replicas[0].scheduler
+
+    # ------------------------------------------------------------------ several processes
+    @property
+    def is_follower(self) -> bool:
+        """True on processes other than 0 of a multi-process runtime: they run the steps process 0 schedules."""
+        return self.runner.channel is not None and not self.runner.channel.leader
+
+    def follow(self):
+        """A follower's loop: runs process 0's steps until it releases the followers; returns what it sent.
+
+        Raises:
+            jaxserve.distributed.FollowerLost: process 0 died or became unreachable.
+        """
+        return self.runner.follow()
+
+    def release_followers(self, payload=None) -> None:
+        """Process 0: ends the followers' ``follow()``, which returns ``payload``; a no-op on one process."""
+        if self.runner.channel is not None and self.runner.channel.leader:
+            self.runner.channel.send(("end", payload))
+
+    def lead_or_follow(self, fn, *args):
+        """``fn(*args)`` on process 0, its result (or its error) handed to every follower, which returns it too
+        (or raises RuntimeError naming the error); plain ``fn(*args)`` on one process."""
+        if self.runner.channel is None:
+            return fn(*args)
+        if self.is_follower:
+            ok, value = self.follow()
+            if not ok:
+                raise RuntimeError(f"process 0 failed: {value}")
+            return value
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            self.release_followers((False, f"{type(e).__name__}: {e}"))
+            raise
+        self.release_followers((True, result))
+        return result
 
     def warmup(self) -> int:
         """Compiles every step variant of every replica ahead of traffic; returns the number of compilations."""

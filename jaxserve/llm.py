@@ -45,9 +45,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt (a string or a list of token ids); outputs come back in prompt order.
 
+        Under several processes (``jax.distributed``) every process calls this with the same arguments: process
+        0 schedules and every process runs the steps; all return process 0's outputs (or raise its error).
+
         Raises:
             ValueError: a bad prompt or parameter; nothing is queued in that case.
         """
+        return self.engine.lead_or_follow(self._generate, prompts, sampling_params, use_tqdm, priority)
+
+    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

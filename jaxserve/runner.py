@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -116,6 +117,7 @@ class ModelRunner:
         mesh: Mesh | None = None,
     ):
         self.mesh = mesh or make_mesh(1)
+        self.channel = None  # under several processes: the StepChannel to the other processes (set by the engine)
         self.tensor_parallel_size = self.mesh.shape["model"]
         # Fewer KV heads than devices: each is repeated so that every device holds one (cfg says how many now).
         model_cfg, params = replicate_kv_heads(model_cfg, params, kv_heads_for(model_cfg, self.tensor_parallel_size))
@@ -142,6 +144,8 @@ class ModelRunner:
                           "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "
                           "kv_cache_dtype='float32' is the CPU default", RuntimeWarning, stacklevel=3)
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
+        if jax.process_count() > 1:  # every process must allocate the same pool: the smallest any can hold
+            self.num_pages = int(np.min(multihost_utils.process_allgather(np.int32(self.num_pages))))
         shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)
         self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
@@ -271,10 +275,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, SampledToken]:
         """Runs one step; returns the sampled token of every scheduled request whose chunk asks for one."""
-        if sched.copy_ops:
-            src, dst = (np.asarray(x, np.int32) for x in zip(*sched.copy_ops))
-            self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, src, dst)
+        copy = self._copy_chunks(sched.copy_ops)
         if not sched.scheduled:
+            self._launch(copy, None)
             return {}
         t0 = time.perf_counter()
         tokens, batch, logits_indices = self.pack(sched)
@@ -292,10 +295,8 @@ class ModelRunner:
         next_tokens = self._next_tokens(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
         t1 = time.perf_counter()
         decode_only = all(len(s.token_ids) == 1 for s in sched.scheduled)
-        out, plp, self.k_cache, self.v_cache = self._step_fn(decode_only)(
-            self.state, self.matmul_weights, self.k_cache, self.v_cache, tokens, batch, logits_indices, meta,
-            next_tokens)
-        out, plp = jax.device_get((out, plp if any(want_plp) else None))
+        out, plp = self._launch(copy, (decode_only, tokens, batch, logits_indices, meta, next_tokens))
+        out, plp = _fetch((out, plp if any(want_plp) else None))
         t2 = time.perf_counter()
         self.pack_seconds += t1 - t0
         self.device_seconds += t2 - t1
@@ -317,6 +318,45 @@ class ModelRunner:
                 result[s.req_id] = _sampled(int(out.tokens[i]), out.logprobs[i], out.top_logprob_ids[i],
                                             out.top_logprobs[i], params[i].logprobs or 0)
         return result
+
+    def _launch(self, copy: list[tuple] | None, step: tuple | None):
+        """Runs a step's page copies (``[(src, dst), ...]``, see ``_copy_chunks``) and its step (``(decode_only, *packed inputs)``); returns the
+        step's (sampler output, prompt logprobs) as device arrays. Under several processes, process 0 first
+        publishes both, and the others run the same (``follow``)."""
+        if copy is None and step is None:
+            return None
+        if self.channel is not None and self.channel.leader:
+            self.channel.send(("step", copy, step))
+        for src, dst in copy or ():
+            self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, src, dst)
+        if step is None:
+            return None
+        decode_only, *inputs = step
+        out, plp, self.k_cache, self.v_cache = self._step_fn(decode_only)(
+            self.state, self.matmul_weights, self.k_cache, self.v_cache, *inputs)
+        return out, plp
+
+    def follow(self):
+        """A follower's loop (processes other than 0): runs every step process 0 publishes, in order, until it
+        sends an end; returns the end's payload."""
+        while True:
+            kind, *payload = self.channel.recv()
+            if kind == "end":
+                return payload[0]
+            _fetch(self._launch(*payload))  # wait for it: the next message may be long in coming
+
+    def _copy_chunks(self, ops: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Copy-on-write ops as (src, dst) arrays of power-of-two lengths up to max_seqs, padded with copies of
+        the null page onto itself: every length is compiled at warm-up, however many pages a step copies."""
+        if not ops:
+            return None
+        chunks = []
+        for i in range(0, len(ops), self.max_seqs):
+            part = ops[i: i + self.max_seqs]
+            src, dst = np.full((2, _pow2_at_least(len(part))), NULL_PAGE, np.int32)
+            src[: len(part)], dst[: len(part)] = zip(*part)
+            chunks.append((src, dst))
+        return chunks
 
     @staticmethod
     def _next_tokens(sched: SchedulerOutput, reqs: list[Request], padded: int) -> np.ndarray:
@@ -354,13 +394,15 @@ class ModelRunner:
         t0, before = time.perf_counter(), self.num_compilations
         lowered = [self._step_fn(decode).trace(*self._example_args(tb, pb)).lower()
                    for tb, pb, decode in self.warmup_shapes()]
+        copies = [self._copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in _buckets(1, self.max_seqs)]
+        lowered += [self._copy.lower(self.k_cache, self.v_cache, src, dst) for src, dst in copies]  # every length
         t1 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(workers or max(1, (os.cpu_count() or 1) // 4)) as pool:
             list(pool.map(lambda x: x.compile(), lowered))
         n = self.num_compilations - before
-        logger.info("warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d) in %.1fs "
-                    "(%.1fs tracing and lowering)", n, len(self.token_buckets), len(self.page_buckets),
-                    self.max_seqs, time.perf_counter() - t0, t1 - t0)
+        logger.info("warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d) and %d "
+                    "page-copy lengths in %.1fs (%.1fs tracing and lowering)", n, len(self.token_buckets),
+                    len(self.page_buckets), self.max_seqs, len(copies), time.perf_counter() - t0, t1 - t0)
         return n
 
     def _example_args(self, tokens: int, pages: int) -> tuple:
@@ -392,6 +434,12 @@ def _prompt_logprobs(logits_fn, next_tokens: jax.Array):
     shapes = jax.eval_shape(run, None)
     skip = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
     return jax.lax.cond(jnp.any(next_tokens >= 0), run, skip, None)
+
+
+def _fetch(tree):
+    """Device arrays -> host numpy. The step's outputs are replicated, so each process reads its own copy (under
+    several processes the arrays also span other hosts' devices, which ``jax.device_get`` refuses)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x, tree)
 
 
 def _sampled(token: int, logprob, top_ids, top_logprobs, k: int) -> SampledToken:

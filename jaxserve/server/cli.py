@@ -37,6 +37,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    m = p.add_argument_group("several hosts (one command per host; process 0 serves HTTP, the others follow)")
+    m.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed (with --num-processes and --process-id)")
+    m.add_argument("--num-processes", type=int, default=None)
+    m.add_argument("--process-id", type=int, default=None)
+    m.add_argument("--distributed-auto", action="store_true",
+                   help="let jax.distributed.initialize() find the group itself (Cloud TPU VMs of a multi-host slice)")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -48,18 +55,41 @@ def cmd_serve(args) -> int:
     from jaxserve.server.launch import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.distributed_auto or args.coordinator or args.num_processes is not None or args.process_id is not None:
+        from jaxserve.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, EngineConfig.from_cli_args(args))
     if not args.no_warmup:
         n = engine.warmup()
         logger.info("compiled %d step buckets", n)
+    if engine.is_follower:
+        return _follow(engine)
     logger.info("model %s ready in %.1fs (max_model_len %d, %d KV pages)", engine.model_name,
                 time.perf_counter() - t0, engine.scheduler_config.max_model_len, engine.runner.num_pages)
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting_requests,
                     shutdown_timeout=args.shutdown_timeout, max_prompt_chars=args.max_prompt_chars or None)
-    return serve(app, args.host, args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
-                 header_timeout=args.header_timeout)
+    try:
+        return serve(app, args.host, args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+                     header_timeout=args.header_timeout)
+    finally:
+        engine.release_followers()
+
+
+def _follow(engine) -> int:
+    """Processes other than 0 run process 0's steps until it shuts down (0) or is lost (1, with the cause)."""
+    from jaxserve.distributed import FollowerLost
+
+    logger.info("following process 0's steps")
+    try:
+        engine.follow()
+    except FollowerLost as e:
+        logger.error("%s; exiting", e)
+        return 1
+    logger.info("process 0 shut down; exiting")
+    return 0
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
