@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import jax
 import numpy as np
 import pytest
 
@@ -48,10 +49,12 @@ def _idle(engine):
 # ---------------------------------------------------------------- item 1: no compile after warm-up
 
 
-def test_no_compile_after_warmup_for_any_sampling_option(default_loaded):
+def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog):
     llm = LLM(default_loaded, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, num_pages=300)
     runner = llm.engine.runner
-    assert runner.warmup() == len(runner.warmup_shapes())
+    with caplog.at_level("INFO", logger="jaxserve.runner"):
+        assert runner.warmup() == len(runner.warmup_shapes())
+    assert f"warm-up: {len(runner.warmup_shapes())} step variants" in caplog.text
     before = runner.num_compilations
     rng = random.Random(3)
     prompts, params = [], []
@@ -69,9 +72,15 @@ def test_no_compile_after_warmup_for_any_sampling_option(default_loaded):
     for o in options:
         prompts.append(_text(rng, rng.randint(1, 60)))
         params.append(SamplingParams(max_tokens=4, **o))
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level("WARNING", logger="jax"):
+        outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.finished for o in outs)
-    assert runner.num_compilations == before
+    assert runner.num_compilations == before  # no trace of the step ...
+    assert "Compiling" not in caplog.text  # ... and no XLA compile of anything (page copies of n=3 included)
+    with jax.log_compiles(), caplog.at_level("WARNING", logger="jax"):
+        jax.jit(lambda x: x + 1)(1)  # the log does catch a compile
+    assert "Compiling" in caplog.text
     # The optional outputs did come back, and alone or batched they are the same.
     plp = outs[len(prompts) - len(options) + 4]
     assert plp.prompt_logprobs[0] is None and all(len(d) >= 20 for d in plp.prompt_logprobs[1:])
@@ -79,6 +88,23 @@ def test_no_compile_after_warmup_for_any_sampling_option(default_loaded):
     alone = llm.generate([prompts[-len(options) + 4]], [params[-len(options) + 4]], use_tqdm=False)[0]
     assert alone.outputs[0].token_ids == plp.outputs[0].token_ids
     assert runner.num_compilations == before
+
+
+def test_page_copies_in_padded_chunks(llm):
+    runner = llm.engine.runner
+    chunks = runner._copy_chunks([(p, p + 100) for p in range(1, 80)])
+    assert [len(src) for src, _ in chunks] == [32, 32, 16]  # max_seqs 32, then the power of two >= 15
+    assert (chunks[-1][0][15:] == 0).all() and (chunks[-1][1][15:] == 0).all()  # null page onto itself
+    assert runner._copy_chunks([]) is None
+    k = np.asarray(runner.k_cache)
+    marked = k.copy()
+    marked[:, 1:4] = np.arange(1, 4, dtype=k.dtype)[None, :, None, None, None]
+    runner.k_cache = jax.device_put(marked, runner.k_cache.sharding)
+    runner._launch(runner._copy_chunks([(1, 204), (2, 205), (3, 206)]), None)
+    got = np.asarray(runner.k_cache)
+    np.testing.assert_array_equal(got[:, 204:207], marked[:, 1:4])
+    np.testing.assert_array_equal(np.delete(got, [204, 205, 206], axis=1), np.delete(marked, [204, 205, 206], axis=1))
+    runner.k_cache = jax.device_put(k, runner.k_cache.sharding)
 
 
 # ---------------------------------------------------------------- item 3: batch admission
