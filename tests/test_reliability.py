@@ -145,8 +145,10 @@ def test_add_requests_is_atomic_and_names_the_bad_item(llm):
         with pytest.raises(ValueError, match=match):
             engine.add_requests(items)
         assert _idle(engine)  # nothing was queued
-    with pytest.raises(ValueError, match=r"prompt 0|request 'gen-"):  # LLM.generate: nothing queued either
-        llm.generate(["fine", "also fine", {"a": 1}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"item 2 of 3: request 'gen-\d+': the prompt must be .*got a dict"):
+        llm.generate(["fine", "also fine", {"a": 1}], GREEDY, use_tqdm=False)  # LLM.generate: nothing queued
+    with pytest.raises(ValueError, match="prompts must be .* got dict"):
+        llm.generate({"a": 1}, GREEDY, use_tqdm=False)
     assert _idle(engine)
 
 
@@ -292,3 +294,17 @@ def test_kv_cache_memory_flag_parses_bytes_and_fractions():
            [0.25, 1.0, 8000000000, 8 << 30, 8 << 30, 512 << 20, 512 << 20]
     with pytest.raises(ValueError):
         bytes_or_fraction("lots")
+    from jaxserve.cli import build_parser
+    from jaxserve.config import EngineConfig
+
+    args = build_parser().parse_args(["serve", "--kv-cache-memory", "512MiB"])
+    assert EngineConfig.from_cli_args(args).cache_config().kv_cache_memory == 512 << 20
+
+
+def test_engine_pool_from_kv_cache_memory(default_loaded):
+    llm = LLM(default_loaded, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, kv_cache_memory=64 << 20)
+    runner = llm.engine.runner
+    assert runner.num_pages == (64 << 20) // runner._page_bytes()
+    assert runner.k_cache.shape[1] == runner.num_pages and llm.engine.scheduler.block_manager.num_pages == runner.num_pages
+    out = llm.generate(["Hello"], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6
