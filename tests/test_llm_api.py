@@ -60,7 +60,9 @@ def test_hf_directory_generates_like_hf(hf_dir):
     for prompt, out in zip(prompts, outs):
         assert out.prompt_token_ids == llm.tokenizer.encode(prompt)
         assert out.outputs[0].token_ids == _hf_greedy(model, out.prompt_token_ids, 12)
-        assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+        # As vLLM: a character cut at the end (max_tokens inside its bytes) is left out, not written as U+FFFD.
+        full = llm.tokenizer.decode(out.outputs[0].token_ids)
+        assert out.outputs[0].text == (full[:-1] if full.endswith("\ufffd") else full)
     chat = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4),
                     use_tqdm=False)[0]
     tail = llm.tokenizer.encode("<|im_start|>assistant\n")
