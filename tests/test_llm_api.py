@@ -60,9 +60,10 @@ def test_hf_directory_generates_like_hf(hf_dir):
     for prompt, out in zip(prompts, outs):
         assert out.prompt_token_ids == llm.tokenizer.encode(prompt)
         assert out.outputs[0].token_ids == _hf_greedy(model, out.prompt_token_ids, 12)
-        # As vLLM: a character cut at the end (max_tokens inside its bytes) is left out, not written as U+FFFD.
+        # As vLLM, bytes of a character cut at the end (max_tokens inside it) are left out rather than written as
+        # U+FFFD (the detokenizer's own tests check which ones).
         full = llm.tokenizer.decode(out.outputs[0].token_ids)
-        assert out.outputs[0].text == (full[:-1] if full.endswith("\ufffd") else full)
+        assert full.startswith(out.outputs[0].text) and set(full[len(out.outputs[0].text):]) <= {"\ufffd"}
     chat = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4),
                     use_tqdm=False)[0]
     tail = llm.tokenizer.encode("<|im_start|>assistant\n")
