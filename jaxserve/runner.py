@@ -8,6 +8,10 @@ bucketed shape (tokens in the step, sequences, pages per sequence) and calls
 with both caches donated, so the pool is updated in place. Everything the step reads is an argument: no
 Python value is frozen into a trace except the static shapes, so one compilation serves every mix of
 requests of the same bucket.
+
+The step is one SPMD program over the runner's mesh (``jaxserve.sharding``): weights placed shard by shard by
+their logical axes, the pool split over KV heads, the kernels under ``shard_map``, the logits gathered once
+before sampling. With one device the mesh has one device and nothing else changes.
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ class ModelRunner:
             own). On the CPU, "bfloat16" with float32 weights runs the products of steps of 8 rows or more on
             bfloat16 inputs with float32 accumulation (about 2x faster); norms, residuals, attention, the KV
             cache and the sampler stay float32.
+        mesh: the ("data", "model") mesh the step runs over (default: the first device); its "model" size is
+            the tensor-parallel degree.
     """
 
     def __init__(
