@@ -90,6 +90,7 @@ class _Tracked:
     seqs: list[_Sequence]
     pending_forks: list[_Sequence]  # n > 1: children waiting for the first sequence's prompt pages
     replica: Replica | None = None  # where it is queued (set when it is)
+    prompt_logprobs: dict = dataclasses.field(default_factory=dict)  # position -> SampledToken, as computed
 
 
 class LLMEngine:
@@ -381,13 +382,18 @@ class LLMEngine:
         scheduler, runner = replica.scheduler, replica.runner
         sched = scheduler.schedule()
         try:
-            sampled = runner.execute(sched, scheduler.requests)
+            result = runner.execute(sched)
         except Exception as e:
             if runner.k_cache.is_deleted():  # the pool was donated to the failed step: nothing can go on
                 raise
             failed = {self._seq_owner[s.req_id][0].request_id for s in sched.scheduled if s.req_id in self._seq_owner}
             self._abort_failed(failed)
             raise StepFailed(sorted(failed), [], e) from e
+        sampled = result.sampled
+        for rid, entries in result.prompt_logprobs.items():
+            owner = self._seq_owner.get(rid)
+            if owner is not None and owner[1].index == 0:  # the request's prompt logprobs are its first sequence's
+                owner[0].prompt_logprobs.update(entries)
         scheduler.update_from_output(sched, {rid: [s.token_id] for rid, s in sampled.items()})
         touched: dict[str, _Tracked] = {}
         errors: dict[str, Exception] = {}
@@ -423,7 +429,6 @@ class LLMEngine:
         self._tracked.pop(tracked.request_id, None)
         for seq in tracked.seqs:
             self._seq_owner.pop(seq.request.request_id, None)
-            tracked.replica.runner.prompt_logprobs.pop(seq.request.request_id, None)
 
     def _append(self, tracked: _Tracked, seq: _Sequence, tok) -> None:
         params = seq.request.sampling_params
@@ -487,7 +492,7 @@ class LLMEngine:
     def _prompt_logprobs(self, tracked: _Tracked) -> list[dict[int, Logprob] | None] | None:
         if tracked.params.prompt_logprobs is None:
             return None
-        entries = tracked.replica.runner.prompt_logprobs.get(tracked.seqs[0].request.request_id, {})
+        entries = tracked.prompt_logprobs
         out: list[dict[int, Logprob] | None] = [None]
         for pos in range(1, len(tracked.prompt_token_ids)):
             e = entries.get(pos)

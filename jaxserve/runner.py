@@ -24,7 +24,6 @@ import math
 import os
 import time
 import warnings
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,6 @@ from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kernels import cpu_ffi
 from jaxserve.models.llama import OUTPUT_AXES, AttentionBatch, Llama, ParamSpec, model_from_params, param_schema
-from jaxserve.request import Request
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
@@ -84,12 +82,44 @@ def _pick(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclasses.dataclass
+class _CachedRequest:
+    """The runner's own record of a live request: its row of the standing page table and its tokens (prompt,
+    then every token the runner sampled for it), for the sampler's penalties and the prompt logprobs."""
+
+    row: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class SampledToken:
     token_id: int
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOutput:
+    """What one step computed: the sampled token of each request that asked for one, and the prompt logprobs
+    (request id -> prompt position -> entry) of the positions this step computed for requests that want them."""
+
+    sampled: dict[str, SampledToken]
+    prompt_logprobs: dict[str, dict[int, SampledToken]]
 
 
 def default_dtype() -> str:
@@ -163,7 +193,11 @@ class ModelRunner:
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
         self.reset_timers()
         self._steps: dict[tuple, object] = {}
-        self.prompt_logprobs: dict[str, dict[int, SampledToken]] = {}  # req -> position -> entry; engine pops
+        # What the runner holds of each live request (started by the scheduler's NewRequestData), and the
+        # standing page table: one row per live request, updated by each step's page-table changes.
+        self._requests: dict[str, _CachedRequest] = {}
+        self.page_table = np.full((2 * self.max_seqs, self.page_buckets[-1]), NULL_PAGE, np.int32)
+        self._free_rows = list(range(len(self.page_table) - 1, -1, -1))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1), out_shardings=(self.kv_sharding,) * 2)
 
     def reset_timers(self) -> None:
@@ -246,8 +280,33 @@ class ModelRunner:
         return fn
 
     # ------------------------------------------------------------------ packing
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Applies a step's changes to the requests the runner holds: drops finished and preempted ones, starts
+        new ones, writes page-table changes into the standing table."""
+        for rid in (*sched.finished_req_ids, *sched.preempted_req_ids):
+            gone = self._requests.pop(rid, None)
+            if gone is not None:
+                self._free_rows.append(gone.row)
+        for s in sched.scheduled:
+            if s.new is not None:
+                if s.req_id in self._requests:
+                    raise ValueError(f"request {s.req_id!r} is started twice")
+                if not self._free_rows:  # more live requests than rows: double the table
+                    n = len(self.page_table)
+                    self.page_table = np.concatenate([self.page_table, np.full_like(self.page_table, NULL_PAGE)])
+                    self._free_rows = list(range(2 * n - 1, n - 1, -1))
+                row = self._free_rows.pop()
+                self.page_table[row] = NULL_PAGE
+                new = s.new
+                self._requests[s.req_id] = _CachedRequest(
+                    row, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
+                    new.sampling_params)
+            row = self._requests[s.req_id].row
+            self.page_table[row, s.pages_from: s.pages_from + len(s.new_page_ids)] = s.new_page_ids
+
     def pack(self, sched: SchedulerOutput) -> tuple[np.ndarray, AttentionBatch, np.ndarray]:
-        """SchedulerOutput -> (tokens [Tb], AttentionBatch, logits_indices [Sb]) as padded host arrays."""
+        """SchedulerOutput -> (tokens [Tb], AttentionBatch, logits_indices [Sb]) as padded host arrays (after
+        ``update_states``: the page tables come from the standing table)."""
         seqs = sched.scheduled
         num_tokens = sum(len(s.token_ids) for s in seqs)
         tb = _pick(self.token_buckets, num_tokens)
@@ -256,20 +315,20 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             kv_lens[i] = s.start_pos + len(s.token_ids)
         pb = _pick(self.page_buckets, -(-int(kv_lens.max()) // self.page_size))
+        rows = np.array([self._requests[s.req_id].row for s in seqs], np.int32)
+        page_indices = np.full((sb, pb), NULL_PAGE, np.int32)
+        page_indices[: len(seqs)] = self.page_table[rows, :pb]
         tokens = np.zeros(tb, np.int32)
         positions = np.zeros(tb, np.int32)
         slots = np.full(tb, -1, np.int32)
-        page_indices = np.full((sb, pb), NULL_PAGE, np.int32)
         cu = np.zeros(sb + 1, np.int32)
         t = 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
-            table = np.asarray(s.page_table[: -(-int(kv_lens[i]) // self.page_size)], np.int32)
-            page_indices[i, : len(table)] = table
             pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
             tokens[t: t + n] = s.token_ids
             positions[t: t + n] = pos
-            slots[t: t + n] = table[pos // self.page_size] * self.page_size + pos % self.page_size
+            slots[t: t + n] = page_indices[i, pos // self.page_size] * self.page_size + pos % self.page_size
             t += n
             cu[i + 1] = t
         cu[len(seqs) + 1:] = t
@@ -279,22 +338,23 @@ class ModelRunner:
         return tokens, batch, logits_indices
 
     # ------------------------------------------------------------------ execution
-    def execute(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, SampledToken]:
-        """Runs one step; returns the sampled token of every scheduled request whose chunk asks for one."""
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Runs one step: the sampled token of every scheduled request whose chunk asks for one, and the prompt
+        logprobs this step computed."""
+        self.update_states(sched)
         copy = self._copy_chunks(sched.copy_ops)
         if not sched.scheduled:
             self._launch(copy, None)
-            return {}
+            return RunnerOutput({}, {})
         t0 = time.perf_counter()
         tokens, batch, logits_indices = self.pack(sched)
         self.num_tokens_computed += sched.num_scheduled_tokens
         self.num_steps += 1
-        reqs = [requests[s.req_id] for s in sched.scheduled]
-        params = [r.sampling_params for r in reqs]
+        reqs = [self._requests[s.req_id] for s in sched.scheduled]
+        params = [r.params for r in reqs]
         meta = self._sampling_metadata(
-            params, steps=[r.num_output_tokens for r in reqs],
-            prompt_ids=[r.prompt_token_ids for r in reqs], output_ids=[r.output_token_ids for r in reqs],
-            pad_to=len(logits_indices))
+            params, steps=[r.num_output_tokens for r in reqs], prompt_ids=[r.prompt_token_ids for r in reqs],
+            output_ids=[r.output_token_ids for r in reqs], pad_to=len(logits_indices))
         want_plp = [p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
                     for p, s, r in zip(params, sched.scheduled, reqs)]
         # -1: no position has a target, and the step skips the prompt logprobs.
@@ -309,20 +369,22 @@ class ModelRunner:
         if decode_only:
             self.decode_steps += 1
             self.decode_device_seconds += t2 - t1
-        result = {}
+        result = RunnerOutput({}, {})
         offset = 0
         for i, (s, r) in enumerate(zip(sched.scheduled, reqs)):
             n, offset = len(s.token_ids), offset + len(s.token_ids)
             if want_plp[i]:  # positions of this chunk whose next token is still in the prompt
                 k = params[i].prompt_logprobs
                 last = min(s.start_pos + n, r.num_prompt_tokens - 1)
+                entries = result.prompt_logprobs.setdefault(s.req_id, {})
                 for j, pos in enumerate(range(s.start_pos, last)):
                     t = offset - n + j
-                    entry = _sampled(int(next_tokens[t]), plp[0][t], plp[1][t], plp[2][t], k)
-                    self.prompt_logprobs.setdefault(s.req_id, {})[pos + 1] = entry
+                    entries[pos + 1] = _sampled(int(next_tokens[t]), plp[0][t], plp[1][t], plp[2][t], k)
             if s.sample:
-                result[s.req_id] = _sampled(int(out.tokens[i]), out.logprobs[i], out.top_logprob_ids[i],
-                                            out.top_logprobs[i], params[i].logprobs or 0)
+                token = result.sampled[s.req_id] = _sampled(
+                    int(out.tokens[i]), out.logprobs[i], out.top_logprob_ids[i], out.top_logprobs[i],
+                    params[i].logprobs or 0)
+                r.token_ids.append(token.token_id)
         return result
 
     def _launch(self, copy: list[tuple] | None, step: tuple | None):
@@ -365,13 +427,13 @@ class ModelRunner:
         return chunks
 
     @staticmethod
-    def _next_tokens(sched: SchedulerOutput, reqs: list[Request], padded: int) -> np.ndarray:
+    def _next_tokens(sched: SchedulerOutput, reqs: list[_CachedRequest], padded: int) -> np.ndarray:
         """[Tb] the token that follows each position of the step (prompt_logprobs' targets; 0 past the end)."""
         out = np.zeros(padded, np.int32)
         t = 0
         for s, r in zip(sched.scheduled, reqs):
             n = len(s.token_ids)
-            nxt = r.token_slice(s.start_pos + 1, min(s.start_pos + n + 1, r.num_tokens))
+            nxt = r.token_ids[s.start_pos + 1: s.start_pos + n + 1]
             out[t: t + len(nxt)] = nxt
             t += n
         return out

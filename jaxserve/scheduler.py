@@ -21,23 +21,39 @@ from jaxserve.request import FINISH_STATUS, Request, RequestStatus, check_prompt
 
 
 @dataclasses.dataclass(frozen=True)
+class NewRequestData:
+    """What the runner keeps about a request, sent once: when it is first scheduled after admission, after a
+    fork, or after a preemption (the runner dropped it then). The runner appends each token it samples."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before a preemption; empty otherwise
+    sampling_params: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step."""
+    """One request's share of a step, and what changed in its page table since the runner last heard of it."""
 
     req_id: str
     token_ids: list[int]  # tokens to compute this step, at positions start_pos, start_pos + 1, ...
     start_pos: int  # == the request's num_computed_tokens before the step
-    page_table: list[int]  # page ids covering at least positions [0, start_pos + len(token_ids))
     sample: bool  # the chunk reaches the end of the known tokens: sample a token after its last one
-    sampling_params: Any  # the request's sampling parameters, unchanged
+    # The page table from index ``pages_from`` on is ``new_page_ids`` (earlier entries are unchanged): the pages
+    # added for this step, and the page holding ``start_pos`` when copy-on-write replaced it.
+    pages_from: int
+    new_page_ids: list[int]
+    new: NewRequestData | None = None  # the runner has no state for the request: start it from this
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
-    """Everything the runner needs for one step; it owns none of the scheduler's objects.
+    """Everything the runner needs for one step, as changes to what it already holds (vLLM v1's contract): it
+    owns none of the scheduler's objects, and the scheduler never re-sends what the runner has.
 
-    The runner must apply ``copy_ops`` (``pages[dst] = pages[src]``, in order or all at once) before it
-    writes this step's KV, then return the sampled token ids of every request with ``sample=True``.
+    The runner must first drop its state of ``finished_req_ids`` and ``preempted_req_ids``, then start the
+    ``new`` requests and apply page-table changes, apply ``copy_ops`` (``pages[dst] = pages[src]``, in order or
+    all at once) before it writes this step's KV, and return the sampled token ids of every request with
+    ``sample=True``.
     """
 
     scheduled: list[ScheduledRequest]
@@ -90,6 +106,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self._known: set[str] = set()  # requests the runner holds state for (sent since admission / resume)
 
     # ------------------------------------------------------------------ requests in and out
     def _validate(self, request: Request) -> None:
@@ -173,6 +190,7 @@ class Scheduler:
         request.status = FINISH_STATUS[reason]
         self.block_manager.free(request_id)
         self._finished_ids.append(request_id)
+        self._known.discard(request_id)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -192,6 +210,7 @@ class Scheduler:
             self.waiting.append(request)
 
     def _preempt(self, request: Request) -> None:
+        self._known.discard(request.request_id)  # the runner drops it (preempted_req_ids); resumed as new
         self.running.remove(request)
         self.block_manager.free(request.request_id)
         request.num_computed_tokens = 0
@@ -248,17 +267,19 @@ class Scheduler:
             chunks[request.request_id] = (request, num_cached, n, copies)
             budget -= n
 
-        scheduled = [
-            ScheduledRequest(
-                req_id=rid,
-                token_ids=req.token_slice(start, start + n),
-                start_pos=start,
-                page_table=bm.page_table(rid),
-                sample=start + n == req.num_tokens,
-                sampling_params=req.sampling_params,
-            )
-            for rid, (req, start, n, _) in chunks.items()
-        ]
+        scheduled = []
+        for rid, (req, start, n, _) in chunks.items():
+            table = bm.page_tables[rid]
+            new = None
+            if rid not in self._known:
+                self._known.add(rid)
+                new = NewRequestData(list(req.prompt_token_ids), list(req.output_token_ids), req.sampling_params)
+            # Entries before the page holding `start` never change while the request runs (copy-on-write only
+            # replaces pages this step writes); the rest is re-sent: new pages, and at most one replaced.
+            pages_from = 0 if new else start // bm.page_size
+            scheduled.append(ScheduledRequest(
+                req_id=rid, token_ids=req.token_slice(start, start + n), start_pos=start,
+                sample=start + n == req.num_tokens, pages_from=pages_from, new_page_ids=table[pages_from:], new=new))
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,

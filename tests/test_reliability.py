@@ -220,7 +220,7 @@ def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
     engine.add_requests([(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[2:], 2)])
     real = engine.runner.execute
 
-    def broken(sched, requests):
+    def broken(sched):
         raise RuntimeError("device fault")
 
     monkeypatch.setattr(engine.runner, "execute", broken)

@@ -35,25 +35,48 @@ def next_token(value, seed, vocab):
 
 
 class FakeRunner:
+    """A runner that knows only what the scheduler's outputs tell it (new requests, page-table changes, finished
+    and preempted ids), as the real one, and checks that this is enough: its own page tables address exactly
+    the KV it computed, and its own token record matches the tokens it is asked to compute."""
+
     def __init__(self, bm, vocab=1000):
         self.ps, self.vocab = bm.page_size, vocab
         self.pool = [[None] * bm.page_size for _ in range(bm.num_pages)]
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.params: dict = {}
+
+    def _update(self, out):
+        for rid in (*out.finished_req_ids, *out.preempted_req_ids):
+            self.tables.pop(rid, None), self.tokens.pop(rid, None), self.params.pop(rid, None)
+        for s in out.scheduled:
+            if s.new is not None:
+                assert s.req_id not in self.tables, f"{s.req_id} started twice"
+                self.tables[s.req_id] = []
+                self.tokens[s.req_id] = s.new.prompt_token_ids + s.new.output_token_ids
+                self.params[s.req_id] = s.new.sampling_params
+            table = self.tables[s.req_id]
+            assert s.pages_from <= len(table), "a page-table change must not leave a gap"
+            table[s.pages_from:] = s.new_page_ids
 
     def __call__(self, out):
+        self._update(out)
         copies = [list(self.pool[src]) for src, _ in out.copy_ops]  # all copies before any write
         for (_, dst), data in zip(out.copy_ops, copies):
             self.pool[dst] = data
         sampled = {}
         for s in out.scheduled:
-            end, last = s.start_pos + len(s.token_ids), s.start_pos - 1
-            assert len(s.page_table) >= -(-end // self.ps) and 0 not in s.page_table
-            value = self.pool[s.page_table[last // self.ps]][last % self.ps] if s.start_pos else 0
+            table, end, last = self.tables[s.req_id], s.start_pos + len(s.token_ids), s.start_pos - 1
+            assert len(table) >= -(-end // self.ps) and 0 not in table
+            assert self.tokens[s.req_id][s.start_pos: end] == s.token_ids, f"{s.req_id}: token record out of step"
+            value = self.pool[table[last // self.ps]][last % self.ps] if s.start_pos else 0
             assert value is not None, f"{s.req_id}: KV before position {s.start_pos} was never computed"
             for pos, token in enumerate(s.token_ids, s.start_pos):
                 value = kv(value, token)
-                self.pool[s.page_table[pos // self.ps]][pos % self.ps] = value
+                self.pool[table[pos // self.ps]][pos % self.ps] = value
             if s.sample:
-                sampled[s.req_id] = [next_token(value, s.sampling_params.seed, self.vocab)]
+                sampled[s.req_id] = [next_token(value, self.params[s.req_id].seed, self.vocab)]
+                self.tokens[s.req_id].append(sampled[s.req_id][0])
         return sampled
 
 

@@ -188,3 +188,17 @@ def test_data_parallel_steady_state_does_not_recompile(tiny):
     before = llm.engine.get_stats()["num_compilations"]
     _generate(llm, _prompts(8, seed=2))
     assert llm.engine.get_stats()["num_compilations"] == before
+
+
+def test_gguf_loads_tensor_by_tensor_onto_the_mesh(default_model_path, default_loaded):
+    from jaxserve.loading import load_model
+    from jaxserve.sharding import checkpoint_shardings
+
+    mesh = make_mesh(3)
+    loaded = load_model(default_model_path, "float32", shardings=lambda cfg: checkpoint_shardings(cfg, mesh))
+    assert set(loaded.params) == set(default_loaded.params)
+    for name, want in default_loaded.params.items():
+        got = loaded.params[name]
+        assert isinstance(got, jax.Array) and len(got.sharding.device_set) == 3, name
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+    assert loaded.params["w_down"].sharding.spec == P(None, "model", None)

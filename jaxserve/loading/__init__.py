@@ -60,8 +60,9 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
     """Loads config + weights (as host arrays of ``dtype``) from any supported source.
 
     ``check_config`` sees the model's config before any weight is read (it raises to refuse the model).
-    ``shardings`` (config -> {param name: Sharding}): an orbax checkpoint is restored straight onto the devices,
-    each reading its own shards; the other formats give host arrays, placed tensor by tensor by the runner.
+    ``shardings`` (config -> {param name: Sharding}): the weights go straight onto the devices, each receiving
+    its own part (orbax: each reads its shards from disk; GGUF and safetensors: tensor by tensor, so the host
+    holds one tensor at a time), and come back as device arrays; without it, as host arrays.
     """
     check = check_config or (lambda cfg: None)
     from jaxserve.loading import orbax_ckpt
@@ -76,7 +77,8 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
         ckpt = GGUFCheckpoint(path)
         cfg = ckpt.model_config()
         check(cfg)
-        params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(progress=False), dtype, total=len(ckpt.tensors))
+        params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(progress=False), dtype, total=len(ckpt.tensors),
+                                        shardings=shardings and shardings(cfg))
         return LoadedModel(path.stem, cfg, params, path)
     if orbax_ckpt.is_orbax_dir(path):
         cfg, params, saved_dtype = orbax_ckpt.load(path, None if shardings is None else
@@ -94,6 +96,7 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
 
         cfg = read_config(path)
         check(cfg)
-        params = params_from_hf_tensors(cfg, iter_hf_dir(path), dtype, total=count_tensors(path))
+        params = params_from_hf_tensors(cfg, iter_hf_dir(path), dtype, total=count_tensors(path),
+                                        shardings=shardings and shardings(cfg))
         return LoadedModel(path.name, cfg, params, path)
     raise FileNotFoundError(f"{path} is not a GGUF file, an HF model directory (config.json) or an orbax directory")

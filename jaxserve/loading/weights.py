@@ -72,15 +72,21 @@ def params_from_hf_tensors(
     tensors: Iterable[tuple[str, np.ndarray]],
     dtype: str = "float32",
     total: int | None = None,
+    shardings: dict | None = None,
 ) -> dict[str, np.ndarray]:
     """Streams HF-named tensors into stacked host arrays of ``dtype``.
+
+    With ``shardings`` ({name: Sharding}) each tensor goes straight to its devices instead, each device
+    receiving its part, and is written into its stacked device array in place: the host holds one tensor at a
+    time, not the model, and the result is device arrays.
 
     Raises:
         ValueError: an unexpected tensor, a tensor of the wrong shape (naming both shapes), or a missing one.
     """
     np_dtype = _NP_DTYPES[dtype]
     shapes = param_shapes(cfg)
-    params = {name: np.empty(shape, np_dtype) for name, shape in shapes.items()}
+    params = ({name: np.empty(shape, np_dtype) for name, shape in shapes.items()} if shardings is None else
+              _DeviceParams(shapes, np_dtype, shardings))
     filled: dict[str, set] = {name: set() for name in shapes}
     for hf_name, array in tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False):
         target = _target(cfg, hf_name)
@@ -89,7 +95,7 @@ def params_from_hf_tensors(
         name, layer, transpose = target
         if name not in params:
             raise ValueError(f"tensor {hf_name!r} has no place in a {cfg.architecture} model with this config")
-        array = np.asarray(array)
+        array = np.asarray(array, np_dtype)
         if transpose:
             array = array.T
         expected = shapes[name] if layer is None else shapes[name][1:]
@@ -110,7 +116,45 @@ def params_from_hf_tensors(
         if missing:
             where = "" if missing == {None} else f" (layers {sorted(missing)[:8]})"
             raise ValueError(f"checkpoint is missing weight {name!r}{where}, shape {shape}")
-    return params
+    return params if shardings is None else params.arrays
+
+
+class _DeviceParams:
+    """Stacked parameters allocated on their devices and filled tensor by tensor (``params[name][layer] = x``
+    and ``params[name][...] = x``, as on numpy arrays)."""
+
+    def __init__(self, shapes: dict, dtype, shardings: dict):
+        import jax
+        import jax.numpy as jnp
+
+        self.shardings = shardings
+        self.arrays = {name: jax.jit(lambda s=shape: jnp.zeros(s, dtype), out_shardings=shardings[name])()
+                       for name, shape in shapes.items()}
+        self._write = jax.jit(lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0),
+                              donate_argnums=0)  # in place: the stacked array is never copied
+
+    def __contains__(self, name) -> bool:
+        return name in self.arrays
+
+    def __getitem__(self, name):
+        return _DeviceSlot(self, name)
+
+
+class _DeviceSlot:
+    def __init__(self, params: _DeviceParams, name: str):
+        self.params, self.name = params, name
+
+    def __setitem__(self, index, array: np.ndarray) -> None:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        p, name = self.params, self.name
+        sharding = p.shardings[name]
+        if index is Ellipsis:
+            p.arrays[name] = jax.device_put(array, sharding)
+            return
+        layer_sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))  # the layer axis is whole
+        p.arrays[name] = p._write(p.arrays[name], jax.device_put(array, layer_sharding), index)
 
 
 def cast_params(params: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
