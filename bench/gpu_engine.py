@@ -12,7 +12,8 @@ Runs, each engine in this process one after the other:
   2. throughput: 64 requests, prompts 64-512 tokens, 128 output tokens each, greedy, ignore_eos, bf16, per
      attention impl: run once to compile the shapes it meets, then timed; output tok/s, steps, the split of
      step time between host packing, device (dispatch to results on the host) and the rest of the host loop.
-A table is printed last.
+A table is printed last. Every engine here is the sharded path at TP 1: one SPMD program over a one-GPU mesh,
+weights placed by their logical axes, the kernels under shard_map, the logits gathered before sampling.
 
     python bench/gpu_engine.py --tokenizer .gpu/tokenizer.gguf [--impls pallas,xla] [--time-budget 240]
 """
