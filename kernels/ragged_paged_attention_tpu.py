@@ -122,13 +122,16 @@ def _kernel(
         pos = info["first_pos"] + (tok - info["q_start"])
         ok = (tok >= info["t0"]) & (tok < info["t1"]) & kv_ok & (kv_tok <= pos)
         ok &= (window <= 0) | (kv_tok > pos - window)  # [R, C]
+        # fp32 products only for f32 caches: Mosaic rejects a bf16 x bf16 matmul asking for fp32 contraction
+        # ("Bad lhs type"), and the MXU's bf16 x bf16 -> f32 product is already exact.
+        prec = lax.Precision.HIGHEST if k_buf.dtype == jnp.float32 else lax.Precision.DEFAULT
         for h in range(kv_heads_blk):
             q = q_ref[h]  # [R, D]
             k = k_buf[slot, :, h, :]  # [C, D]
             v = v_buf[slot, :, h, :]
             # Rows of the buffer outside [lo, hi) are stale or never written: zero V so 0 * garbage can't leak.
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
-            s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+            s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=prec,
                                 preferred_element_type=jnp.float32) * sm_scale  # [R, C]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -139,7 +142,7 @@ def _kernel(
             alpha = jnp.exp(m_prev - m_safe)
             p = jnp.exp(s - m_safe)
             l_next = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
                                  preferred_element_type=jnp.float32)  # [R, D]
             acc_ref[h] = alpha * acc_ref[h] + pv
             m_ref[h] = jnp.broadcast_to(m_next, (rows, _LANES))
