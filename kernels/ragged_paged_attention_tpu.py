@@ -193,6 +193,38 @@ def default_block_sizes(num_tokens, num_seqs_padded, group, page_size, pages_per
     return block_q, pages_per_block
 
 
+# Mosaic's default scoped-VMEM limit is 16 MiB on v4/v5e/v5p (32 MiB on v6e); keep the estimate below it with
+# room for the kernel's [rows, context] temporaries.
+_VMEM_BUDGET = 10 * 2**20
+
+
+def _padded(n: int, m: int) -> int:
+    return cdiv(n, m) * m
+
+
+def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype) -> int:
+    """Estimated VMEM of one program: q/out blocks (double-buffered), K/V double buffers, softmax state.
+
+    Arrays are tiled (sublanes, 128) on their last two dims; the K/V buffers' are (heads, head_dim), so
+    their heads round up to 8 (f32) / 16 (bf16) sublanes.
+    """
+    qb, kb = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+    d = _padded(head_dim, _LANES)
+    q_rows = _padded(rows, 8 * (4 // qb))
+    q_out = 2 * 2 * kv_heads_per_block * q_rows * d * qb
+    kv = 2 * 2 * blk_tokens * _padded(kv_heads_per_block, 8 * (4 // kb)) * d * kb
+    state = kv_heads_per_block * _padded(rows, 8) * (2 * _LANES + d) * 4
+    return q_out + kv + state
+
+
+def default_kv_heads_per_block(num_kv_heads, rows, head_dim, blk_tokens, q_dtype, kv_dtype, budget=_VMEM_BUDGET):
+    """The most KV heads per program (a divisor of num_kv_heads) whose estimated VMEM fits ``budget``."""
+    for h in range(num_kv_heads, 0, -1):
+        if num_kv_heads % h == 0 and vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype) <= budget:
+            return h
+    return 1
+
+
 def ragged_paged_attention_tpu(
     q: jax.Array,
     k_cache: jax.Array,
@@ -218,8 +250,8 @@ def ragged_paged_attention_tpu(
       q .. num_seqs, sm_scale, sliding_window, soft_cap: as in ``reference.ragged_paged_attention_ref``.
       block_q: query tokens per program; block_q * group should be a multiple of 8 (f32) / 16 (bf16).
       pages_per_block: pages fetched per DMA step (the double buffer holds two such blocks of K and of V).
-      kv_heads_per_block: KV heads per program (a grid axis); None = all heads in one program.
-      vmem_limit_bytes: passed to Mosaic.
+      kv_heads_per_block: KV heads per program (a grid axis); None = as many as fit the VMEM budget.
+      vmem_limit_bytes: passed to Mosaic (None: its default); the default head blocking fits 5/8 of it.
       interpret: run in Pallas' TPU interpret mode (on the CPU), which also simulates the DMAs.
 
     Returns:
@@ -236,7 +268,9 @@ def ragged_paged_attention_tpu(
     group = num_q_heads // num_kv_heads
     dq, dp = default_block_sizes(num_tokens, num_seqs_padded, group, page_size, pages_per_seq, k_cache.dtype)
     block_q, pages_per_block = block_q or dq, pages_per_block or dp
-    kv_heads_per_block = kv_heads_per_block or num_kv_heads
+    budget = _VMEM_BUDGET if vmem_limit_bytes is None else vmem_limit_bytes * 5 // 8  # same headroom
+    kv_heads_per_block = kv_heads_per_block or default_kv_heads_per_block(
+        num_kv_heads, block_q * group, q.shape[2], pages_per_block * page_size, q.dtype, k_cache.dtype, budget)
     if num_kv_heads % kv_heads_per_block:
         raise ValueError(f"kv_heads_per_block ({kv_heads_per_block}) must divide num_kv_heads ({num_kv_heads})")
     return _rpa_tpu(
