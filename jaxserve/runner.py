@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -151,8 +152,12 @@ class ModelRunner:
         attention_impl: str = "auto",
         matmul_dtype: str | None = None,
         mesh: Mesh | None = None,
+        platform: str | None = None,
     ):
         self.mesh = mesh or make_mesh(1)
+        self.platform = platform  # None: the one JAX runs on; "tpu" / "gpu": compile for it (jaxserve.aot)
+        # ShapeDtypeStruct params (jaxserve.aot): nothing is allocated; the state and the pool are abstract too.
+        self.abstract = isinstance(params["embed"], jax.ShapeDtypeStruct)
         self.channel = None  # under several processes: the StepChannel to the other processes (set by the engine)
         self.tensor_parallel_size = self.mesh.shape["model"]
         # Fewer KV heads than devices: each is repeated so that every device holds one (cfg says how many now).
@@ -161,21 +166,27 @@ class ModelRunner:
         self.page_size = cache_cfg.page_size
         self.replicated = NamedSharding(self.mesh, P())
         self.kv_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
+        # The pool row-major, as the kernels read it, from allocation on: left to itself XLA:TPU gives a pool with
+        # small trailing dims another layout and copies the whole pool in and out of every step (AOT showed
+        # 2.8x the pool in temporaries for SmolLM2 and Llama-3-8B shapes).
+        self.kv_format = Format(Layout(tuple(range(5))), self.kv_sharding)
         schema = param_schema(model_cfg)
         self.param_shardings = param_shardings(schema, self.mesh)
         # Tensor by tensor, each device receiving only its shard.
-        placed = {name: jax.device_put(value, self.param_shardings[name]) for name, value in params.items()}
+        placed = {name: _place(value, self.param_shardings[name]) for name, value in params.items()}
         self.graphdef, self.state = model_from_params(model_cfg, placed)
         self.matmul_weights = None
         if matmul_dtype is not None and jnp.dtype(matmul_dtype) != params["embed"].dtype:
             make = lambda s: nnx.merge(self.graphdef, s).matmul_weights()  # noqa: E731
             shapes = {n: a.shape for n, a in jax.eval_shape(make, self.state).items()}  # packed: last dim halved
             axes = {n: schema[n] for n in Llama.MATMUL_PARAMS} | {"output": ParamSpec(shapes["output"], OUTPUT_AXES)}
-            self.matmul_weights = jax.jit(make, out_shardings=param_shardings(axes, self.mesh, shapes=shapes))(
-                self.state)
+            mm_shardings = param_shardings(axes, self.mesh, shapes=shapes)
+            self.matmul_weights = (jax.tree.map(_place, jax.eval_shape(make, self.state), mm_shardings)
+                                   if self.abstract else jax.jit(make, out_shardings=mm_shardings)(self.state))
         self.kv_dtype = jnp.dtype(cache_cfg.dtype or params["embed"].dtype)  # default: the weights' dtype
         cpp = attention_impl in ("auto", "xla") and cpu_ffi.serves(self.kv_dtype) and cpu_ffi.available()
-        if self.kv_dtype != jnp.float32 and jax.default_backend() == "cpu" and attention_impl != "pallas" and not cpp:
+        on_cpu = (platform or jax.default_backend()) == "cpu"
+        if self.kv_dtype != jnp.float32 and on_cpu and attention_impl != "pallas" and not cpp:
             warnings.warn(f"a {self.kv_dtype} KV cache on the CPU is slow without the C++ attention: XLA:CPU converts "
                           "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "
                           "kv_cache_dtype='float32' is the CPU default", RuntimeWarning, stacklevel=3)
@@ -183,8 +194,11 @@ class ModelRunner:
         if jax.process_count() > 1:  # every process must allocate the same pool: the smallest any can hold
             self.num_pages = int(np.min(multihost_utils.process_allgather(np.int32(self.num_pages))))
         shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)
-        self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
+        if self.abstract:
+            self.k_cache = self.v_cache = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.kv_sharding)
+        else:
+            zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_format)
+            self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
         self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
         self.max_seqs = _pow2_at_least(sched_cfg.max_num_seqs)
         self.page_buckets = _buckets(min(8, math.ceil(sched_cfg.max_model_len / self.page_size)),
@@ -198,7 +212,8 @@ class ModelRunner:
         self._requests: dict[str, _CachedRequest] = {}
         self.page_table = np.full((2 * self.max_seqs, self.page_buckets[-1]), NULL_PAGE, np.int32)
         self._free_rows = list(range(len(self.page_table) - 1, -1, -1))
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1), out_shardings=(self.kv_sharding,) * 2)
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1), in_shardings=(self.kv_format,) * 2 + (None,) * 2,
+                             out_shardings=(self.kv_format,) * 2)
 
     def reset_timers(self) -> None:
         self.num_tokens_computed = 0  # real (unpadded) tokens run through the model
@@ -226,7 +241,10 @@ class ModelRunner:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         on_device = bool(stats and "bytes_limit" in stats)
         available = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if on_device else available_host_memory()
-        explicit, page_bytes = cache_cfg.kv_cache_memory, self._page_bytes()
+        # A device's memory holds its share of each page (the pool is split over KV heads); the CPU's simulated
+        # devices all live in the same host memory.
+        explicit = cache_cfg.kv_cache_memory
+        page_bytes = self._page_bytes() // (self.tensor_parallel_size if on_device else 1)
         if isinstance(explicit, int):
             budget = explicit
         elif explicit is not None:
@@ -259,7 +277,7 @@ class ModelRunner:
         key = (decode_only,)
         if key in self._steps:
             return self._steps[key]
-        attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only), self.mesh)
+        attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only, self.platform), self.mesh)
         graphdef, gathered = self.graphdef, self.replicated
 
         def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
@@ -275,7 +293,9 @@ class ModelRunner:
             plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)
             return out, plp, k_cache, v_cache
 
-        fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(gathered, gathered, self.kv_sharding, self.kv_sharding))
+        kv, placed = self.kv_format, lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+        fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(gathered, gathered, kv, kv),
+                     in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 5)
         self._steps[key] = fn
         return fn
 
@@ -504,6 +524,13 @@ def _prompt_logprobs(logits_fn, next_tokens: jax.Array):
     return jax.lax.cond(jnp.any(next_tokens >= 0), run, skip, None)
 
 
+def _place(value, sharding: NamedSharding):
+    """A parameter onto its devices; an abstract one (ShapeDtypeStruct) only annotated with its sharding."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    return jax.device_put(value, sharding)
+
+
 def _fetch(tree):
     """Device arrays -> host numpy. The step's outputs are replicated, so each process reads its own copy (under
     several processes the arrays also span other hosts' devices, which ``jax.device_get`` refuses)."""
@@ -515,17 +542,20 @@ def _sampled(token: int, logprob, top_ids, top_logprobs, k: int) -> SampledToken
                         tuple(float(x) for x in top_logprobs[:k]))
 
 
-def _attention_fns(impl: str, decode_only: bool):
+def _attention_fns(impl: str, decode_only: bool, platform: str | None = None):
     """(attention, write_kv) for the model: Pallas kernels on GPU/TPU, XLA on the CPU (see jaxserve.kernels).
 
     ``decode_only`` (every sequence computes one token) is a static hint: the CPU path then gathers each
     sequence's context once instead of blocking queries. Otherwise the hint is the token bucket itself.
+    ``platform`` ("tpu" / "gpu"): the kernels compiled for that platform, whatever JAX runs on (jaxserve.aot).
     """
-    def attention(q, *args, **kwargs):
-        return kernels.ragged_paged_attention(q, *args, impl=impl, max_q_len=1 if decode_only else q.shape[0],
-                                              **kwargs)
+    target = {} if platform in (None, "cpu") else dict(impl="pallas", backend=platform, interpret=False)
+    kw = dict(impl=impl) | target
 
-    return attention, functools.partial(kernels.write_kv, impl=impl)
+    def attention(q, *args, **kwargs):
+        return kernels.ragged_paged_attention(q, *args, max_q_len=1 if decode_only else q.shape[0], **kw, **kwargs)
+
+    return attention, functools.partial(kernels.write_kv, **kw)
 
 
 def _copy_pages(k_cache, v_cache, src, dst):

@@ -1,0 +1,306 @@
+"""The engine's steps compiled ahead of time for a TPU slice, on a machine without one, and a memory plan.
+
+``libtpu`` (``pip install "jax[tpu]"``) compiles for TPUs without a TPU: ``jax.experimental.topologies`` describes
+a slice ("v5e:2x4", "v6e:2x4", "v5p:2x2x1", multi-host ones such as "v5e:4x4"), and jitted functions lowered on
+``jax.ShapeDtypeStruct`` arguments placed on its devices compile with XLA's and Mosaic's TPU compilers. That
+checks everything but numerics: the Pallas kernels' lowering, the sharded step, and what each chip must hold
+(``memory_analysis``), with FLOPs and bytes from ``cost_analysis``.
+
+:func:`plan` builds the runner abstractly (``ModelRunner`` on ShapeDtypeStruct parameters: nothing allocated),
+sizes the KV pool from the chip's HBM the way the runner does on a device, compiles the step variants, and
+estimates decode throughput from bytes moved per step and the chip's published bandwidth. GPU topologies
+("h100:8") are planned by arithmetic only: no GPU compiler runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    tpu: bool = True
+
+
+GiB = 1 << 30
+# Published per-chip figures (Google Cloud TPU and NVIDIA data sheets).
+CHIPS = {
+    "v4": Chip("TPU v4", 32 * GiB, 1.2e12, 275e12),
+    "v5e": Chip("TPU v5e", 16 * GiB, 819e9, 197e12),
+    "v5p": Chip("TPU v5p", 95 * GiB, 2.765e12, 459e12),
+    "v6e": Chip("TPU v6e", 32 * GiB, 1.64e12, 918e12),
+    "a100": Chip("NVIDIA A100 80GB", 80 * 10**9, 2.039e12, 312e12, tpu=False),
+    "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 3.35e12, 989e12, tpu=False),
+    "h200": Chip("NVIDIA H200", 141 * 10**9, 4.8e12, 989e12, tpu=False),
+}
+
+
+def parse_topology(topology: str) -> tuple[Chip, int]:
+    """"v5e:2x4" -> (v5e, 8 chips); "h100:8" -> (h100, 8).
+
+    Raises:
+        ValueError: an unknown chip or a malformed shape, naming the known ones.
+    """
+    chip_name, _, shape = topology.partition(":")
+    chip = CHIPS.get(chip_name.lower())
+    try:
+        dims = [int(d) for d in shape.split("x")] if shape else []
+    except ValueError:
+        dims = []
+    if chip is None or not dims or min(dims) < 1:
+        raise ValueError(f"unknown topology {topology!r}: expected CHIP:SHAPE with CHIP one of "
+                         f"{', '.join(CHIPS)} (e.g. v5e:2x4, v5p:2x2x1, v5e:4x4, h100:8)")
+    return chip, math.prod(dims)
+
+
+def topology_devices(topology: str) -> list:
+    """The devices of a TPU slice description (no TPU needed; libtpu is)."""
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(topology, "tpu").devices)
+    except Exception as e:  # noqa: BLE001 - libtpu missing, or a shape it does not know
+        raise ValueError(f"cannot describe TPU topology {topology!r} (needs libtpu: pip install 'jax[tpu]'): "
+                         f"{e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled step variant: its bucket, compile time, and what XLA says a chip needs and does."""
+
+    tokens: int
+    pages: int
+    decode_only: bool
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    flops: float
+    bytes_accessed: float
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + temporaries + outputs not aliased to a donated argument (the KV pool is)."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model: str
+    topology: str
+    chip: Chip
+    tensor_parallel_size: int
+    dtype: str
+    weight_bytes_per_chip: int
+    page_bytes_per_chip: int
+    num_pages: int
+    page_size: int
+    activation_bytes_per_chip: int  # the largest variant's temporaries (0 when planned by arithmetic)
+    seq_len: int
+    batch: int
+    variants: tuple[Variant, ...]
+    kv_cache_memory_fraction: float
+
+    @property
+    def kv_bytes_per_chip(self) -> int:
+        return self.num_pages * self.page_bytes_per_chip
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences of ``seq_len`` tokens the pool holds at once."""
+        return self.num_pages // math.ceil(self.seq_len / self.page_size)
+
+    @property
+    def fits(self) -> bool:
+        return self.num_pages >= math.ceil(self.seq_len / self.page_size)
+
+    def decode_tokens_per_s(self) -> float:
+        """Roofline of a decode step of ``batch`` sequences at ``seq_len``: each chip reads its weights once and
+        its share of every sequence's KV, at its published bandwidth (or computes, if that takes longer)."""
+        batch = min(self.batch, max(self.max_sequences, 1))
+        kv_token_bytes = self.page_bytes_per_chip / self.page_size
+        read = self.weight_bytes_per_chip + batch * self.seq_len * kv_token_bytes
+        flops = 2 * batch * self.weight_bytes_per_chip / np.dtype(_np_dtype(self.dtype)).itemsize
+        step_s = max(read / self.chip.hbm_bytes_per_s, flops / self.chip.bf16_flops)
+        return batch / step_s
+
+    def summary(self) -> str:
+        hbm = self.chip.hbm_bytes
+        lines = [
+            f"{self.model} on {self.topology} ({self.chip.name}, {self.tensor_parallel_size}-way tensor parallel, "
+            f"{self.dtype})",
+            f"  weights per chip      {self.weight_bytes_per_chip / GiB:8.2f} GiB",
+            f"  activations per chip  {self.activation_bytes_per_chip / GiB:8.2f} GiB"
+            + ("" if self.variants else "  (not compiled: arithmetic only)"),
+            f"  KV pool per chip      {self.kv_bytes_per_chip / GiB:8.2f} GiB: {self.num_pages} pages of "
+            f"{self.page_size} tokens ({self.page_bytes_per_chip / 1024:.0f} KiB per chip per page)",
+            f"  HBM per chip          {hbm / GiB:8.2f} GiB (pool sized to {self.kv_cache_memory_fraction:.0%} of it)",
+            f"  fits: {'yes' if self.fits else 'NO'}; {self.max_sequences} sequences of {self.seq_len} tokens at once",
+            f"  decode roofline at batch {min(self.batch, max(self.max_sequences, 1))}, {self.seq_len} tokens of "
+            f"context: {self.decode_tokens_per_s():,.0f} tokens/s",
+        ]
+        if self.variants:
+            lines.append(f"  compiled {len(self.variants)} step variant(s) in "
+                         f"{sum(v.compile_s for v in self.variants):.1f}s:")
+            for v in self.variants:
+                lines.append(f"    tokens {v.tokens:5d} pages {v.pages:4d} {'decode' if v.decode_only else 'mixed '}: "
+                             f"peak {v.peak_bytes / GiB:6.2f} GiB/chip (temp {v.temp_bytes / GiB:.2f}), code "
+                             f"{v.code_bytes / 2**20:.1f} MiB, {v.flops / 1e9:,.0f} GFLOP, "
+                             f"{v.bytes_accessed / GiB:.2f} GiB accessed, {v.compile_s:.1f}s")
+        return "\n".join(lines)
+
+
+def _np_dtype(dtype: str):
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[dtype]
+
+
+def _model_config(model: str | ModelConfig) -> tuple[str, ModelConfig]:
+    """A preset name, an HF ``config.json`` (or its directory), or a ModelConfig."""
+    if isinstance(model, ModelConfig):
+        return model.architecture, model
+    import json
+    from pathlib import Path
+
+    from jaxserve.config import list_presets, load_preset
+
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return path.parent.name, ModelConfig.from_hf(json.loads(path.read_text()))
+    if model in list_presets():
+        return model, load_preset(model)
+    raise ValueError(f"model {model!r} is not a preset ({', '.join(list_presets())}) or an HF config.json")
+
+
+def _abstract_params(cfg: ModelConfig, dtype: str) -> dict:
+    from jaxserve.models.llama import param_schema
+
+    return {n: jax.ShapeDtypeStruct(s.shape, _np_dtype(dtype)) for n, s in param_schema(cfg).items()}
+
+
+def _per_chip_bytes(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | None = None,
+         config: EngineConfig | None = None, *, seq_len: int | None = None, variants: str = "corners",
+         compile: bool = True, **settings) -> Plan:
+    """Plans (and on a TPU topology, compiles) one engine replica over ``tensor_parallel_size`` chips.
+
+    Args:
+        model: a preset name, an HF config.json (or its directory), or a ModelConfig; no weights are read.
+        topology: "v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v5e:4x4", ... or a GPU "h100:8" (arithmetic only).
+        tensor_parallel_size: chips per replica (default: all of the topology's).
+        config / settings: the engine's settings (``EngineConfig``); dtype defaults to bfloat16,
+            ``max_model_len`` to the model's (at most 2048).
+        seq_len: context length for "how many sequences fit" and the roofline (default: max_model_len).
+        variants: "corners" (the largest mixed and decode-only buckets) or "all" (every bucket the runner
+            compiles at warm-up).
+        compile: False plans by arithmetic only (as for GPUs).
+
+    Raises:
+        ValueError: an unknown topology or model, a degree the model or the topology cannot take, or a model
+            whose weights and activations leave no room for one sequence's KV.
+    """
+    from jaxserve.config import CacheConfig
+    from jaxserve.runner import ModelRunner
+    from jaxserve.sharding import kv_heads_for, make_mesh
+
+    name, cfg = _model_config(model)
+    chip, num_chips = parse_topology(topology)
+    tp = tensor_parallel_size or num_chips
+    if tp > num_chips:
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} chips, but {topology} has {num_chips}")
+    kv_heads_for(cfg, tp)  # the degree must suit the heads
+    config = EngineConfig.from_settings(config, **settings)
+    dtype = config.dtype or "bfloat16"
+    max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 2048)
+    sched_cfg = config.scheduler_config(max_model_len)
+    seq_len = seq_len or max_model_len
+    compile = compile and chip.tpu
+    mesh = make_mesh(tp, topology_devices(topology)[:tp]) if compile else None
+
+    def runner(num_pages: int):
+        cache = dataclasses.replace(config.cache_config(), num_pages=num_pages)
+        return ModelRunner(cfg, _abstract_params(cfg, dtype), cache, sched_cfg, "pallas", config.matmul_dtype, mesh,
+                           platform="tpu")
+
+    kv_heads = kv_heads_for(cfg, tp)
+    kv_itemsize = np.dtype(_np_dtype(config.kv_cache_dtype or dtype)).itemsize
+    page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * cfg.head_dim * kv_itemsize
+    compiled: list[Variant] = []
+    if compile:
+        probe = runner(num_pages=2 * math.ceil(max_model_len / config.page_size))
+        weights = _per_chip_bytes((probe.state, probe.matmul_weights))
+        largest = _compile(probe, [max((s for s in probe.warmup_shapes() if not s[2]), key=lambda s: s[:2])])[0]
+        activations = largest.temp_bytes
+    else:
+        weights = sum(math.prod(s.shape) for s in _abstract_params(cfg, dtype).values()) * np.dtype(
+            _np_dtype(dtype)).itemsize // tp
+        activations = 0
+    budget = int(chip.hbm_bytes * config.kv_cache_memory_fraction) - weights - activations
+    num_pages = config.num_pages or max(budget // page_bytes, 0)
+    result = Plan(name, topology, chip, tp, dtype, weights, page_bytes, num_pages, config.page_size, activations,
+                  seq_len, sched_cfg.max_num_seqs, (), config.kv_cache_memory_fraction)
+    if not result.fits:
+        raise ValueError(
+            f"{name} does not fit {topology} at tensor_parallel_size={tp}: per chip {weights / GiB:.2f} GiB of "
+            f"weights and {activations / GiB:.2f} GiB of activations leave {max(budget, 0) / GiB:.2f} GiB of "
+            f"{chip.hbm_bytes / GiB:.0f} GiB ({config.kv_cache_memory_fraction:.0%}) for the KV cache, less than "
+            f"one {seq_len}-token sequence ({math.ceil(seq_len / config.page_size) * page_bytes / GiB:.2f} GiB); "
+            f"use more chips, a larger chip or a shorter max_model_len")
+    if compile:
+        final = runner(num_pages)
+        shapes = final.warmup_shapes()
+        if variants == "corners":
+            shapes = [max((s for s in shapes if s[2] == d), key=lambda s: s[:2]) for d in (False, True)
+                      if any(s[2] == d for s in shapes)]
+        elif variants != "all":
+            raise ValueError(f"variants must be 'corners' or 'all', got {variants!r}")
+        compiled = _compile(final, shapes)
+        peak = max(v.peak_bytes for v in compiled)
+        if peak > chip.hbm_bytes:
+            raise ValueError(f"the compiled step needs {peak / GiB:.2f} GiB per chip, more than the "
+                             f"{chip.hbm_bytes / GiB:.0f} GiB of a {chip.name}")
+    return dataclasses.replace(result, variants=tuple(compiled))
+
+
+def _compile(runner, shapes) -> list[Variant]:
+    """Compiles the runner's step for each (tokens, pages, decode_only) on its abstract arguments."""
+    out = []
+    rep = runner.replicated
+
+    def abstract(x):
+        if isinstance(x, np.ndarray | np.generic):
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep)
+        return x
+
+    with jax.set_mesh(runner.mesh):
+        for tokens, pages, decode_only in shapes:
+            args = jax.tree.map(abstract, runner._example_args(tokens, pages))
+            t0 = time.perf_counter()
+            exe = runner._step_fn(decode_only).lower(*args).compile()
+            dt = time.perf_counter() - t0
+            mem = exe.memory_analysis()
+            cost = exe.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost or {}
+            out.append(Variant(tokens, pages, decode_only, dt, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                               mem.alias_size_in_bytes, mem.temp_size_in_bytes, mem.generated_code_size_in_bytes,
+                               float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))))
+    return out
