@@ -66,8 +66,12 @@ def parse_topology(topology: str) -> tuple[Chip, int]:
 
 def topology_devices(topology: str) -> list:
     """The devices of a TPU slice description (no TPU needed; libtpu is)."""
+    import os
+
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock meant for real TPUs; describing a topology touches no TPU.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return list(topologies.get_topology_desc(topology, "tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu missing, or a shape it does not know
@@ -210,8 +214,8 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         config / settings: the engine's settings (``EngineConfig``); dtype defaults to bfloat16,
             ``max_model_len`` to the model's (at most 2048).
         seq_len: context length for "how many sequences fit" and the roofline (default: max_model_len).
-        variants: "corners" (the largest mixed and decode-only buckets) or "all" (every bucket the runner
-            compiles at warm-up).
+        variants: "corners" (the largest mixed and decode-only buckets), "decode" (the largest decode-only one)
+            or "all" (every bucket the runner compiles at warm-up).
         compile: False plans by arithmetic only (as for GPUs).
 
     Raises:
@@ -246,13 +250,18 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
     page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * cfg.head_dim * kv_itemsize
     compiled: list[Variant] = []
     if compile:
-        probe = runner(num_pages=2 * math.ceil(max_model_len / config.page_size))
+        probe = runner(num_pages=config.num_pages or 2 * math.ceil(max_model_len / config.page_size))
+        page_bytes = probe.device_page_bytes()  # with the TPU's tile padding
         weights = _per_chip_bytes((probe.state, probe.matmul_weights))
-        largest = _compile(probe, [max((s for s in probe.warmup_shapes() if not s[2]), key=lambda s: s[:2])])[0]
-        activations = largest.temp_bytes
+        _refuse_if_weights_overflow(name, topology, tp, chip, weights, config)
+        activations = 0
+        if not config.num_pages:  # the largest step's temporaries, to size the pool from what is left
+            largest = max((s for s in probe.warmup_shapes() if not s[2]), key=lambda s: s[:2])
+            activations = _compile(probe, [largest])[0].temp_bytes
     else:
         weights = sum(math.prod(s.shape) for s in _abstract_params(cfg, dtype).values()) * np.dtype(
             _np_dtype(dtype)).itemsize // tp
+        _refuse_if_weights_overflow(name, topology, tp, chip, weights, config)
         activations = 0
     budget = int(chip.hbm_bytes * config.kv_cache_memory_fraction) - weights - activations
     num_pages = config.num_pages or max(budget // page_bytes, 0)
@@ -268,17 +277,26 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
     if compile:
         final = runner(num_pages)
         shapes = final.warmup_shapes()
-        if variants == "corners":
-            shapes = [max((s for s in shapes if s[2] == d), key=lambda s: s[:2]) for d in (False, True)
+        if variants in ("corners", "decode"):
+            kinds = (True,) if variants == "decode" else (False, True)
+            shapes = [max((s for s in shapes if s[2] == d), key=lambda s: s[:2]) for d in kinds
                       if any(s[2] == d for s in shapes)]
         elif variants != "all":
-            raise ValueError(f"variants must be 'corners' or 'all', got {variants!r}")
+            raise ValueError(f"variants must be 'corners', 'decode' or 'all', got {variants!r}")
         compiled = _compile(final, shapes)
+        activations = max(activations, *(v.temp_bytes for v in compiled))
         peak = max(v.peak_bytes for v in compiled)
         if peak > chip.hbm_bytes:
             raise ValueError(f"the compiled step needs {peak / GiB:.2f} GiB per chip, more than the "
                              f"{chip.hbm_bytes / GiB:.0f} GiB of a {chip.name}")
-    return dataclasses.replace(result, variants=tuple(compiled))
+    return dataclasses.replace(result, variants=tuple(compiled), activation_bytes_per_chip=activations)
+
+
+def _refuse_if_weights_overflow(name, topology, tp, chip, weights, config) -> None:
+    if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
+        raise ValueError(f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "
+                         f"{weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
+                         f"larger chip")
 
 
 def _compile(runner, shapes) -> list[Variant]:
@@ -295,7 +313,12 @@ def _compile(runner, shapes) -> list[Variant]:
         for tokens, pages, decode_only in shapes:
             args = jax.tree.map(abstract, runner._example_args(tokens, pages))
             t0 = time.perf_counter()
-            exe = runner._step_fn(decode_only).lower(*args).compile()
+            try:
+                exe = runner._step_fn(decode_only).lower(*args).compile()
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                raise ValueError(f"the step for {tokens} tokens over {pages} pages does not fit a chip: {e}") from e
             dt = time.perf_counter() - t0
             mem = exe.memory_analysis()
             cost = exe.cost_analysis()

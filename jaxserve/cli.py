@@ -107,6 +107,22 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import dataclasses
+
+    from jaxserve.aot import parse_topology, plan
+    from jaxserve.config import EngineConfig
+
+    chips = parse_topology(args.topology)[1]
+    settings = vars(args) | {"tensor_parallel_size": args.tensor_parallel_size or chips}
+    config = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
+    result = plan(args.model, args.topology, config.tensor_parallel_size, config=config, seq_len=args.seq_len,
+                  compile=not args.no_compile,
+                  variants="all" if args.all_variants else "corners")
+    print(result.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dst")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.set_defaults(func=cmd_convert)
+
+    from jaxserve.config import EngineConfig
+
+    pl = sub.add_parser("plan", help="will a model fit a TPU/GPU slice? compile its steps for a TPU slice here",
+                        description="Plans one replica on a topology: per-chip weights, KV pool and activations, how "
+                                    "many sequences fit, a decode roofline; on a TPU topology it also compiles the "
+                                    "step for that TPU on this machine (needs libtpu: pip install 'jax[tpu]').")
+    pl.add_argument("--model", default="smollm2-135m", help="a preset (configs/) or an HF config.json / directory")
+    pl.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x4, v5p:2x2x1, v5e:4x4, ..., or h100:8 "
+                                                      "(GPUs: arithmetic only)")
+    pl.add_argument("--seq-len", type=int, default=None, help="context per sequence (default: --max-model-len)")
+    pl.add_argument("--all-variants", action="store_true", help="compile every bucket (default: the largest ones)")
+    pl.add_argument("--no-compile", action="store_true", help="arithmetic only")
+    EngineConfig.add_cli_args(pl, tensor_parallel_size=0, dtype="bfloat16")
+    pl.set_defaults(func=cmd_plan)
 
     from jaxserve.server.cli import add_bench_parser, add_serve_parser
 

@@ -228,6 +228,16 @@ class ModelRunner:
         c = self.cfg
         return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
 
+    def device_page_bytes(self) -> int:
+        """What one page of the K and V pools takes on each device, as the compiler lays it out: a TPU pads the
+        pool's two minor dims (KV heads per device, head_dim) to its tiles, e.g. one bfloat16 KV head to two."""
+        pages = 64
+        shape = (self.cfg.num_layers, pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        alloc = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_format)
+        with jax.set_mesh(self.mesh):  # a topology's devices (jaxserve.aot) compile inside their mesh
+            out = alloc.lower().compile().memory_analysis().output_size_in_bytes
+        return -(-2 * out // pages)
+
     def _pages_from_memory(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> int:
         """Pool size when ``num_pages`` is not given; logs the pages, tokens and bytes.
 
@@ -244,7 +254,7 @@ class ModelRunner:
         # A device's memory holds its share of each page (the pool is split over KV heads); the CPU's simulated
         # devices all live in the same host memory.
         explicit = cache_cfg.kv_cache_memory
-        page_bytes = self._page_bytes() // (self.tensor_parallel_size if on_device else 1)
+        page_bytes = self.device_page_bytes() if on_device else self._page_bytes()
         if isinstance(explicit, int):
             budget = explicit
         elif explicit is not None:
