@@ -309,6 +309,16 @@ def _compile(runner, shapes) -> list[Variant]:
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep)
         return x
 
+    # Executables for a device this process has no client for cannot be read back from the persistent cache.
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return _compile_each(runner, shapes, abstract, out)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+
+
+def _compile_each(runner, shapes, abstract, out: list) -> list[Variant]:
     with jax.set_mesh(runner.mesh):
         for tokens, pages, decode_only in shapes:
             args = jax.tree.map(abstract, runner._example_args(tokens, pages))
