@@ -96,3 +96,26 @@ def test_bad_plans_are_clear_errors(topology, tp, match):
 def test_parse_topology():
     assert parse_topology("v5e:4x4") == (CHIPS["v5e"], 16)
     assert parse_topology("v5p:2x2x1") == (CHIPS["v5p"], 4)
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "llama-3-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b",
+                                    "gemma-2-9b"])
+def test_every_preset_plans_on_a_v5p_slice(preset):
+    cfg = load_preset(preset)
+    tp = 4 if cfg.num_heads % 4 == 0 else 1
+    p = plan(preset, "v5p:2x2x1", tp, compile=False)
+    assert p.fits and p.weight_bytes_per_chip == _weight_bytes(preset) // tp
+    assert p.page_bytes_per_chip == _kv_bytes_per_page(preset, tp)
+
+
+def test_plan_reads_an_hf_config_json(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+        "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}))
+    p = plan(str(tmp_path), "h100:2", 2)
+    embed = 32000 * 2048
+    layer = 2048 * 2048 * 2 + 2048 * 256 * 2 + 3 * 2048 * 5632 + 2 * 2048
+    assert p.weight_bytes_per_chip == (2 * embed + 22 * layer + 2048) * 2 // 2  # untied head, bf16, TP 2
+    assert p.page_bytes_per_chip == 2 * 22 * 16 * 2 * 64 * 2  # 2 of 4 KV heads of 64 per chip
