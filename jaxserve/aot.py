@@ -14,6 +14,7 @@ estimates decode throughput from bytes moved per step and the chip's published b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -309,13 +310,24 @@ def _compile(runner, shapes) -> list[Variant]:
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep)
         return x
 
-    # Executables for a device this process has no client for cannot be read back from the persistent cache.
+    with no_persistent_cache():
+        return _compile_each(runner, shapes, abstract, out)
+
+
+@contextlib.contextmanager
+def no_persistent_cache():
+    """Compiles for a topology without touching JAX's persistent cache: this process has no client for that
+    device, so it could not read such executables back (a warning and a recompile each time)."""
+    from jax._src import compilation_cache  # JAX memoizes whether the cache is on: reset it around the switch
+
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
-        return _compile_each(runner, shapes, abstract, out)
+        yield
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
+        compilation_cache.reset_cache()
 
 
 def _compile_each(runner, shapes, abstract, out: list) -> list[Variant]:

@@ -36,6 +36,15 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 NUM_PAGES, LAYERS, MAX_CTX = 512, 2, 2048
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_persistent_cache():
+    """TPU executables stay out of the persistent cache an earlier test's engine turned on (see jaxserve.aot)."""
+    from jaxserve.aot import no_persistent_cache
+
+    with no_persistent_cache():
+        yield
+
+
 @functools.lru_cache(maxsize=None)
 def _mesh(topology: str) -> jax.sharding.Mesh:
     """A one-chip mesh of ``topology``. A missing libtpu is an install error (it is in the dev extra): fail."""
