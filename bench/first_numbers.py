@@ -1,4 +1,4 @@
-"""First numbers (issue 2): load time, time to first token and decode tokens/s for one request, on the default
+"""First numbers: load time, time to first token and decode tokens/s for one request, on the default
 model, for jaxserve and HF transformers on the same prompt, in one run.
 
     python bench/first_numbers.py [--max-tokens 128] [--runs 3]

@@ -1,4 +1,4 @@
-"""Tensor and data parallelism on simulated CPU devices (issue 11): the plumbing, then the throughput workload.
+"""Tensor and data parallelism on simulated CPU devices: the plumbing, then the throughput workload.
 
 Part 1, "plumbing, not speed": a random Llama-shaped model (8 query and 8 KV heads) on 8 simulated CPU devices
 sharing this machine's cores, for TP 1/2/4/8 and TP x DP 1x2, 2x2, 4x2. It reports per-device bytes of the weights

@@ -1,4 +1,4 @@
-"""Online serving numbers for bench/RESULTS.md (issue 5): latency vs request rate, and the server's overhead.
+"""Online serving numbers for bench/RESULTS.md: latency vs request rate, and the server's overhead.
 
 Starts ``jaxserve serve`` (the default model unless --model) as a subprocess, then with ``jaxserve bench serve``'s
 client (``jaxserve/server/bench.py``):

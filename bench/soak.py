@@ -1,4 +1,4 @@
-"""Soak test of ``jaxserve serve`` (issue 5): a bounded run at a request rate just above capacity.
+"""Soak test of ``jaxserve serve``: a bounded run at a request rate just above capacity.
 
 Starts the server (default model) as a subprocess, measures its capacity (requests/s with everything sent at
 once), then sends streamed requests with Poisson arrivals at ``--overload`` x capacity for ``--duration`` seconds.

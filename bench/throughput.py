@@ -1,4 +1,4 @@
-"""Offline throughput on the default model (issue 3): jaxserve vs HF transformers vs llama.cpp, one invocation.
+"""Offline throughput on the default model: jaxserve vs HF transformers vs llama.cpp, one invocation.
 
 Workload: N requests (default 64), prompts of 64-512 tokens, 128 output tokens each, greedy, ignore_eos.
 Prints output tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and where

@@ -1,4 +1,4 @@
-"""Issue 13 on the engine side: no compile after warm-up whatever a request asks, batch admission,
+"""Engine reliability: no compile after warm-up whatever a request asks, batch admission,
 validation at the door, failures confined to their requests, the CPU pool sized from available memory."""
 
 from __future__ import annotations

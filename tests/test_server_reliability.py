@@ -1,4 +1,4 @@
-"""Issue 13's server items over a fake engine (fast): the event loop stays free while a 4 MB prompt is tokenized,
+"""Server reliability over a fake engine (fast): the event loop stays free while a 4 MB prompt is tokenized,
 the prompt-size limit, atomic batch admission, a failed engine step that fails only its own requests, the header
 deadline, duplicate Authorization headers, best_of, strict prompt types and seeds, and SIGINT's exit status."""
 

@@ -1,4 +1,4 @@
-"""Issue 13, item 1 at the HTTP level: no request can stall the other streams.
+"""At the HTTP level: no request can stall the other streams.
 
 One long greedy stream runs on a warmed-up server while 20 short requests arrive, between them every sampling
 option at varied sizes (logit_bias of 33-1024 keys, penalties over prompts of 40-300 words, logprobs 1-20, prompt

@@ -133,9 +133,9 @@ def test_write_kv_compiles_for_tpu(topology, dtype, num_kv_heads, head_dim, page
 
 
 @pytest.mark.parametrize("num_tokens,num_seqs", [DECODE, MIXED], ids=["decode", "mixed"])
-def test_issue_repro_llama3_8b_bf16_compiles(num_tokens, num_seqs):
-    """Issue 12's repro: Llama-3-8B heads (32 q, 8 kv, head_dim 128), bf16, on v5e. It failed in Mosaic with
-    'Bad lhs type': a bf16 x bf16 tpu.matmul asked for fp32 contraction (Precision.HIGHEST)."""
+def test_llama3_8b_bf16_compiles(num_tokens, num_seqs):
+    """Llama-3-8B heads (32 q, 8 kv, head_dim 128), bf16, on v5e. It failed in Mosaic with 'Bad lhs type' when
+    a bf16 x bf16 tpu.matmul asked for fp32 contraction (Precision.HIGHEST)."""
     compiled = compile_attention("v5e:2x2", BF16, 32, 8, 128, 16, num_tokens, num_seqs)
     assert compiled.cost_analysis()["flops"] > 0
 
