@@ -223,7 +223,7 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         ValueError: an unknown topology or model, a degree the model or the topology cannot take, or a model
             whose weights and activations leave no room for one sequence's KV.
     """
-    from jaxserve.config import CacheConfig
+    from jaxserve.engine import DEFAULT_MAX_MODEL_LEN
     from jaxserve.runner import ModelRunner
     from jaxserve.sharding import kv_heads_for, make_mesh
 
@@ -232,10 +232,10 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
     tp = tensor_parallel_size or num_chips
     if tp > num_chips:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} chips, but {topology} has {num_chips}")
-    kv_heads_for(cfg, tp)  # the degree must suit the heads
+    kv_heads = kv_heads_for(cfg, tp)  # the degree must suit the heads
     config = EngineConfig.from_settings(config, **settings)
     dtype = config.dtype or "bfloat16"
-    max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 2048)
+    max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     sched_cfg = config.scheduler_config(max_model_len)
     seq_len = seq_len or max_model_len
     compile = compile and chip.tpu
@@ -246,7 +246,6 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         return ModelRunner(cfg, _abstract_params(cfg, dtype), cache, sched_cfg, "pallas", config.matmul_dtype, mesh,
                            platform="tpu")
 
-    kv_heads = kv_heads_for(cfg, tp)
     kv_itemsize = np.dtype(_np_dtype(config.kv_cache_dtype or dtype)).itemsize
     page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * cfg.head_dim * kv_itemsize
     compiled: list[Variant] = []
@@ -254,16 +253,17 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         probe = runner(num_pages=config.num_pages or 2 * math.ceil(max_model_len / config.page_size))
         page_bytes = probe.device_page_bytes()  # with the TPU's tile padding
         weights = _per_chip_bytes((probe.state, probe.matmul_weights))
-        _refuse_if_weights_overflow(name, topology, tp, chip, weights, config)
-        activations = 0
-        if not config.num_pages:  # the largest step's temporaries, to size the pool from what is left
-            largest = max((s for s in probe.warmup_shapes() if not s[2]), key=lambda s: s[:2])
-            activations = _compile(probe, [largest])[0].temp_bytes
     else:
         weights = sum(math.prod(s.shape) for s in _abstract_params(cfg, dtype).values()) * np.dtype(
             _np_dtype(dtype)).itemsize // tp
-        _refuse_if_weights_overflow(name, topology, tp, chip, weights, config)
-        activations = 0
+    if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
+        raise ValueError(f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "
+                         f"{weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
+                         f"larger chip")
+    activations = 0
+    if compile and not config.num_pages:  # the largest step's temporaries, to size the pool from what is left
+        largest = max((s for s in probe.warmup_shapes() if not s[2]), key=lambda s: s[:2])
+        activations = _compile(probe, [largest])[0].temp_bytes
     budget = int(chip.hbm_bytes * config.kv_cache_memory_fraction) - weights - activations
     num_pages = config.num_pages or max(budget // page_bytes, 0)
     result = Plan(name, topology, chip, tp, dtype, weights, page_bytes, num_pages, config.page_size, activations,
@@ -293,27 +293,6 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
     return dataclasses.replace(result, variants=tuple(compiled), activation_bytes_per_chip=activations)
 
 
-def _refuse_if_weights_overflow(name, topology, tp, chip, weights, config) -> None:
-    if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
-        raise ValueError(f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "
-                         f"{weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
-                         f"larger chip")
-
-
-def _compile(runner, shapes) -> list[Variant]:
-    """Compiles the runner's step for each (tokens, pages, decode_only) on its abstract arguments."""
-    out = []
-    rep = runner.replicated
-
-    def abstract(x):
-        if isinstance(x, np.ndarray | np.generic):
-            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep)
-        return x
-
-    with no_persistent_cache():
-        return _compile_each(runner, shapes, abstract, out)
-
-
 @contextlib.contextmanager
 def no_persistent_cache():
     """Compiles for a topology without touching JAX's persistent cache: this process has no client for that
@@ -330,13 +309,14 @@ def no_persistent_cache():
         compilation_cache.reset_cache()
 
 
-def _compile_each(runner, shapes, abstract, out: list) -> list[Variant]:
-    with jax.set_mesh(runner.mesh):
+def _compile(runner, shapes) -> list[Variant]:
+    """Compiles the runner's step for each (tokens, pages, decode_only) on abstract arguments, for its mesh."""
+    out = []
+    with no_persistent_cache(), jax.set_mesh(runner.mesh):
         for tokens, pages, decode_only in shapes:
-            args = jax.tree.map(abstract, runner._example_args(tokens, pages))
             t0 = time.perf_counter()
             try:
-                exe = runner._step_fn(decode_only).lower(*args).compile()
+                exe = runner.lower_step(tokens, pages, decode_only).compile()
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise

@@ -193,11 +193,11 @@ class ModelRunner:
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         if jax.process_count() > 1:  # every process must allocate the same pool: the smallest any can hold
             self.num_pages = int(np.min(multihost_utils.process_allgather(np.int32(self.num_pages))))
-        shape = (model_cfg.num_layers, self.num_pages, self.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        shape = self._pool_shape(self.num_pages)
         if self.abstract:
             self.k_cache = self.v_cache = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.kv_sharding)
         else:
-            zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_format)
+            zeros = self._pool_zeros(self.num_pages)
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
         self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
         self.max_seqs = _pow2_at_least(sched_cfg.max_num_seqs)
@@ -228,14 +228,20 @@ class ModelRunner:
         c = self.cfg
         return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
 
+    def _pool_shape(self, num_pages: int) -> tuple[int, ...]:
+        c = self.cfg
+        return c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.head_dim
+
+    def _pool_zeros(self, num_pages: int):
+        """A jitted allocation of one (K or V) pool, split over KV heads and laid out row-major."""
+        return jax.jit(lambda: jnp.zeros(self._pool_shape(num_pages), self.kv_dtype), out_shardings=self.kv_format)
+
     def device_page_bytes(self) -> int:
         """What one page of the K and V pools takes on each device, as the compiler lays it out: a TPU pads the
         pool's two minor dims (KV heads per device, head_dim) to its tiles, e.g. one bfloat16 KV head to two."""
         pages = 64
-        shape = (self.cfg.num_layers, pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        alloc = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_format)
         with jax.set_mesh(self.mesh):  # a topology's devices (jaxserve.aot) compile inside their mesh
-            out = alloc.lower().compile().memory_analysis().output_size_in_bytes
+            out = self._pool_zeros(pages).lower().compile().memory_analysis().output_size_in_bytes
         return -(-2 * out // pages)
 
     def _pages_from_memory(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> int:
@@ -418,9 +424,9 @@ class ModelRunner:
         return result
 
     def _launch(self, copy: list[tuple] | None, step: tuple | None):
-        """Runs a step's page copies (``[(src, dst), ...]``, see ``_copy_chunks``) and its step (``(decode_only, *packed inputs)``); returns the
-        step's (sampler output, prompt logprobs) as device arrays. Under several processes, process 0 first
-        publishes both, and the others run the same (``follow``)."""
+        """Runs a step's page copies (``[(src, dst), ...]``, see ``_copy_chunks``) and its step (``(decode_only,
+        *packed inputs)``); returns the step's (sampler output, prompt logprobs) as device arrays. Under several
+        processes, process 0 first publishes both, and the others run the same (``follow``)."""
         if copy is None and step is None:
             return None
         if self.channel is not None and self.channel.leader:
@@ -515,8 +521,14 @@ class ModelRunner:
                 np.zeros(sb, np.int32), meta, _no_targets(tokens))
 
     def lower_step(self, tokens: int, pages: int, decode_only: bool = False):
-        """The step of one bucket, lowered (``.compile().as_text()`` is the partitioned HLO); runs nothing."""
-        return self._step_fn(decode_only).lower(*self._example_args(tokens, pages))
+        """The step of one bucket lowered on abstract arguments (``.compile()`` then gives the partitioned HLO and
+        what a device needs); runs nothing, and works for a topology's devices too (jaxserve.aot)."""
+        def abstract(x):
+            if isinstance(x, np.ndarray | np.generic):
+                return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self.replicated)
+            return x
+
+        return self._step_fn(decode_only).lower(*jax.tree.map(abstract, self._example_args(tokens, pages)))
 
 
 def _no_targets(tokens: int) -> np.ndarray:

@@ -120,21 +120,20 @@ def params_from_hf_tensors(
 
 
 class _DeviceParams:
-    """Stacked parameters allocated on their devices and filled tensor by tensor (``params[name][layer] = x``
-    and ``params[name][...] = x``, as on numpy arrays)."""
+    """Stacked parameters filled tensor by tensor on their devices (``params[name][layer] = x`` and
+    ``params[name][...] = x``, as on numpy arrays). A stacked array is allocated at its first layer; a whole
+    tensor is placed as it comes, so nothing is allocated twice."""
 
     def __init__(self, shapes: dict, dtype, shardings: dict):
         import jax
-        import jax.numpy as jnp
 
-        self.shardings = shardings
-        self.arrays = {name: jax.jit(lambda s=shape: jnp.zeros(s, dtype), out_shardings=shardings[name])()
-                       for name, shape in shapes.items()}
+        self.shapes, self.dtype, self.shardings = shapes, dtype, shardings
+        self.arrays: dict = {}
         self._write = jax.jit(lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0),
                               donate_argnums=0)  # in place: the stacked array is never copied
 
     def __contains__(self, name) -> bool:
-        return name in self.arrays
+        return name in self.shapes
 
     def __getitem__(self, name):
         return _DeviceSlot(self, name)
@@ -146,6 +145,7 @@ class _DeviceSlot:
 
     def __setitem__(self, index, array: np.ndarray) -> None:
         import jax
+        import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
 
         p, name = self.params, self.name
@@ -153,6 +153,8 @@ class _DeviceSlot:
         if index is Ellipsis:
             p.arrays[name] = jax.device_put(array, sharding)
             return
+        if name not in p.arrays:
+            p.arrays[name] = jax.jit(lambda: jnp.zeros(p.shapes[name], p.dtype), out_shardings=sharding)()
         layer_sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))  # the layer axis is whole
         p.arrays[name] = p._write(p.arrays[name], jax.device_put(array, layer_sharding), index)
 
