@@ -355,9 +355,10 @@ class EngineConfig:
                                        flag="--no-compilation-cache", action="store_false")
 
     def __post_init__(self):
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in ("dtype", "kv_cache_dtype", "matmul_dtype", "policy", "attention_impl"):
             value, choices = getattr(self, name), self._meta(name)["choices"]
-            if value not in choices and not (value is None and name != "policy" and name != "attention_impl"):
+            if value not in choices and not (value is None and defaults[name] is None):  # None: where it is the default
                 raise ValueError(f"EngineConfig.{name} must be one of {', '.join(choices)}, got {value!r}")
         _positive(self, "page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                   "data_parallel_size")
