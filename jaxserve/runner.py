@@ -276,7 +276,8 @@ class ModelRunner:
             raise ValueError(f"not enough memory for a KV cache: {budget} bytes hold {pages} pages of {page_bytes} "
                              f"bytes ({available} bytes available); set num_pages or kv_cache_memory")
         if budget > available:
-            logger.warning("kv_cache_memory=%r asks for %d bytes but only %d are available", explicit, budget, available)
+            logger.warning("kv_cache_memory=%r asks for %d bytes but only %d are available", explicit, budget,
+                           available)
         logger.info("KV pool: %d pages of %d tokens = %d tokens, %.2f GiB (%.2f GiB available, kv_cache_memory=%r)",
                     pages, self.page_size, pages * self.page_size, pages * page_bytes / 2**30, available / 2**30,
                     explicit)

@@ -93,7 +93,8 @@ def test_two_processes_generate_like_one(tiny_ckpt, reference, tmp_path):
 def _serve_cmd(tiny_ckpt, port):
     def make(coordinator, i):
         return [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_ckpt), "--port", str(port),
-                "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i), "--served-model-name", "tiny",
+                "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),
+                "--served-model-name", "tiny",
                 "--tensor-parallel-size", "4", "--no-warmup", "--num-pages", "64", "--max-num-seqs", "8",
                 "--max-model-len", "256", "--max-num-batched-tokens", "64"]
     return make

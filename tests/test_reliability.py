@@ -305,6 +305,7 @@ def test_engine_pool_from_kv_cache_memory(default_loaded):
     llm = LLM(default_loaded, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, kv_cache_memory=64 << 20)
     runner = llm.engine.runner
     assert runner.num_pages == (64 << 20) // runner._page_bytes()
-    assert runner.k_cache.shape[1] == runner.num_pages and llm.engine.scheduler.block_manager.num_pages == runner.num_pages
+    assert runner.k_cache.shape[1] == runner.num_pages
+    assert llm.engine.scheduler.block_manager.num_pages == runner.num_pages
     out = llm.generate(["Hello"], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 6
