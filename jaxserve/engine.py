@@ -29,6 +29,7 @@ from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.sharding import check_parallelism, checkpoint_shardings, kv_heads_for, make_mesh
+from jaxserve.structured import Matcher, StructuredOutputs
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -67,6 +68,7 @@ class _Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+    matcher: Matcher | None = None  # structured outputs: where the sequence is in its grammar
 
 
 @dataclasses.dataclass
@@ -136,6 +138,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = load_tokenizer(loaded.tokenizer_path)
+        self.structured = StructuredOutputs(self.tokenizer.to_json(), loaded.config.vocab_size, self.eos_token_ids)
         max_model_len = config.max_model_len or min(loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > loaded.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -309,6 +312,12 @@ class LLMEngine:
             raise ValueError(f"{where}: the prompt has {len(prompt_ids)} tokens, which leaves no room "
                              f"to generate within max_model_len={max_len}")
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(prompt_ids)
+        so = params.structured_outputs
+        if so is not None:
+            try:
+                self.structured.compile(so)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         tracked = _Tracked(request_id, prompt_text, prompt_ids, params, [], [])
         for i in range(params.n):
@@ -317,7 +326,8 @@ class LLMEngine:
             req = Request(ids[i + 1] if params.n > 1 else request_id, prompt_ids, child_params, self.eos_token_ids,
                           arrival_time, int(priority))
             seq = _Sequence(i, req, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
-                            logprobs=[] if params.logprobs is not None else None)
+                            logprobs=[] if params.logprobs is not None else None,
+                            matcher=None if so is None else self.structured.matcher(so))
             tracked.seqs.append(seq)
         taken.update(ids)
         return tracked
@@ -382,7 +392,7 @@ class LLMEngine:
         scheduler, runner = replica.scheduler, replica.runner
         sched = scheduler.schedule()
         try:
-            result = runner.execute(sched)
+            result = runner.execute(sched, self._token_masks(sched))
         except Exception as e:
             if runner.k_cache.is_deleted():  # the pool was donated to the failed step: nothing can go on
                 raise
@@ -421,6 +431,18 @@ class LLMEngine:
             raise StepFailed(sorted(errors), outputs, next(iter(errors.values())))
         return outputs
 
+    def _token_masks(self, sched) -> dict[str, np.ndarray] | None:
+        """Structured outputs: the allowed next tokens of every sampling sequence under a grammar (packed rows)."""
+        constrained = []
+        for s in sched.scheduled:
+            owner = self._seq_owner.get(s.req_id) if s.sample else None
+            if owner is not None and owner[1].matcher is not None:
+                constrained.append((s.req_id, owner[1].matcher))
+        if not constrained:
+            return None
+        rows = self.structured.fill_bitmask([m for _, m in constrained])
+        return {rid: row for (rid, _), row in zip(constrained, rows)}
+
     def _abort_failed(self, request_ids) -> None:
         for rid in request_ids:
             self.abort_request(rid)
@@ -443,6 +465,11 @@ class LLMEngine:
         if stopped_by_token:
             seq.stop_reason = tok.token_id if tok.token_id in (params.stop_token_ids or ()) else None
             return  # the stop token's text is not part of the output
+        if seq.matcher is not None:
+            seq.matcher.advance(tok.token_id)
+            if seq.matcher.done and not req.is_finished:  # the grammar is complete: nothing more may follow
+                tracked.replica.scheduler.finish_request(req.request_id, "stop")
+                req.status = RequestStatus.FINISHED_STOPPED
         seq.text += seq.detok.add(tok.token_id)
         if req.is_finished:
             seq.text += seq.detok.flush()

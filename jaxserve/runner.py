@@ -44,6 +44,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import (KV_POOL_SPEC, VOCAB_SPEC, kv_heads_for, make_mesh, param_shardings, replicate_kv_heads,
                                shard_kernels)
+from jaxserve.structured import bitmask_width
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
 _CPU_KV_AVAILABLE_SHARE = 0.25  # ... and to at most this share of the memory available at startup
@@ -375,9 +376,15 @@ class ModelRunner:
         return tokens, batch, logits_indices
 
     # ------------------------------------------------------------------ execution
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, token_masks: dict[str, np.ndarray] | None = None) -> RunnerOutput:
         """Runs one step: the sampled token of every scheduled request whose chunk asks for one, and the prompt
-        logprobs this step computed."""
+        logprobs this step computed.
+
+        Args:
+            sched: the scheduler's decisions.
+            token_masks: structured outputs: request id -> packed allowed-token row ([W] int32, see
+                ``jaxserve.structured``) for the sampling requests under a grammar; the others are unconstrained.
+        """
         self.update_states(sched)
         copy = self._copy_chunks(sched.copy_ops)
         if not sched.scheduled:
@@ -389,9 +396,16 @@ class ModelRunner:
         self.num_steps += 1
         reqs = [self._requests[s.req_id] for s in sched.scheduled]
         params = [r.params for r in reqs]
+        mask = None
+        if token_masks:
+            mask = np.full((len(reqs), self.token_mask_width), -1, np.int32)
+            for i, s in enumerate(sched.scheduled):
+                row = token_masks.get(s.req_id)
+                if row is not None:
+                    mask[i] = row
         meta = self._sampling_metadata(
             params, steps=[r.num_output_tokens for r in reqs], prompt_ids=[r.prompt_token_ids for r in reqs],
-            output_ids=[r.output_token_ids for r in reqs], pad_to=len(logits_indices))
+            output_ids=[r.output_token_ids for r in reqs], pad_to=len(logits_indices), token_mask=mask)
         want_plp = [p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
                     for p, s, r in zip(params, sched.scheduled, reqs)]
         # -1: no position has a target, and the step skips the prompt logprobs.
@@ -479,7 +493,13 @@ class ModelRunner:
         """The batch's sampler arrays at the fixed widths every step uses (bias entries, token history)."""
         return SamplingMetadata.from_params(
             params, eos_token_ids=self.cfg.eos_token_ids, bias_width=bias_width(len(self.cfg.eos_token_ids)),
-            history_width=self.page_buckets[-1] * self.page_size, **kwargs)  # >= max_model_len
+            history_width=self.page_buckets[-1] * self.page_size,  # >= max_model_len
+            token_mask_width=self.token_mask_width, **kwargs)
+
+    @property
+    def token_mask_width(self) -> int:
+        """Words of a packed allowed-token row: every step carries [rows, this] (all ones when unconstrained)."""
+        return bitmask_width(self.cfg.vocab_size)
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
         """(token bucket, page bucket, decode_only) of every step variant traffic can need."""

@@ -6,7 +6,7 @@ mix of temperatures, top-k/top-p/min-p, penalties, biases, logprobs and seeds at
 asks for fixed widths (bias entries and token history), so no request parameter can change a shape and
 trigger a compile after warm-up; without them the widths are bucketed to what the batch needs.
 
-The order follows vLLM v1: logit bias (and the ``min_tokens`` ban on stop tokens), penalties, then
+The order follows vLLM v1: the structured-output token mask, logit bias (and the ``min_tokens`` ban on stop tokens), penalties, then
 temperature, min-p, top-k, top-p and a Gumbel-max draw; greedy rows (temperature < 1e-5) take the argmax of
 the biased and penalized logits. Returned logprobs are those of the raw model logits (vLLM's default
 ``raw_logprobs``). Each row draws with ``fold_in(key(seed), step)``, so a seeded request gets the same tokens
@@ -80,6 +80,9 @@ class SamplingMetadata:
     # penalty); the first num_prompt[i] entries of row i are prompt tokens.
     history: jax.Array
     num_prompt: jax.Array  # [B] int32
+    # [B, W] int32 packed allowed tokens (bit t % 32 of word t // 32; tokens past 32 W are allowed): structured
+    # outputs' grammar masks. All ones (-1) = no constraint; the unpacking runs only when some row has one.
+    token_mask: jax.Array
 
     @classmethod
     def from_params(
@@ -96,6 +99,8 @@ class SamplingMetadata:
         min_bias: int = 4,
         history_width: int | None = None,
         bias_width: int | None = None,
+        token_mask: np.ndarray | None = None,
+        token_mask_width: int = 1,
     ) -> SamplingMetadata:
         """Pack a batch of requests into padded numpy-backed arrays of bucketed or fixed shapes.
 
@@ -113,6 +118,9 @@ class SamplingMetadata:
             min_history, min_bias: smallest buckets of the history and bias widths (powers of two).
             history_width, bias_width: fixed widths instead of buckets (the runner's: every step then has the
                 same shapes). A batch that needs no history or bias gets shared constant arrays.
+            token_mask: [len(params) or pad_to, W] int32 packed allowed-token masks (see ``token_mask``); rows
+                past it are unconstrained. None: no row is constrained (a shared constant [B, token_mask_width]
+                of ones).
 
         Raises:
             ValueError: ``pad_to`` is smaller than the batch, a per-row list has the wrong length, or a row
@@ -175,10 +183,17 @@ class SamplingMetadata:
         else:
             history = _constant((b, h), "int32", PAD_ID)
 
+        if token_mask is None:
+            mask = _constant((b, token_mask_width), "int32", -1)
+        else:
+            if token_mask.ndim != 2 or token_mask.shape[0] > b:
+                raise ValueError(f"token_mask must be [rows <= {b}, W], got shape {token_mask.shape}")
+            mask = np.full((b, token_mask.shape[1]), -1, np.int32)
+            mask[: len(token_mask)] = token_mask
         return cls(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq, seed=seed, step=step, num_logprobs=num_logprobs,
-            bias_ids=bias_ids, bias_values=bias_values, history=history, num_prompt=num_prompt,
+            bias_ids=bias_ids, bias_values=bias_values, history=history, num_prompt=num_prompt, token_mask=mask,
         )  # fmt: skip
 
 
@@ -248,10 +263,22 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     return jax.lax.cond(jnp.all(off), lambda x: x, apply, logits)
 
 
+def _apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """-inf on every token whose bit in the packed [B, W] mask is 0 (tokens past 32 W stay)."""
+    b, v = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(b, -1)[:, :v] != 0  # [B, min(32 W, V)]
+    if allowed.shape[1] < v:
+        allowed = jnp.pad(allowed, ((0, 0), (0, v - allowed.shape[1])), constant_values=True)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
     """Logits to draw from, and the greedy mask. Greedy rows get the biased, penalized logits unfiltered."""
     b, v = logits.shape
     logits = logits.astype(jnp.float32)
+    constrained = jnp.any(meta.token_mask != -1)  # structured outputs: only then is the mask unpacked
+    logits = jax.lax.cond(constrained, _apply_token_mask, lambda x, _: x, logits, meta.token_mask)
     rows = jnp.arange(b)[:, None]
     biased = jnp.any(meta.bias_values != 0.0)  # a scatter over [B, V] only when some row has a bias
     logits = jax.lax.cond(biased, lambda x: x.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop"),

@@ -6,6 +6,7 @@ Plain Python (no jax), so the scheduler side can read a request's parameters wit
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
 from collections.abc import Sequence
 
@@ -29,6 +30,69 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and np.isfinite(float(x))
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's ``StructuredOutputsParams``); set exactly one of:
+
+    Args:
+        json: a JSON schema (a dict, or its JSON text); the output is one JSON value valid under it.
+        regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+        choice: a list of strings; the output is exactly one of them.
+        grammar: a context-free grammar: Lark (llguidance's dialect, ``start: ...``) or GBNF/EBNF
+            (llama.cpp's, ``root ::= ...``).
+        json_object: True: the output is any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+        disable_any_whitespace: JSON without optional whitespace (compact); default: one space after ``:`` and
+            ``,`` and no other free whitespace, so a model cannot spin in whitespace forever.
+
+    The grammar itself is checked when the engine compiles it (``LLMEngine.add_request``): a schema, regex or
+    grammar it cannot compile is a ValueError naming ``structured_outputs.<kind>``.
+
+    Raises:
+        ValueError: none or several kinds set, or a value of the wrong type.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        def fail(name: str, why: str):
+            got = repr(getattr(self, name))
+            raise ValueError(f"structured_outputs.{name} {why}, got {got if len(got) <= 200 else got[:200] + '...'}")
+
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {', '.join(set_kinds) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            fail("json", "must be a JSON schema (a dict or its JSON text)")
+        if isinstance(self.json, dict):  # frozen and hashable: keep the schema as JSON text
+            object.__setattr__(self, "json", json.dumps(self.json))  # property order kept: it is the output order
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            fail("regex", "must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                fail("choice", "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            fail("grammar", "must be a non-empty grammar text (Lark or GBNF)")
+        if self.json_object not in (None, True):
+            fail("json_object", "must be True or None")
+        if not isinstance(self.disable_any_whitespace, bool):
+            fail("disable_any_whitespace", "must be a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +127,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self):
         def fail(name: str, why: str):
@@ -108,6 +173,15 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             fail("stop", "must be a non-empty string, a list of them, or None")
         object.__setattr__(self, "stop", list(stop))
+
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            unknown = sorted(set(so) - {f.name for f in dataclasses.fields(StructuredOutputsParams)})
+            if unknown:
+                fail("structured_outputs", f"has unknown keys {unknown}")
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams, a dict of its fields, or None")
 
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):

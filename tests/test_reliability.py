@@ -68,7 +68,9 @@ def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog)
                dict(prompt_logprobs=20, logprobs=5, seed=11), dict(presence_penalty=0.5, frequency_penalty=-0.5),
                dict(top_k=5, top_p=0.9, min_p=0.1, seed=7), dict(temperature=0.0, stop=["e", "a"]),
                dict(min_tokens=2, stop_token_ids=list(range(256))), dict(n=3, temperature=0.8),
-               dict(seed=-(2**63)), dict(temperature=0.0, top_k=2**31 - 1)]
+               dict(seed=-(2**63)), dict(temperature=0.0, top_k=2**31 - 1),
+               dict(structured_outputs={"regex": "[a-z]+ [0-9]"}),
+               dict(n=2, structured_outputs={"json": {"type": "object"}})]
     for o in options:
         prompts.append(_text(rng, rng.randint(1, 60)))
         params.append(SamplingParams(max_tokens=4, **o))
@@ -220,7 +222,7 @@ def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
     engine.add_requests([(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[2:], 2)])
     real = engine.runner.execute
 
-    def broken(sched):
+    def broken(sched, token_masks=None):
         raise RuntimeError("device fault")
 
     monkeypatch.setattr(engine.runner, "execute", broken)
