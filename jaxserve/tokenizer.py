@@ -133,6 +133,10 @@ class Tokenizer:
             return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
+    def to_json(self) -> str:
+        """The tokenizer as HF ``tokenizer.json`` text (what grammar engines load)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
 
@@ -142,6 +146,11 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         """Whether ``decode(..., skip_special_tokens=True)`` leaves this id out."""
         return int(token_id) in self._special_ids
+
+    @property
+    def added_tokens(self) -> dict[int, tokenizers.AddedToken]:
+        """The tokens added to the vocabulary (special or not), by id, as HF's ``added_tokens_decoder``."""
+        return dict(self._backend.get_added_tokens_decoder())
 
     @property
     def special_tokens(self) -> dict[str, str]:
