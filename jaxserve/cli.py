@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 
 def add_model_args(p: argparse.ArgumentParser, **defaults) -> None:
@@ -30,6 +31,31 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="constrain the output to JSON valid under this schema (JSON text, or @file.json)")
+    g.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    g.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
+    g.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    g.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                   help="constrain the output to a Lark or GBNF grammar (text, or @file)")
+
+
+def _structured_outputs(args) -> dict | None:
+    def text(value: str) -> str:
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+
+    if args.json_schema is not None:
+        return {"json": text(args.json_schema)}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    if args.grammar is not None:
+        return {"grammar": text(args.grammar)}
+    return None
 
 
 def _sampling_params(args):
@@ -37,7 +63,7 @@ def _sampling_params(args):
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=args.stop)
+                          seed=args.seed, stop=args.stop, structured_outputs=_structured_outputs(args))
 
 
 def _engine(args):

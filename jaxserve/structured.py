@@ -62,6 +62,7 @@ class StructuredOutputs:
         self._cache: OrderedDict[str, object] = OrderedDict()
         self.num_compiled = 0  # grammars compiled (cache misses)
         self.compile_seconds = 0.0
+        self.fill_seconds = 0.0  # filling bitmasks (host time on the step's path)
 
     @functools.cached_property
     def _tokenizer(self):
@@ -129,6 +130,7 @@ class StructuredOutputs:
 
     def fill_bitmask(self, matchers: Sequence[Matcher]) -> np.ndarray:
         """[len(matchers), bitmask_width(vocab)] int32: each matcher's allowed next tokens, filled in parallel."""
+        t0 = time.perf_counter()
         out = np.full((len(matchers), bitmask_width(self.vocab_size)), -1, np.int32)
         if len(matchers) == 1:
             row = out[0]
@@ -136,6 +138,7 @@ class StructuredOutputs:
         elif matchers:
             _llguidance().numpy.fill_next_token_bitmask_par(
                 self._executor, [(m.inner, i) for i, m in enumerate(matchers)], out)
+        self.fill_seconds += time.perf_counter() - t0
         return out
 
 

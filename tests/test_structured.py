@@ -260,3 +260,24 @@ def test_mask_unpacking_compiles_once():
     mask = np.array([[1, 0], [-1, -1]], np.int32)
     sample(logits, SamplingMetadata.from_params(p, token_mask=mask), max_logprobs=0)
     assert sample._cache_size() == 1
+
+
+@pytest.mark.slow
+def test_cli_constrains_and_names_a_bad_regex(capsys):
+    from jaxserve.cli import main
+
+    common = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--num-pages", "64"]
+    assert main(["generate", "A product code:", "--regex", r"[A-Z]{3}-[0-9]{4}", "--max-tokens", "12"] + common) == 0
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}\n", capsys.readouterr().out)
+    assert main(["generate", "x", "--regex", "a(b"] + common) == 2
+    assert "structured_outputs.regex" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tensor_parallel_constrained_equals_one_device(default_loaded, llm):
+    prompts = [_chat(llm, p) for p in PROMPTS[:4]]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"json": s}) for s in SCHEMAS[:4]]
+    one = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    tp = LLM(default_loaded, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, num_pages=200,
+             tensor_parallel_size=3)  # 9 attention heads, 3 KV heads
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == one

@@ -185,6 +185,12 @@ class AsyncEngine:
         if self._num_waiting >= self.max_waiting:
             raise ServerBusyError(f"{self._num_waiting} requests are already waiting (limit {self.max_waiting}); "
                                   "retry later")
+        structured = getattr(self.engine, "structured", None)
+        if params.structured_outputs is not None and structured is not None:
+            # Compile the grammar here, in a worker thread (cached by the engine), so the engine thread, which
+            # compiles it again when it admits the request, finds it ready and the steps do not wait for it. A
+            # grammar that does not compile is a ValueError (400) before anything is queued.
+            await asyncio.get_running_loop().run_in_executor(None, structured.compile, params.structured_outputs)
         ids = [rid for rid, _ in items]
         in_use = next((rid for k, rid in enumerate(ids) if rid in self._streams or rid in ids[:k]), None)
         if in_use is not None:
