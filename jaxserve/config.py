@@ -326,6 +326,10 @@ class EngineConfig:
     matmul_dtype: str | None = _setting(
         None, "bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation (about 2x "
               "faster on the CPU; default: exact, in --dtype)", choices=_DTYPES)
+    quantization: str | None = _setting(
+        None, "quantize the weights on load: int8 (per output channel), int4 (groups of 128, with min), w8a8 (int8 "
+              "weights and per-token int8 activations), fp8 (e4m3; GPUs/TPUs with fp8)",
+        choices=("int8", "int4", "w8a8", "fp8"))
     kv_cache_dtype: str | None = _setting(
         None, "the KV page pool's dtype (default: --dtype's); bfloat16 halves the memory attention reads",
         choices=_DTYPES)
@@ -356,7 +360,7 @@ class EngineConfig:
 
     def __post_init__(self):
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in ("dtype", "kv_cache_dtype", "matmul_dtype", "policy", "attention_impl"):
+        for name in ("dtype", "kv_cache_dtype", "matmul_dtype", "quantization", "policy", "attention_impl"):
             value, choices = getattr(self, name), self._meta(name)["choices"]
             if value not in choices and not (value is None and defaults[name] is None):  # None: where it is the default
                 raise ValueError(f"EngineConfig.{name} must be one of {', '.join(choices)}, got {value!r}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxserve import quant
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import StepChannel, multi_process
@@ -129,6 +130,11 @@ class LLMEngine:
         if config.matmul_dtype not in (None, dtype, "bfloat16"):
             raise ValueError(f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', "
                              f"got {config.matmul_dtype!r}")
+        if config.quantization is not None:
+            if config.matmul_dtype not in (None, dtype):
+                raise ValueError(f"matmul_dtype={config.matmul_dtype!r} copies float weights; it cannot be combined "
+                                 f"with quantization={config.quantization!r}")
+            quant.check_backend(config.quantization)
         if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
             kv_heads_for(model.config, tp)
             loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
@@ -147,7 +153,7 @@ class LLMEngine:
         self.replicas: list[Replica] = []
         for mesh in meshes:
             runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,
-                                 config.attention_impl, config.matmul_dtype, mesh)
+                                 config.attention_impl, config.matmul_dtype, mesh, quantization=config.quantization)
             block_manager = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
             self.replicas.append(Replica(runner, Scheduler(self.scheduler_config, block_manager)))
         if multi_process():

@@ -34,7 +34,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import kernels
+from jaxserve import kernels, quant
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kernels import cpu_ffi
@@ -154,11 +154,13 @@ class ModelRunner:
         matmul_dtype: str | None = None,
         mesh: Mesh | None = None,
         platform: str | None = None,
+        quantization: str | None = None,
     ):
         self.mesh = mesh or make_mesh(1)
         self.platform = platform  # None: the one JAX runs on; "tpu" / "gpu": compile for it (jaxserve.aot)
         # ShapeDtypeStruct params (jaxserve.aot): nothing is allocated; the state and the pool are abstract too.
-        self.abstract = isinstance(params["embed"], jax.ShapeDtypeStruct)
+        self.abstract = isinstance(params["final_norm"], jax.ShapeDtypeStruct)
+        dtype = params["final_norm"].dtype  # the float weights' (a quantized model's norms stay float)
         self.channel = None  # under several processes: the StepChannel to the other processes (set by the engine)
         self.tensor_parallel_size = self.mesh.shape["model"]
         # Fewer KV heads than devices: each is repeated so that every device holds one (cfg says how many now).
@@ -173,18 +175,23 @@ class ModelRunner:
         self.kv_format = Format(Layout(tuple(range(5))), self.kv_sharding)
         schema = param_schema(model_cfg)
         self.param_shardings = param_shardings(schema, self.mesh)
-        # Tensor by tensor, each device receiving only its shard.
-        placed = {name: _place(value, self.param_shardings[name]) for name, value in params.items()}
+        # Tensor by tensor, each device receiving only its shard (every leaf of a quantized one alike).
+        placed = {name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, s), value)
+                  for name, value in params.items()}
+        if quantization is not None:
+            quant.check_backend(quantization, platform)
+            placed = self._quantize(placed, schema, quantization)
+        self.quantization = quantization
         self.graphdef, self.state = model_from_params(model_cfg, placed)
         self.matmul_weights = None
-        if matmul_dtype is not None and jnp.dtype(matmul_dtype) != params["embed"].dtype:
+        if matmul_dtype is not None and jnp.dtype(matmul_dtype) != dtype:
             make = lambda s: nnx.merge(self.graphdef, s).matmul_weights()  # noqa: E731
             shapes = {n: a.shape for n, a in jax.eval_shape(make, self.state).items()}  # packed: last dim halved
             axes = {n: schema[n] for n in Llama.MATMUL_PARAMS} | {"output": ParamSpec(shapes["output"], OUTPUT_AXES)}
             mm_shardings = param_shardings(axes, self.mesh, shapes=shapes)
             self.matmul_weights = (jax.tree.map(_place, jax.eval_shape(make, self.state), mm_shardings)
                                    if self.abstract else jax.jit(make, out_shardings=mm_shardings)(self.state))
-        self.kv_dtype = jnp.dtype(cache_cfg.dtype or params["embed"].dtype)  # default: the weights' dtype
+        self.kv_dtype = jnp.dtype(cache_cfg.dtype or dtype)  # default: the weights' dtype
         cpp = attention_impl in ("auto", "xla") and cpu_ffi.serves(self.kv_dtype) and cpu_ffi.available()
         on_cpu = (platform or jax.default_backend()) == "cpu"
         if self.kv_dtype != jnp.float32 and on_cpu and attention_impl != "pallas" and not cpp:
@@ -215,6 +222,31 @@ class ModelRunner:
         self._free_rows = list(range(len(self.page_table) - 1, -1, -1))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1), in_shardings=(self.kv_format,) * 2 + (None,) * 2,
                              out_shardings=(self.kv_format,) * 2)
+
+    def _quantize(self, params: dict, schema: dict, mode: str) -> dict:
+        """The float weights of ``jaxserve.quant.QUANTIZED_PARAMS`` quantized on their devices, one at a time, each
+        leaf sharded as its weight (int4 groups never straddle a shard: the group divides each device's part)."""
+        out = dict(params)
+        tp = self.tensor_parallel_size
+        for name in quant.QUANTIZED_PARAMS:
+            w = params.get(name)
+            if w is None or quant.is_quantized(w):
+                continue
+            sharding = self.param_shardings[name]
+            axis = quant.weight_axis(name)
+            n = w.shape[axis]
+            split = sharding.spec[len(w.shape) + axis] if len(sharding.spec) > len(w.shape) + axis else None
+            try:
+                group = quant.pick_group(n // tp if split else n, quant.INT4_GROUP) if mode == "int4" else None
+            except ValueError as e:
+                raise ValueError(f"quantization={mode!r} of {name!r} under tensor_parallel_size={tp}: {e}") from None
+            fn = jax.jit(lambda x, a=axis, g=group: quant.quantize(x, mode, axis=a, group=g), out_shardings=sharding)
+            if self.abstract:
+                out[name] = jax.tree.map(lambda x, s=sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                         jax.eval_shape(fn, w))
+            else:
+                out[name] = fn(w)
+        return out
 
     def reset_timers(self) -> None:
         self.num_tokens_computed = 0  # real (unpadded) tokens run through the model

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve import quant
 from jaxserve.config import ModelConfig
 
 
@@ -91,12 +92,15 @@ def pack_bf16(w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint32)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w in w's dtype (uint32: bfloat16 pairs from :func:`pack_bf16`), accumulated in x's dtype.
+def matmul(x: jax.Array, w: jax.Array | quant.QArray) -> jax.Array:
+    """x @ w in w's dtype (uint32: bfloat16 pairs from :func:`pack_bf16`; a ``QArray``: quantized, see
+    ``jaxserve.quant.matmul``), accumulated in x's dtype.
 
     With float32 activations and bfloat16 weights (``matmul_dtype="bfloat16"`` on the CPU) the product runs
     on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more.
     """
+    if isinstance(w, quant.QArray):
+        return quant.matmul(x, w)
     if w.dtype == jnp.uint32:
         w = jax.lax.bitcast_convert_type(w, jnp.bfloat16).reshape(*w.shape[:-1], 2 * w.shape[-1])
     if w.dtype == x.dtype:
@@ -183,7 +187,12 @@ class Llama(nnx.Module):
 
         Keys: :attr:`MATMUL_PARAMS` (stacked over layers, packed by :func:`pack_bf16`) and "output", the [D, V]
         output projection.
+
+        Raises:
+            ValueError: the weights are quantized (they are not copied to bfloat16).
         """
+        if any(isinstance(getattr(self, n).get_value(), quant.QArray) for n in (*self.MATMUL_PARAMS, "embed")):
+            raise ValueError("matmul_dtype='bfloat16' copies float weights; it cannot be combined with quantization")
         out = {n: pack_bf16(getattr(self, n)[...]) for n in self.MATMUL_PARAMS}
         # Outside the scan no slice is copied, and unpacking the [D, V] matrix would copy it every step.
         out["output"] = (self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]).astype(jnp.bfloat16)
@@ -210,11 +219,15 @@ class Llama(nnx.Module):
         eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
         inv_freq = rope_inv_freq(cfg)
 
-        x = self.embed[...][tokens]  # [T, D]
+        embed = self.embed.get_value()
+        if isinstance(embed, quant.QArray):  # dequantized rows, in the dtype of the rest of the model
+            x = quant.take(embed, tokens, self.final_norm[...].dtype)  # [T, D]
+        else:
+            x = embed[tokens]  # [T, D]
         if cfg.scale_embeddings:
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
 
-        layer_params = {n: getattr(self, n)[...] for n in self._LAYER_PARAMS if hasattr(self, n)}
+        layer_params = {n: getattr(self, n).get_value() for n in self._LAYER_PARAMS if hasattr(self, n)}
         if matmul_weights is not None and T >= MATMUL_WEIGHTS_MIN_ROWS:
             layer_params.update({n: matmul_weights[n] for n in self.MATMUL_PARAMS})
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
@@ -255,8 +268,11 @@ class Llama(nnx.Module):
         """[..., D] -> [..., V] float32 logits (with Gemma-2's final soft cap)."""
         if matmul_weights is not None and math.prod(hidden.shape[:-1]) >= MATMUL_WEIGHTS_MIN_ROWS:
             w = matmul_weights["output"]
+        elif self.cfg.tie_word_embeddings:
+            w = self.embed.get_value()  # quantized: [V, D] grouped along D, and matmul transposes it
+            w = w if isinstance(w, quant.QArray) else w.T
         else:
-            w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+            w = self.lm_head.get_value()
         logits = matmul(hidden, w).astype(jnp.float32)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
@@ -270,6 +286,6 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> tuple[nnx.GraphDef, n
 
 def model_from_params(cfg: ModelConfig, params: dict) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) with the given parameter arrays (host or device) as the state's values."""
-    graphdef, state = abstract_model(cfg, dtype=params["embed"].dtype)
+    graphdef, state = abstract_model(cfg, dtype=params["final_norm"].dtype)
     nnx.replace_by_pure_dict(state, params)
     return graphdef, state

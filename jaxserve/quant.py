@@ -1,0 +1,221 @@
+"""Quantized weights: integer (or fp8) values with per-group scales, multiplied without a float copy in memory.
+
+A ``QArray`` replaces a float weight in the model's parameters. Its values are grouped along one axis (the
+contraction axis of the product it feeds, ``axis``): each run of ``group`` values along it shares a scale (and,
+for asymmetric formats, an additive ``zero``):
+
+    w = (q - offset) * scale + zero
+
+The same form holds every format we serve, so pre-quantized checkpoints keep their own numbers:
+
+=========================  ====  =====  ======  ====  ============================================
+format                     bits  group  offset  zero  from
+=========================  ====  =====  ======  ====  ============================================
+int8 per output channel       8  in          0  no    ``quantization="int8"`` (and ``"w8a8"``)
+int4 group-wise               4  128         0  yes   ``quantization="int4"`` (min/max, 4.25 bits/weight)
+fp8 e4m3 per channel          8  in          0  no    ``quantization="fp8"`` (GPUs and TPUs with fp8)
+GGUF Q8_0                     8  32          0  no    d * q
+GGUF Q4_0                     4  32          8  no    d * (q - 8)
+GGUF Q4_1                     4  32          0  yes   d * q + m
+=========================  ====  =====  ======  ====  ============================================
+
+4-bit values are packed two per byte along ``axis`` (element 2i in the low nibble, 2i + 1 in the high one) and
+stay packed in device memory; the product unpacks and scales them inside the jitted step (XLA fuses it into the
+dot's operand on GPU and TPU). The dequantized values are computed exactly as the checkpoint's own reference
+dequantizer does (one product, one sum, in float32), so a model served from its pre-quantized file computes with
+the very weights HF transformers dequantizes from it.
+
+``w8a8`` also quantizes the activations: per token (row), dynamically, to int8 (scale = max |x| / 127), and runs
+an int8 x int8 -> int32 product, rescaled by both scales (TPU v5e/v6e and GPUs run these at twice the bf16 rate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QUANTIZATION_MODES = ("int8", "int4", "w8a8", "fp8")
+INT4_GROUP = 128  # default group of int4 (the largest of 128, 64, 32 that divides the contraction dim is used)
+# The parameters that are quantized: every matrix product's weight, and the embedding (a lookup, and the output
+# projection when tied). Norms and biases stay float.
+QUANTIZED_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed", "lm_head")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    """A quantized weight (a pytree: ``q``, ``scale``, ``zero`` are its leaves; the rest is static).
+
+    Attributes:
+        q: values: int8 (8 bits), uint8 holding two 4-bit values (4 bits; ``axis`` halved), or float8_e4m3fn.
+        scale: [..., groups along ``axis``, ...] the scales; same rank as ``q``.
+        zero: additive term of the same shape as ``scale``, or None (symmetric).
+        bits: 8 or 4.
+        group: values per scale along ``axis``.
+        offset: subtracted from ``q`` before scaling (8 for GGUF Q4_0's unsigned nibbles).
+        axis: the grouped (contraction) axis, negative: -2 for a [.., in, out] weight, -1 for the [V, D]
+            embedding.
+        act_quant: W8A8: the product quantizes its activations to int8 per row.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    zero: jax.Array | None
+    bits: int = dataclasses.field(metadata=dict(static=True), default=8)
+    group: int = dataclasses.field(metadata=dict(static=True), default=1)
+    offset: int = dataclasses.field(metadata=dict(static=True), default=0)
+    axis: int = dataclasses.field(metadata=dict(static=True), default=-2)
+    act_quant: bool = dataclasses.field(metadata=dict(static=True), default=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape."""
+        s = list(self.q.shape)
+        if self.bits == 4:
+            s[self.axis] *= 2
+        return tuple(s)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, QArray)
+
+
+def pick_group(n: int, want: int) -> int:
+    for g in (want, 128, 64, 32, 16):
+        if g <= want and n % g == 0:
+            return g
+    raise ValueError(f"no quantization group of {want} or fewer values (128, 64, 32, 16) divides a dimension of {n}")
+
+
+def _pack4(v: jax.Array, axis: int) -> jax.Array:
+    """[..., n, ...] values in [0, 15] -> [..., n / 2, ...] uint8 (pairs along ``axis``, first in the low nibble)."""
+    v = jnp.moveaxis(v.astype(jnp.uint8), axis, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // 2, 2)
+    return jnp.moveaxis(v[..., 0] | (v[..., 1] << 4), -1, axis)
+
+
+def _unpack4(q: jax.Array, axis: int) -> jax.Array:
+    """Inverse of ``_pack4``: uint8 [..., n / 2, ...] -> int32 [..., n, ...] in [0, 15]."""
+    q = jnp.moveaxis(q, axis, -1).astype(jnp.int32)
+    v = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], 2 * q.shape[-1])
+    return jnp.moveaxis(v, -1, axis)
+
+
+def quantize(w: jax.Array, mode: str, *, axis: int = -2, group: int | None = None) -> QArray:
+    """A float weight quantized (round to nearest) in ``mode`` ("int8", "w8a8", "int4", "fp8").
+
+    Args:
+        w: the weight, grouped along ``axis`` (its contraction axis).
+        mode: see ``QUANTIZATION_MODES``.
+        axis: -2 for [..., in, out] weights, -1 for the [V, D] embedding.
+        group: int4's group size (default 128; the largest of 128, 64, 32, 16 not above it that divides the
+            axis). int8, w8a8 and fp8 are per channel (one scale for the whole axis).
+
+    Raises:
+        ValueError: an unknown mode, or no group size divides the axis.
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
+    w = jnp.asarray(w, jnp.float32)
+    n = w.shape[axis]
+    if mode in ("int8", "w8a8", "fp8"):
+        amax = jnp.max(jnp.abs(w), axis=axis, keepdims=True)
+        top = 127.0 if mode != "fp8" else float(jnp.finfo(jnp.float8_e4m3fn).max)
+        scale = jnp.where(amax > 0, amax / top, 1.0)
+        if mode == "fp8":
+            q = (w / scale).astype(jnp.float8_e4m3fn)
+        else:
+            q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+        return QArray(q, scale, None, bits=8, group=n, axis=axis, act_quant=mode == "w8a8")
+    g = pick_group(n, group or INT4_GROUP)
+    grouped = _split_groups(w, axis, g)  # [..., n / g, g, ...]: the values of a group along ``axis`` (< 0)
+    inner = axis
+    lo, hi = jnp.min(grouped, axis=inner, keepdims=True), jnp.max(grouped, axis=inner, keepdims=True)
+    scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(jnp.float16)
+    zero = lo.astype(jnp.float16)
+    v = jnp.clip(jnp.round((grouped - zero.astype(jnp.float32)) / scale.astype(jnp.float32)), 0, 15)
+    v = _merge_groups(v, axis)
+    return QArray(_pack4(v, axis), jnp.squeeze(scale, inner), jnp.squeeze(zero, inner), bits=4, group=g,
+                  axis=axis)
+
+
+def _split_groups(x: jax.Array, axis: int, g: int) -> jax.Array:
+    """[..., n, ...] -> [..., n / g, g, ...] (the new group axis right after ``axis``; ``axis`` negative)."""
+    ax = x.ndim + axis
+    return x.reshape(*x.shape[:ax], x.shape[ax] // g, g, *x.shape[ax + 1:])
+
+
+def _merge_groups(x: jax.Array, axis: int) -> jax.Array:
+    """Inverse of ``_split_groups`` (``axis`` counted on the merged array)."""
+    ax = x.ndim - 1 + axis
+    return x.reshape(*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2:])
+
+
+def dequantize(a: QArray, dtype=jnp.float32) -> jax.Array:
+    """The float weight: ``(q - offset) * scale (+ zero)`` computed in float32, then cast to ``dtype``."""
+    v = _unpack4(a.q, a.axis) if a.bits == 4 else a.q
+    v = v.astype(jnp.float32)
+    if a.offset:
+        v = v - a.offset
+    grouped = _split_groups(v, a.axis, a.group)  # the values of a group along a.axis (< 0)
+    w = grouped * jnp.expand_dims(a.scale.astype(jnp.float32), a.axis)
+    if a.zero is not None:
+        w = w + jnp.expand_dims(a.zero.astype(jnp.float32), a.axis)
+    return _merge_groups(w, a.axis).astype(dtype)
+
+
+def matmul(x: jax.Array, w: QArray) -> jax.Array:
+    """``x @ W`` for a quantized [..., in, out] weight (``axis`` -2), or ``x @ W.T`` for the [V, D] embedding
+    (``axis`` -1: the tied output projection). Accumulates in x's dtype (float32 on the CPU)."""
+    if w.act_quant:
+        return _matmul_w8a8(x, w)
+    dq = dequantize(w, x.dtype)
+    return x @ (dq.T if w.axis == -1 else dq)
+
+
+def _matmul_w8a8(x: jax.Array, w: QArray) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    xs = jnp.where(amax > 0, amax / 127.0, 1.0)
+    xq = jnp.clip(jnp.round(xf / xs), -127, 127).astype(jnp.int8)
+    dims = (((xq.ndim - 1,), (w.q.ndim - 1 if w.axis == -1 else w.q.ndim - 2,)), ((), ()))
+    acc = jax.lax.dot_general(xq, w.q, dims, preferred_element_type=jnp.int32)
+    scale = w.scale.reshape(-1) if w.axis == -1 else w.scale.reshape(w.scale.shape[-1])
+    return (acc.astype(jnp.float32) * xs * scale).astype(x.dtype)
+
+
+def take(w: QArray, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Rows ``ids`` of a quantized [V, D] embedding (``axis`` -1), dequantized: [len(ids), D]."""
+    sub = QArray(w.q[ids], w.scale[ids], None if w.zero is None else w.zero[ids], bits=w.bits, group=w.group,
+                 offset=w.offset, axis=w.axis)
+    return dequantize(sub, dtype)
+
+
+def weight_axis(name: str) -> int:
+    """The grouped axis of a parameter: the embedding is [V, D] (grouped along D), the others [.., in, out]."""
+    return -1 if name == "embed" else -2
+
+
+def check_backend(mode: str, platform: str | None = None) -> None:
+    """Raises ValueError if this backend cannot run ``mode`` (fp8 needs H100/H200-class GPUs or TPU v6e+)."""
+    if mode != "fp8":
+        return
+    platform = platform or jax.default_backend()
+    kind = jax.devices()[0].device_kind.lower() if platform == jax.default_backend() else ""
+    fp8_kinds = ("h100", "h200", "h800", "h20", "b100", "b200", "gb200", "l40", "rtx 40", "v6", "v7", "trillium")
+    if platform == "cpu" or not any(k in kind for k in fp8_kinds):
+        raise ValueError(f"quantization='fp8' needs a backend with fp8 arithmetic (NVIDIA H100/H200/L40-class GPUs, "
+                         f"TPU v6e/v7); this one is {platform} ({kind or 'unknown device'}): use 'int8' or 'int4'")
+
+
+def host_nbytes(params: dict) -> int:
+    """Bytes of every array in ``params`` (quantized ones counted by their leaves)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

@@ -1,0 +1,140 @@
+"""Quantized weights: the formats against independent references, and the default model quantized on load.
+
+References: ``gguf.quants`` (the gguf package's own dequantizers) for GGUF blocks; plain numpy for the
+on-load formats' defining formulas; the float32 model for perplexity and greedy agreement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import LLM, SamplingParams, quant
+
+# ---------------------------------------------------------------------------------------------- formats
+
+
+@pytest.mark.parametrize("mode, axis", [("int8", -2), ("w8a8", -2), ("int4", -2), ("int8", -1), ("int4", -1)])
+def test_quantize_round_trip_within_half_a_step(mode, axis):
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(2, 256, 48)).astype(np.float32) * rng.uniform(0.1, 3.0, size=(1, 1, 48))
+    a = quant.quantize(w, mode, axis=axis)
+    assert a.shape == w.shape
+    d = np.asarray(quant.dequantize(a))
+    # Independent recomputation of each element's step from the stored scales, in numpy.
+    scale = np.asarray(a.scale, np.float32)
+    step = np.repeat(scale, a.group, axis=axis)
+    assert np.all(np.abs(d - w) <= step / 2 + 1e-6 * np.abs(w) + 1e-7)
+    if mode == "int4":
+        assert a.q.dtype == np.uint8 and a.q.shape[axis] == w.shape[axis] // 2  # two per byte, stays packed
+        assert a.nbytes / w.nbytes <= 0.15
+    else:
+        assert a.q.dtype == np.int8 and a.nbytes / w.nbytes <= 0.27
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
+def test_matmul_equals_the_dequantized_product(mode):
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(384, 64)).astype(np.float32)
+    x = rng.normal(size=(5, 384)).astype(np.float32)
+    a = quant.quantize(w, mode)
+    got = np.asarray(quant.matmul(jnp.asarray(x), a))
+    if mode == "w8a8":  # activations quantized per row too: numpy's int8 x int8 product, rescaled
+        xs = np.abs(x).max(-1, keepdims=True) / 127
+        xq = np.clip(np.round(x / xs), -127, 127).astype(np.int64)
+        ref = (xq @ np.asarray(a.q, np.int64)) * xs * np.asarray(a.scale).reshape(1, -1)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    else:
+        np.testing.assert_allclose(got, x @ np.asarray(quant.dequantize(a)), rtol=1e-5, atol=1e-4)
+    e = rng.normal(size=(100, 64)).astype(np.float32)  # the tied embedding: rows taken, and x @ E.T
+    ea = quant.quantize(e, "int8" if mode == "w8a8" else mode, axis=-1)
+    ids = jnp.array([3, 0, 99])
+    np.testing.assert_array_equal(np.asarray(quant.take(ea, ids)), np.asarray(quant.dequantize(ea))[[3, 0, 99]])
+    xe = rng.normal(size=(2, 64)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(quant.matmul(jnp.asarray(xe), ea)),
+                               xe @ np.asarray(quant.dequantize(ea)).T, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_modes_are_refused(default_loaded):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quant.quantize(np.ones((4, 4)), "int3")
+    with pytest.raises(ValueError, match="EngineConfig.quantization must be one of"):
+        LLM(default_loaded, quantization="nf4")
+    with pytest.raises(ValueError, match="fp8.*cpu"):
+        LLM(default_loaded, quantization="fp8")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        LLM(default_loaded, quantization="int8", matmul_dtype="bfloat16")
+    with pytest.raises(ValueError, match="no quantization group"):
+        quant.quantize(np.ones((24, 4)), "int4")
+
+
+# ---------------------------------------------------------------------------------------------- the default model
+
+ENGINE = dict(max_model_len=1024, num_pages=160, max_num_seqs=8, max_num_batched_tokens=512)
+
+
+def _english_text_ids(llm, n_chunks=6, chunk=512):
+    from pydoc_data.topics import topics  # Python's own documentation text, present in every Python
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))[:40000]
+    ids = llm.tokenizer.encode(text)
+    return [ids[i:i + chunk] for i in range(0, n_chunks * chunk, chunk)]
+
+
+def _score(llm, chunks):
+    """(perplexity, the most likely next token at every position) under teacher forcing."""
+    outs = llm.generate(chunks, SamplingParams(prompt_logprobs=1, max_tokens=1), use_tqdm=False)
+    nll, top = [], []
+    for ids, out in zip(chunks, outs):
+        for pos in range(1, len(ids)):
+            entries = out.prompt_logprobs[pos]
+            nll.append(-entries[ids[pos]].logprob)
+            top.append(max(entries.items(), key=lambda kv: kv[1].logprob)[0])
+    return float(np.exp(np.mean(nll))), np.array(top)
+
+
+@pytest.fixture(scope="module")
+def float_reference(default_loaded):
+    llm = LLM(default_loaded, **ENGINE)
+    chunks = _english_text_ids(llm)
+    ppl, top = _score(llm, chunks)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.state))
+    return chunks, ppl, top, nbytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, max_ppl_ratio, min_agreement, max_bytes_ratio", [
+    ("int8", 1.01, 0.90, 0.27),
+    ("w8a8", 1.06, 0.85, 0.27),
+    # Group 128 re-quantizes weights that lie on the GGUF file's 32-value 4-bit grid: measured +44-54% (the
+    # pre-quantized path serves that grid exactly); the bound only catches a broken int4.
+    ("int4", 1.7, 0.55, 0.15),
+])
+def test_default_model_quantized_on_load(default_loaded, float_reference, mode, max_ppl_ratio, min_agreement,
+                                         max_bytes_ratio):
+    chunks, ppl, top, nbytes = float_reference
+    llm = LLM(default_loaded, quantization=mode, **ENGINE)
+    state = llm.engine.runner.state
+    assert any(isinstance(v, quant.QArray) for v in jax.tree.leaves(state, is_leaf=quant.is_quantized))
+    q_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert q_bytes / nbytes <= max_bytes_ratio + 0.01  # norms stay float32: ~0.1% of the weights
+    q_ppl, q_top = _score(llm, chunks)
+    agreement = float(np.mean(q_top == top))
+    assert q_ppl / ppl <= max_ppl_ratio, (mode, q_ppl, ppl)
+    assert agreement >= min_agreement, (mode, agreement)
+
+
+@pytest.mark.slow
+def test_int4_under_tensor_parallelism_equals_one_device(default_loaded):
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    one = LLM(default_loaded, quantization="int4", **ENGINE)
+    tp = LLM(default_loaded, quantization="int4", tensor_parallel_size=3, **ENGINE)
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    wo = tp.engine.runner.state["wo"].get_value()
+    assert isinstance(wo, quant.QArray) and wo.q.sharding.spec[1] == "model"  # row-parallel, scales alike
+    assert wo.scale.sharding.spec[1] == "model"
