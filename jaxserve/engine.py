@@ -137,10 +137,14 @@ class LLMEngine:
             quant.check_backend(config.quantization)
         if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
             kv_heads_for(model.config, tp)
+            if config.quantization == "gguf" and not any(quant.is_quantized(v) for v in model.params.values()):
+                raise ValueError("quantization='gguf' serves the quantized weights of a GGUF file: load it with "
+                                 "load_model(path, keep_quantized=True), or pass the path")
             loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
         else:
             loaded = load_model(model, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp),
-                                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[0]))
+                                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[0]),
+                                keep_quantized=config.quantization == "gguf")
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = load_tokenizer(loaded.tokenizer_path)

@@ -102,6 +102,13 @@ def _pack4(v: jax.Array, axis: int) -> jax.Array:
     return jnp.moveaxis(v[..., 0] | (v[..., 1] << 4), -1, axis)
 
 
+def pack4_host(v: np.ndarray, axis: int) -> np.ndarray:
+    """``_pack4`` in numpy, for checkpoints packed on the host."""
+    v = np.moveaxis(np.asarray(v, np.uint8), axis, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // 2, 2)
+    return np.ascontiguousarray(np.moveaxis(v[..., 0] | (v[..., 1] << 4), -1, axis))
+
+
 def _unpack4(q: jax.Array, axis: int) -> jax.Array:
     """Inverse of ``_pack4``: uint8 [..., n / 2, ...] -> int32 [..., n, ...] in [0, 15]."""
     q = jnp.moveaxis(q, axis, -1).astype(jnp.int32)

@@ -178,7 +178,7 @@ class ModelRunner:
         # Tensor by tensor, each device receiving only its shard (every leaf of a quantized one alike).
         placed = {name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, s), value)
                   for name, value in params.items()}
-        if quantization is not None:
+        if quantization not in (None, "gguf"):  # "gguf": the checkpoint's own quantized weights, as loaded
             quant.check_backend(quantization, platform)
             placed = self._quantize(placed, schema, quantization)
         self.quantization = quantization

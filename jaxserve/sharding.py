@@ -97,15 +97,16 @@ def replicate_kv_heads(cfg: ModelConfig, params: dict, kv_heads: int) -> tuple[M
         return cfg, params
     h = cfg.head_dim
     out = dict(params)
+    def repeat(w):  # the last axis is the heads' (a quantized weight's values and scales alike)
+        if isinstance(w, jax.ShapeDtypeStruct):  # abstract (jaxserve.aot): the shape is all there is
+            return jax.ShapeDtypeStruct((*w.shape[:-1], kv_heads * h), w.dtype)
+        xp = jnp if isinstance(w, jax.Array) else np  # restored onto devices: repeat there
+        heads = w.reshape(*w.shape[:-1], cfg.num_kv_heads, h)
+        return xp.repeat(heads, r, axis=-2).reshape(*w.shape[:-1], kv_heads * h)
+
     for name in ("wk", "wv", "bk", "bv"):
         if name in params:
-            w = params[name]
-            if isinstance(w, jax.ShapeDtypeStruct):  # abstract (jaxserve.aot): the shape is all there is
-                out[name] = jax.ShapeDtypeStruct((*w.shape[:-1], kv_heads * h), w.dtype)
-                continue
-            xp = jnp if isinstance(w, jax.Array) else np  # restored onto devices: repeat there
-            heads = w.reshape(*w.shape[:-1], cfg.num_kv_heads, h)
-            out[name] = xp.repeat(heads, r, axis=-2).reshape(*w.shape[:-1], kv_heads * h)
+            out[name] = jax.tree.map(repeat, params[name])
     return dataclasses.replace(cfg, num_kv_heads=kv_heads), out
 
 

@@ -56,13 +56,16 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 def load_model(model: str | Path | None = None, dtype: str = "float32",
                check_config: Callable[[ModelConfig], object] | None = None,
-               shardings: Callable[[ModelConfig], dict] | None = None) -> LoadedModel:
+               shardings: Callable[[ModelConfig], dict] | None = None,
+               keep_quantized: bool = False) -> LoadedModel:
     """Loads config + weights (as host arrays of ``dtype``) from any supported source.
 
     ``check_config`` sees the model's config before any weight is read (it raises to refuse the model).
     ``shardings`` (config -> {param name: Sharding}): the weights go straight onto the devices, each receiving
     its own part (orbax: each reads its shards from disk; GGUF and safetensors: tensor by tensor, so the host
     holds one tensor at a time), and come back as device arrays; without it, as host arrays.
+    ``keep_quantized``: a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices come as host ``jaxserve.quant.QArray``s of
+    their own blocks (raises ValueError for other sources).
     """
     check = check_config or (lambda cfg: None)
     from jaxserve.loading import orbax_ckpt
@@ -77,9 +80,12 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
         ckpt = GGUFCheckpoint(path)
         cfg = ckpt.model_config()
         check(cfg)
-        params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(progress=False), dtype, total=len(ckpt.tensors),
-                                        shardings=shardings and shardings(cfg))
+        params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(progress=False, quantized=keep_quantized), dtype,
+                                        total=len(ckpt.tensors), shardings=shardings and shardings(cfg))
         return LoadedModel(path.stem, cfg, params, path)
+    if keep_quantized:
+        raise ValueError(f"quantization='gguf' serves a GGUF file's own quantized weights; {path} is not a GGUF "
+                         "file (quantize on load with 'int8' or 'int4' instead)")
     if orbax_ckpt.is_orbax_dir(path):
         cfg, params, saved_dtype = orbax_ckpt.load(path, None if shardings is None else
                                                    lambda cfg: (check(cfg), shardings(cfg))[1])

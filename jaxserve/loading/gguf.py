@@ -15,6 +15,7 @@ temporaries stay in cache.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import mmap
 import struct
 from pathlib import Path
@@ -26,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from jaxserve.config import ModelConfig, RopeScaling
 
 _Q = GGMLQuantizationType
+logger = logging.getLogger(__name__)
 
 
 def _field_value(field) -> Any:
@@ -226,6 +228,61 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[
     for start in range(0, blocks.shape[0], step):
         out[start:start + step] = fn(blocks[start:start + step])
     return out.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------- served quantized
+@dataclasses.dataclass
+class GGUFQuantized:
+    """One tensor's blocks repacked, not dequantized: ``values`` [out, in] (int8, or 4-bit values in uint8, one
+    per byte), ``scale`` (and ``zero``) [out, in / 32] float16, exactly the block's d (and m). Dequantized:
+    ``(values - offset) * scale (+ zero)``, as ``dequantize`` computes it."""
+
+    values: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None
+    bits: int
+    offset: int
+    group: int = 32
+
+    def map_rows(self, fn) -> GGUFQuantized:
+        """The same tensor with ``fn`` applied to the rows (output channels) of every part."""
+        return dataclasses.replace(self, values=fn(self.values), scale=fn(self.scale),
+                                   zero=None if self.zero is None else fn(self.zero))
+
+
+def _d16(b: np.ndarray, start: int) -> np.ndarray:
+    return b[:, start:start + 2].view(np.float16)
+
+
+# ggml type -> (bits, offset, has a min, blocks -> (values, d, m or None))
+_REPACK = {
+    _Q.Q8_0: (8, 0, lambda b: (b[:, 2:34].view(np.int8), _d16(b, 0), None)),
+    _Q.Q4_0: (4, 8, lambda b: (_nibbles(b[:, 2:18], 16), _d16(b, 0), None)),
+    _Q.Q4_1: (4, 0, lambda b: (_nibbles(b[:, 4:20], 16), _d16(b, 0), _d16(b, 2))),
+}
+REPACKABLE_TYPES = tuple(_REPACK)
+
+
+def repack(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *,
+           name: str | None = None) -> GGUFQuantized:
+    """A Q8_0 / Q4_0 / Q4_1 matrix's blocks as values and float16 scales (see ``GGUFQuantized``).
+
+    Raises:
+        ValueError: another type (see ``REPACKABLE_TYPES``), or a byte count that does not match ``shape``.
+    """
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in _REPACK:
+        raise ValueError(f"{qtype.name} tensor {name!r} cannot be served quantized (served as is: "
+                         f"{', '.join(t.name for t in REPACKABLE_TYPES)})")
+    out_dim, in_dim = (int(x) for x in shape)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if in_dim % block_size or buf.size != out_dim * in_dim // block_size * type_size:
+        raise ValueError(f"{qtype.name} tensor {name!r} of shape {shape} does not match its {buf.size} bytes")
+    bits, offset, fn = _REPACK[qtype]
+    values, d, m = fn(buf.reshape(-1, type_size))
+    return GGUFQuantized(values.reshape(out_dim, in_dim).copy(), d.reshape(out_dim, -1).copy(),
+                         None if m is None else m.reshape(out_dim, -1).copy(), bits, offset, block_size)
 
 
 # ---------------------------------------------------------------------------------------------- file parsing
@@ -644,7 +701,8 @@ class GGUFCheckpoint:
                 out[hf] = info.shape
         return out
 
-    def iter_hf_tensors(self, progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    def iter_hf_tensors(self, progress: bool = True,
+                        quantized: bool = False) -> Iterator[tuple[str, np.ndarray | GGUFQuantized]]:
         """Yields ``(hf_name, float32 array)`` for every weight, in HF transformers' naming and layout.
 
         llama's q/k rows are un-permuted, and Gemma's norm weights (stored by llama.cpp as ``1 + w``) are
@@ -652,6 +710,8 @@ class GGUFCheckpoint:
 
         Args:
             progress: show a tqdm bar if loading takes more than a second.
+            quantized: matrices stored as Q8_0, Q4_0 or Q4_1 come as ``GGUFQuantized`` (their own blocks,
+                repacked) instead of float32; matrices of other types are dequantized, and logged.
 
         Raises:
             ValueError: unsupported architecture, tensor type, or tensor name.
@@ -664,13 +724,27 @@ class GGUFCheckpoint:
         total = sum(self.tensors[name].nbytes for name, _ in names)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {self.path.name}", delay=1.0,
                   disable=not progress, leave=False) as bar:
+            fallback = []
             for name, hf in names:
-                w = self.tensor(name)
+                info = self.tensors[name]
+                matrix = len(info.shape) == 2 and not name.endswith("norm.weight")
+                if quantized and matrix and info.qtype in _REPACK:
+                    w = repack(self.raw(name), info.qtype, info.shape, name=name)
+                    rows = w.map_rows
+                else:
+                    if quantized and matrix and info.qtype not in (_Q.F32, _Q.F16, _Q.BF16):
+                        fallback.append(f"{name} ({info.qtype.name})")
+                    w = self.tensor(name)
+                    rows = lambda fn, w=w: fn(w)  # noqa: E731
                 if cfg.architecture == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
-                    w = _unpermute_rows(w, cfg.num_heads)
+                    w = rows(lambda x: _unpermute_rows(x, cfg.num_heads))
                 elif cfg.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
-                    w = _unpermute_rows(w, cfg.num_kv_heads)
+                    w = rows(lambda x: _unpermute_rows(x, cfg.num_kv_heads))
                 elif cfg.architecture in _GEMMA and name.endswith("norm.weight"):
                     w -= 1.0
                 bar.update(self.tensors[name].nbytes)
                 yield hf, w
+            if fallback:
+                logger.warning("%s: %d matrices of types that are not served quantized were dequantized to float: %s",
+                               self.path.name, len(fallback), ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8
+                                                                                          else ""))

@@ -88,6 +88,7 @@ def params_from_hf_tensors(
     params = ({name: np.empty(shape, np_dtype) for name, shape in shapes.items()} if shardings is None else
               _DeviceParams(shapes, np_dtype, shardings))
     filled: dict[str, set] = {name: set() for name in shapes}
+    quantized: dict[str, dict] = {}  # name -> {layer: QArray parts} of checkpoints served quantized
     for hf_name, array in tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False):
         target = _target(cfg, hf_name)
         if target is None:
@@ -95,6 +96,15 @@ def params_from_hf_tensors(
         name, layer, transpose = target
         if name not in params:
             raise ValueError(f"tensor {hf_name!r} has no place in a {cfg.architecture} model with this config")
+        if hasattr(array, "scale"):  # a pre-quantized matrix (loading.gguf.GGUFQuantized): kept quantized
+            expected = shapes[name] if layer is None else shapes[name][1:]
+            got = array.values.T.shape if transpose else array.values.shape
+            if got != expected:
+                raise ValueError(f"tensor {hf_name!r} has shape {array.values.shape}, expected "
+                                 f"{tuple(expected[::-1] if transpose else expected)}")
+            quantized.setdefault(name, {})[layer] = _quantized_parts(array, transpose)
+            filled[name].add(layer)
+            continue
         array = np.asarray(array, np_dtype)
         if transpose:
             array = array.T
@@ -116,7 +126,42 @@ def params_from_hf_tensors(
         if missing:
             where = "" if missing == {None} else f" (layers {sorted(missing)[:8]})"
             raise ValueError(f"checkpoint is missing weight {name!r}{where}, shape {shape}")
-    return params if shardings is None else params.arrays
+    out = params if shardings is None else params.arrays
+    for name, layers in quantized.items():
+        if len(filled[name]) != len(layers):
+            raise ValueError(f"weight {name!r} is quantized in some layers and not in others: it cannot be served "
+                             "quantized")
+        out[name] = _stack_quantized(layers)
+    return out
+
+
+def _quantized_parts(q, transpose: bool) -> dict:
+    """A ``GGUFQuantized`` matrix ([out, in], grouped along in) as ``QArray`` fields in our layout: linear
+    weights [in, out] grouped along axis -2, the embedding [V, D] grouped along axis -1; 4-bit values packed."""
+    from jaxserve.quant import pack4_host
+
+    axis = -2 if transpose else -1
+    leaves = {"q": q.values, "scale": q.scale, "zero": q.zero}
+    if transpose:
+        leaves = {k: None if v is None else np.ascontiguousarray(v.T) for k, v in leaves.items()}
+    if q.bits == 4:
+        leaves["q"] = pack4_host(leaves["q"], axis)
+    return dict(leaves, bits=q.bits, group=q.group, offset=q.offset, axis=axis)
+
+
+def _stack_quantized(layers: dict):
+    """{layer or None: parts} -> one host ``QArray`` (stacked over the layers when there are some)."""
+    from jaxserve.quant import QArray
+
+    static = {k: v for k, v in layers[next(iter(layers))].items() if k not in ("q", "scale", "zero")}
+    if any({k: p[k] for k in static} != static for p in layers.values()):
+        raise ValueError("a weight is quantized in different formats across layers: it cannot be served quantized")
+    if None in layers:
+        return QArray(**layers[None])
+    order = sorted(layers)
+    stacked = {k: None if layers[order[0]][k] is None else np.stack([layers[i][k] for i in order])
+               for k in ("q", "scale", "zero")}
+    return QArray(**stacked, **static)
 
 
 class _DeviceParams:
@@ -160,5 +205,6 @@ class _DeviceSlot:
 
 
 def cast_params(params: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Float parameters cast to ``dtype``; quantized ones (``jaxserve.quant.QArray``) kept as they are."""
     np_dtype = _NP_DTYPES[dtype]
-    return {k: v.astype(np_dtype, copy=False) for k, v in params.items()}
+    return {k: v if hasattr(v, "scale") else v.astype(np_dtype, copy=False) for k, v in params.items()}
