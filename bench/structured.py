@@ -1,10 +1,10 @@
 """Structured outputs: what a grammar costs, on the default model.
 
 1. Offline throughput: N requests (default 64; prompts of 64-512 tokens), greedy, up to 128 output tokens, once
-   with no constraint and once with half of the requests under a JSON schema (a list of at least 12 short
-   records: longer than max_tokens, so constrained requests generate as many tokens as the others). Runs alternate (plain, constrained, plain,
-   constrained) on one warmed-up engine; the figure of merit is output tokens/s, since a grammar may end a
-   request early. Also reports the host time spent filling the token masks.
+   with no constraint and once with half of the requests under a JSON schema (a list of at least 12 short records:
+   longer than max_tokens, so constrained requests generate as many tokens as the others). Runs alternate (plain,
+   constrained, plain, constrained) on one warmed-up engine; the figure of merit is output tokens/s, since a
+   grammar may end a request early. Also reports the host time spent filling the token masks.
 2. Grammar compile time per schema (the ten schemas of tests/test_structured.py): cold (first compile) and
    cached, and the one-off build of the grammar engine's tokenizer.
 

@@ -32,6 +32,7 @@ class Chip:
     hbm_bytes_per_s: float
     bf16_flops: float
     tpu: bool = True
+    fp8: bool = False  # fp8 arithmetic (quantization="fp8")
 
 
 GiB = 1 << 30
@@ -40,10 +41,10 @@ CHIPS = {
     "v4": Chip("TPU v4", 32 * GiB, 1.2e12, 275e12),
     "v5e": Chip("TPU v5e", 16 * GiB, 819e9, 197e12),
     "v5p": Chip("TPU v5p", 95 * GiB, 2.765e12, 459e12),
-    "v6e": Chip("TPU v6e", 32 * GiB, 1.64e12, 918e12),
+    "v6e": Chip("TPU v6e", 32 * GiB, 1.64e12, 918e12, fp8=True),
     "a100": Chip("NVIDIA A100 80GB", 80 * 10**9, 2.039e12, 312e12, tpu=False),
-    "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 3.35e12, 989e12, tpu=False),
-    "h200": Chip("NVIDIA H200", 141 * 10**9, 4.8e12, 989e12, tpu=False),
+    "h100": Chip("NVIDIA H100 SXM", 80 * 10**9, 3.35e12, 989e12, tpu=False, fp8=True),
+    "h200": Chip("NVIDIA H200", 141 * 10**9, 4.8e12, 989e12, tpu=False, fp8=True),
 }
 
 
@@ -234,6 +235,10 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} chips, but {topology} has {num_chips}")
     kv_heads = kv_heads_for(cfg, tp)  # the degree must suit the heads
     config = EngineConfig.from_settings(config, **settings)
+    if config.quantization == "gguf":
+        raise ValueError("quantization='gguf' serves a GGUF file's weights; plan reads no weights: use int8 or int4")
+    if config.quantization == "fp8" and not chip.fp8:
+        raise ValueError(f"quantization='fp8' needs fp8 arithmetic, which a {chip.name} does not have")
     dtype = config.dtype or "bfloat16"
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     sched_cfg = config.scheduler_config(max_model_len)
@@ -244,7 +249,7 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
     def runner(num_pages: int):
         cache = dataclasses.replace(config.cache_config(), num_pages=num_pages)
         return ModelRunner(cfg, _abstract_params(cfg, dtype), cache, sched_cfg, "pallas", config.matmul_dtype, mesh,
-                           platform="tpu")
+                           platform="tpu", quantization=config.quantization)
 
     kv_itemsize = np.dtype(_np_dtype(config.kv_cache_dtype or dtype)).itemsize
     page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * cfg.head_dim * kv_itemsize
@@ -254,8 +259,14 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         page_bytes = probe.device_page_bytes()  # with the TPU's tile padding
         weights = _per_chip_bytes((probe.state, probe.matmul_weights))
     else:
-        weights = sum(math.prod(s.shape) for s in _abstract_params(cfg, dtype).values()) * np.dtype(
-            _np_dtype(dtype)).itemsize // tp
+        params = _abstract_params(cfg, dtype)
+        if config.quantization:
+            from jaxserve import quant
+
+            params = {n: jax.eval_shape(lambda x, n=n: quant.quantize(x, config.quantization,
+                                                                     axis=quant.weight_axis(n)), p)
+                      if n in quant.QUANTIZED_PARAMS else p for n, p in params.items()}
+        weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)) // tp
     if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
         raise ValueError(f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "
                          f"{weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
@@ -284,8 +295,12 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
                       if any(s[2] == d for s in shapes)]
         elif variants != "all":
             raise ValueError(f"variants must be 'corners', 'decode' or 'all', got {variants!r}")
+        if not shapes:
+            raise ValueError(f"no step variant of kind {variants!r} for these settings (decode-only steps exist for "
+                             f"batches of at most max_num_seqs={sched_cfg.max_num_seqs} tokens, the smallest bucket "
+                             f"is {final.token_buckets[0]})")
         compiled = _compile(final, shapes)
-        activations = max(activations, *(v.temp_bytes for v in compiled))
+        activations = max([activations, *(v.temp_bytes for v in compiled)])
         peak = max(v.peak_bytes for v in compiled)
         if peak > chip.hbm_bytes:
             raise ValueError(f"the compiled step needs {peak / GiB:.2f} GiB per chip, more than the "

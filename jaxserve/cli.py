@@ -126,10 +126,20 @@ def cmd_convert(args) -> int:
     from jaxserve.loading import load_model, orbax_ckpt, resolve_model_path
 
     src = resolve_model_path(args.src)
-    loaded = load_model(src, args.dtype)
-    orbax_ckpt.save(args.dst, loaded.config, loaded.params, args.dtype)
+    loaded = load_model(src, args.dtype, keep_quantized=args.quantization == "gguf")
+    params = loaded.params
+    if args.quantization not in (None, "gguf"):
+        import jax
+        import numpy as np
+
+        from jaxserve import quant
+
+        params = {name: jax.tree.map(np.asarray, quant.quantize(value, args.quantization, axis=quant.weight_axis(name)))
+                  if name in quant.QUANTIZED_PARAMS else value for name, value in params.items()}
+    orbax_ckpt.save(args.dst, loaded.config, params, args.dtype)
     orbax_ckpt.copy_tokenizer(src, Path(args.dst))
-    print(f"wrote {args.dst} ({loaded.config.architecture}, {args.dtype})")
+    print(f"wrote {args.dst} ({loaded.config.architecture}, {args.dtype}"
+          f"{', ' + args.quantization if args.quantization else ''})")
     return 0
 
 
@@ -171,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("src")
     v.add_argument("dst")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    v.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "gguf"],
+                   help="write quantized weights (gguf: a GGUF file's own Q8_0/Q4_x/Qn_K blocks); served quantized "
+                        "when loaded")
     v.set_defaults(func=cmd_convert)
 
     from jaxserve.config import EngineConfig

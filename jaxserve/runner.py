@@ -42,8 +42,8 @@ from jaxserve.models.llama import OUTPUT_AXES, AttentionBatch, Llama, ParamSpec,
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
-from jaxserve.sharding import (KV_POOL_SPEC, VOCAB_SPEC, kv_heads_for, make_mesh, param_shardings, replicate_kv_heads,
-                               shard_kernels)
+from jaxserve.sharding import (KV_POOL_SPEC, VOCAB_SPEC, fit_sharding, kv_heads_for, make_mesh, param_shardings,
+                               replicate_kv_heads, shard_kernels)
 from jaxserve.structured import bitmask_width
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
@@ -176,10 +176,11 @@ class ModelRunner:
         schema = param_schema(model_cfg)
         self.param_shardings = param_shardings(schema, self.mesh)
         # Tensor by tensor, each device receiving only its shard (every leaf of a quantized one alike).
-        placed = {name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, s), value)
-                  for name, value in params.items()}
+        placed = {name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, fit_sharding(s, x.shape)),
+                                     value) for name, value in params.items()}
         if quantization not in (None, "gguf"):  # "gguf": the checkpoint's own quantized weights, as loaded
-            quant.check_backend(quantization, platform)
+            if platform is None:  # compiling for another platform (jaxserve.aot) checks its chip itself
+                quant.check_backend(quantization)
             placed = self._quantize(placed, schema, quantization)
         self.quantization = quantization
         self.graphdef, self.state = model_from_params(model_cfg, placed)
@@ -240,12 +241,14 @@ class ModelRunner:
                 group = quant.pick_group(n // tp if split else n, quant.INT4_GROUP) if mode == "int4" else None
             except ValueError as e:
                 raise ValueError(f"quantization={mode!r} of {name!r} under tensor_parallel_size={tp}: {e}") from None
-            fn = jax.jit(lambda x, a=axis, g=group: quant.quantize(x, mode, axis=a, group=g), out_shardings=sharding)
+            shapes = jax.eval_shape(lambda x, a=axis, g=group: quant.quantize(x, mode, axis=a, group=g), w)
+            leaf_shardings = jax.tree.map(lambda x: fit_sharding(sharding, x.shape), shapes)
             if self.abstract:
-                out[name] = jax.tree.map(lambda x, s=sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                         jax.eval_shape(fn, w))
+                out[name] = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                                         leaf_shardings)
             else:
-                out[name] = fn(w)
+                out[name] = jax.jit(lambda x, a=axis, g=group: quant.quantize(x, mode, axis=a, group=g),
+                                    out_shardings=leaf_shardings)(w)
         return out
 
     def reset_timers(self) -> None:

@@ -6,11 +6,11 @@ mix of temperatures, top-k/top-p/min-p, penalties, biases, logprobs and seeds at
 asks for fixed widths (bias entries and token history), so no request parameter can change a shape and
 trigger a compile after warm-up; without them the widths are bucketed to what the batch needs.
 
-The order follows vLLM v1: the structured-output token mask, logit bias (and the ``min_tokens`` ban on stop tokens), penalties, then
-temperature, min-p, top-k, top-p and a Gumbel-max draw; greedy rows (temperature < 1e-5) take the argmax of
-the biased and penalized logits. Returned logprobs are those of the raw model logits (vLLM's default
-``raw_logprobs``). Each row draws with ``fold_in(key(seed), step)``, so a seeded request gets the same tokens
-whatever else shares its batch.
+The order follows vLLM v1: the structured-output token mask, logit bias (and the ``min_tokens`` ban on stop
+tokens), penalties, then temperature, min-p, top-k, top-p and a Gumbel-max draw; greedy rows (temperature < 1e-5)
+take the argmax of the biased and penalized logits. Returned logprobs are those of the raw model logits (vLLM's
+default ``raw_logprobs``). Each row draws with ``fold_in(key(seed), step)``, so a seeded request gets the same
+tokens whatever else shares its batch.
 """
 
 from __future__ import annotations

@@ -110,6 +110,14 @@ def replicate_kv_heads(cfg: ModelConfig, params: dict, kv_heads: int) -> tuple[M
     return dataclasses.replace(cfg, num_kv_heads=kv_heads), out
 
 
+def fit_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """``sharding`` for an array of ``shape`` whose size-1 dimensions cannot be split: those are replicated (a
+    quantized weight's per-channel scales have one entry along the weight's split input axis)."""
+    spec = tuple(sharding.spec)
+    fitted = tuple(None if i < len(shape) and shape[i] == 1 else axis for i, axis in enumerate(spec))
+    return sharding if fitted == spec else NamedSharding(sharding.mesh, P(*fitted))
+
+
 def checkpoint_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
     """Where a checkpoint's parameters are restored: as served, except the KV projections of a model with fewer
     KV heads than devices, which come whole (the runner then repeats their heads, see ``replicate_kv_heads``)."""

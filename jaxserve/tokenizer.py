@@ -196,6 +196,10 @@ class Tokenizer:
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def chat_template_source(self, chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+        """The template text ``apply_chat_template`` would render with these arguments (ValueError if none)."""
+        return self._pick_template(chat_template, tools)
+
     def _pick_template(self, chat_template: str | None, tools: list[dict] | None) -> str:
         if chat_template is not None:
             return self.chat_templates.get(chat_template, chat_template)

@@ -119,3 +119,22 @@ def test_plan_reads_an_hf_config_json(tmp_path):
     layer = 2048 * 2048 * 2 + 2048 * 256 * 2 + 3 * 2048 * 5632 + 2 * 2048
     assert p.weight_bytes_per_chip == (2 * embed + 22 * layer + 2048) * 2 // 2  # untied head, bf16, TP 2
     assert p.page_bytes_per_chip == 2 * 22 * 16 * 2 * 64 * 2  # 2 of 4 KV heads of 64 per chip
+
+
+@pytest.mark.parametrize("mode, max_ratio", [("int8", 0.53), ("w8a8", 0.53), ("int4", 0.30)])
+def test_quantized_default_model_compiles_for_v5e(mode, max_ratio):
+    """The quantized step (int8 and int4 weights dequantized inside the products, W8A8's int8 x int8 dots) through
+    XLA's and Mosaic's TPU compilers, with weight bytes per chip measured on the compiled arguments."""
+    settings = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, num_pages=64, variants="decode")
+    bf16 = plan("smollm2-135m", "v5e:2x4", 3, **settings)  # 9 heads, 3 KV heads
+    p = plan("smollm2-135m", "v5e:2x4", 3, quantization=mode, **settings)
+    (decode,) = p.variants
+    assert decode.decode_only and decode.flops > 0
+    assert p.weight_bytes_per_chip / bf16.weight_bytes_per_chip <= max_ratio
+
+
+def test_fp8_plans_only_where_the_chip_has_fp8():
+    with pytest.raises(ValueError, match="fp8 arithmetic"):
+        plan("smollm2-135m", "v5e:2x4", 1, quantization="fp8", compile=False)
+    p = plan("llama-3-8b", "h100:8", 8, quantization="fp8", max_model_len=2048)
+    assert p.weight_bytes_per_chip == pytest.approx(_weight_bytes("llama-3-8b", 1) / 8, rel=0.02)

@@ -128,22 +128,37 @@ def test_default_model_quantized_on_load(default_loaded, float_reference, mode, 
 
 
 @pytest.mark.slow
-def test_int4_under_tensor_parallelism_equals_one_device(default_loaded):
+@pytest.mark.parametrize("mode", ["int4", "int8", "w8a8"])
+def test_quantized_under_tensor_parallelism_equals_one_device(default_loaded, mode):
     prompts = ["The capital of France is", "def add(a, b):"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    one = LLM(default_loaded, quantization="int4", **ENGINE)
-    tp = LLM(default_loaded, quantization="int4", tensor_parallel_size=3, **ENGINE)
+    one = LLM(default_loaded, quantization=mode, **ENGINE)
+    tp = LLM(default_loaded, quantization=mode, tensor_parallel_size=3, **ENGINE)
     assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     wo = tp.engine.runner.state["wo"].get_value()
-    assert isinstance(wo, quant.QArray) and wo.q.sharding.spec[1] == "model"  # row-parallel, scales alike
-    assert wo.scale.sharding.spec[1] == "model"
+    assert isinstance(wo, quant.QArray) and wo.q.sharding.spec[1] == "model"  # row-parallel: split input rows
+    # int4's group scales are split with their rows; a per-channel scale (one row) is replicated.
+    assert wo.scale.sharding.spec[1] == ("model" if mode == "int4" else None)
 
 
 # ---------------------------------------------------------------------------------------------- GGUF served quantized
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def _random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """Valid K-quant blocks (the gguf package cannot quantize to these): random bytes, with the float16 super-block
+    scales set to sane values."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    at = (208,) if qtype.name == "Q6_K" else (0, 2)
+    for start in at:
+        b[:, start:start + 2] = rng.uniform(1e-3, 2e-2, size=(len(b), 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
     gguf_quants = pytest.importorskip("gguf.quants")
     from gguf import GGMLQuantizationType
@@ -154,7 +169,7 @@ def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
     t = GGMLQuantizationType[qtype]
     rng = np.random.default_rng(2)
     w = (rng.normal(size=(48, 256)) * rng.uniform(0.01, 2, size=(48, 1))).astype(np.float32)  # [out, in]
-    blocks = gguf_quants.quantize(w, t)
+    blocks = _random_k_blocks(t, *w.shape, rng) if qtype.endswith("_K") else gguf_quants.quantize(w, t)
     reference = gguf_quants.dequantize(blocks, t)  # the gguf package's own dequantizer
     for transpose in (True, False):  # a linear weight ([in, out], grouped along in) and the embedding ([V, D])
         parts = _quantized_parts(repack(blocks, t, w.shape), transpose)
@@ -197,3 +212,23 @@ def test_default_model_served_from_its_own_blocks_matches_hf(default_model_path,
     assert q_bytes / f_bytes < 0.19
     with pytest.raises(ValueError, match="keep_quantized"):
         LLM(default_loaded, quantization="gguf", **ENGINE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int4", "gguf"])
+def test_convert_writes_quantized_orbax_and_serves_it_the_same(default_model_path, default_loaded, tmp_path, mode):
+    from jaxserve.cli import main
+    from jaxserve.loading import load_model
+
+    dst = tmp_path / "ckpt"
+    assert main(["convert", str(default_model_path), str(dst), "--quantization", mode]) == 0
+    restored = load_model(dst)
+    assert isinstance(restored.params["wq"], quant.QArray) and isinstance(restored.params["embed"], quant.QArray)
+    source = load_model(default_model_path, keep_quantized=True) if mode == "gguf" else default_loaded
+    direct = LLM(source, quantization=mode, **ENGINE)
+    served = LLM(str(dst), **ENGINE)  # quantized as written, no flag needed
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    assert [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in direct.generate(prompts, params, use_tqdm=False)]
+    assert isinstance(served.engine.runner.state["wq"].get_value(), quant.QArray)

@@ -244,8 +244,8 @@ BAD = [
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
-    ("json_object format", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400),
+    ("unknown response format", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404),
     ("detokenize out of vocab", "/detokenize", {"tokens": [-1]}, 400),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404),
@@ -483,11 +483,14 @@ def _cheap(body) -> None:
     """Keeps a generated request cheap, valid values staying valid: at most 4 tokens and 2 choices."""
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens", "n", "min_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "min_tokens"):
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 2:
             body[key] = 2 if key == "n" else FUZZ_MAX_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if "input" in body:  # /v1/responses
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = FUZZ_MAX_TOKENS
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = FUZZ_MAX_TOKENS  # null: up to the context length
 
 
@@ -503,7 +506,8 @@ def test_fuzz_openapi_no_server_errors(served, mode):
 
     schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
-    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                                       "/detokenize", "/tokenizer_info"}
     statuses: dict[int, int] = {}
     for op in ops:
         @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -234,8 +234,9 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[
 @dataclasses.dataclass
 class GGUFQuantized:
     """One tensor's blocks repacked, not dequantized: ``values`` [out, in] (int8, or 4-bit values in uint8, one
-    per byte), ``scale`` (and ``zero``) [out, in / 32] float16, exactly the block's d (and m). Dequantized:
-    ``(values - offset) * scale (+ zero)``, as ``dequantize`` computes it."""
+    per byte), ``scale`` (and ``zero``) [out, in / group]: the block's own d (and m) in float16, or for the
+    K-quants the float32 products of the super-block's d and each sub-block's scale. Dequantized:
+    ``(values - offset) * scale (+ zero)``, exactly as ``dequantize`` computes it."""
 
     values: np.ndarray
     scale: np.ndarray
@@ -254,18 +255,30 @@ def _d16(b: np.ndarray, start: int) -> np.ndarray:
     return b[:, start:start + 2].view(np.float16)
 
 
-# ggml type -> (bits, offset, has a min, blocks -> (values, d, m or None))
+def _k_repack(b: np.ndarray, values: np.ndarray):
+    """Q4_K / Q5_K: per 32 values, scale d * sc and zero -(dmin * m) in float32 (the products the dequantizer
+    forms: ``(d * sc) * q - dmin * m`` is ``q * scale + zero`` exactly)."""
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    return values, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+
+
+# ggml type -> (bits, offset, group, blocks -> (values, scale, zero or None)): w = (values - offset) * scale + zero
 _REPACK = {
-    _Q.Q8_0: (8, 0, lambda b: (b[:, 2:34].view(np.int8), _d16(b, 0), None)),
-    _Q.Q4_0: (4, 8, lambda b: (_nibbles(b[:, 2:18], 16), _d16(b, 0), None)),
-    _Q.Q4_1: (4, 0, lambda b: (_nibbles(b[:, 4:20], 16), _d16(b, 0), _d16(b, 2))),
+    _Q.Q8_0: (8, 0, 32, lambda b: (b[:, 2:34].view(np.int8), _d16(b, 0), None)),
+    _Q.Q4_0: (4, 8, 32, lambda b: (_nibbles(b[:, 2:18], 16), _d16(b, 0), None)),
+    _Q.Q4_1: (4, 0, 32, lambda b: (_nibbles(b[:, 4:20], 16), _d16(b, 0), _d16(b, 2))),
+    _Q.Q4_K: (4, 0, 32, lambda b: _k_repack(b, _nibbles(b[:, 16:144], 32))),
+    _Q.Q5_K: (8, 0, 32, lambda b: _k_repack(b, (_nibbles(b[:, 48:176], 32) | (_bit_planes(b[:, 16:48]) << 4))
+                                            .view(np.int8))),
+    _Q.Q6_K: (8, 32, 16, lambda b: ((_nibbles(b[:, 0:128], 64) | (_crumbs(b[:, 128:192], 32) << 4)).view(np.int8),
+                                    _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), None)),
 }
 REPACKABLE_TYPES = tuple(_REPACK)
 
 
 def repack(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *,
            name: str | None = None) -> GGUFQuantized:
-    """A Q8_0 / Q4_0 / Q4_1 matrix's blocks as values and float16 scales (see ``GGUFQuantized``).
+    """A Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrix's blocks as values and scales (see ``GGUFQuantized``).
 
     Raises:
         ValueError: another type (see ``REPACKABLE_TYPES``), or a byte count that does not match ``shape``.
@@ -279,10 +292,10 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int,
     buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if in_dim % block_size or buf.size != out_dim * in_dim // block_size * type_size:
         raise ValueError(f"{qtype.name} tensor {name!r} of shape {shape} does not match its {buf.size} bytes")
-    bits, offset, fn = _REPACK[qtype]
-    values, d, m = fn(buf.reshape(-1, type_size))
-    return GGUFQuantized(values.reshape(out_dim, in_dim).copy(), d.reshape(out_dim, -1).copy(),
-                         None if m is None else m.reshape(out_dim, -1).copy(), bits, offset, block_size)
+    bits, offset, group, fn = _REPACK[qtype]
+    values, scale, zero = fn(buf.reshape(-1, type_size))
+    return GGUFQuantized(values.reshape(out_dim, in_dim).copy(), scale.reshape(out_dim, -1).copy(),
+                         None if zero is None else zero.reshape(out_dim, -1).copy(), bits, offset, group)
 
 
 # ---------------------------------------------------------------------------------------------- file parsing

@@ -7,6 +7,7 @@ source, a tensor-free ``tokenizer.gguf`` carrying the vocabulary and chat templa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -26,15 +27,40 @@ def is_orbax_dir(path: Path) -> bool:
     return path.is_dir() and (path / MARKER).is_file()
 
 
+def _static(q) -> dict:
+    return {f.name: getattr(q, f.name) for f in dataclasses.fields(q) if f.metadata.get("static")}
+
+
 def save(dst: str | Path, cfg: ModelConfig, params: dict[str, np.ndarray], dtype: str) -> None:
+    """Writes ``params`` (host arrays, or sharded device arrays: each shard written once). A quantized parameter
+    (``jaxserve.quant.QArray``) is stored as its arrays, its format in ``jaxserve.json``, and comes back as it
+    went."""
     import orbax.checkpoint as ocp
+
+    from jaxserve.quant import is_quantized
 
     dst = Path(dst).resolve()
     dst.mkdir(parents=True, exist_ok=True)
+    tree, quantized = {}, {}
+    for name, value in params.items():
+        if is_quantized(value):
+            tree[name] = {k: v for k, v in (("q", value.q), ("scale", value.scale), ("zero", value.zero))
+                          if v is not None}
+            quantized[name] = _static(value)
+        else:
+            tree[name] = value
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(dst / "params", params, force=True)  # host arrays, or sharded device arrays (each shard written once)
+    ckpt.save(dst / "params", tree, force=True)
     ckpt.wait_until_finished()
-    (dst / MARKER).write_text(json.dumps({"model": cfg.to_dict(), "dtype": dtype}, indent=1))
+    meta = {"model": cfg.to_dict(), "dtype": dtype} | ({"quantized": quantized} if quantized else {})
+    (dst / MARKER).write_text(json.dumps(meta, indent=1))
+
+
+def _rebuild(params: dict, quantized: dict) -> dict:
+    from jaxserve.quant import QArray
+
+    return {name: QArray(value["q"], value["scale"], value.get("zero"), **quantized[name]) if name in quantized
+            else value for name, value in params.items()}
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
@@ -72,13 +98,20 @@ def load(path: str | Path, shardings: Callable[[ModelConfig], dict] | None = Non
     path = Path(path).resolve()
     meta = json.loads((path / MARKER).read_text())
     cfg = ModelConfig.from_dict(meta["model"])
+    quantized = meta.get("quantized", {})
     ckpt = ocp.StandardCheckpointer()
     if shardings is None:
-        params = ckpt.restore(path / "params")
-        return cfg, {k: np.asarray(v) for k, v in params.items()}, meta["dtype"]
+        params = jax.tree.map(np.asarray, ckpt.restore(path / "params"))
+        return cfg, _rebuild(params, quantized), meta["dtype"]
     stored = ckpt.metadata(path / "params")
     stored = getattr(stored, "item_metadata", stored)  # orbax >= 0.11 wraps the tree
     placement = shardings(cfg)
-    target = {name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=placement[name])
-              for name, m in stored.items()}
-    return cfg, ckpt.restore(path / "params", target), meta["dtype"]
+    from jaxserve.sharding import fit_sharding
+
+    def abstract(m, sharding):
+        return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=fit_sharding(sharding, tuple(m.shape)))
+
+    target = {name: jax.tree.map(lambda m, s=placement[name]: abstract(m, s), value,
+                                 is_leaf=lambda m: hasattr(m, "shape"))
+              for name, value in stored.items()}
+    return cfg, _rebuild(ckpt.restore(path / "params", target), quantized), meta["dtype"]

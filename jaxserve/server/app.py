@@ -18,6 +18,7 @@ from jaxserve.server.chat import create_chat_completion, render_chat
 from jaxserve.server.completions import create_completion
 from jaxserve.server.errors import JSONResponse, error_response, install_error_handlers
 from jaxserve.server.params import check_token_ids
+from jaxserve.server.responses import create_response
 from jaxserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -28,11 +29,15 @@ from jaxserve.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponseObject,
+    ResponseStreamEvent,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from jaxserve.server.serving import LONG_INPUT, ServerState
+from jaxserve.server.tools import PARSERS
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
@@ -111,7 +116,8 @@ class _Guard:
 
 def build_app(engine, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_body_bytes: int = 4 * 1024 * 1024, max_waiting: int = 256,
-              shutdown_timeout: float = 30.0, max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS) -> FastAPI:
+              shutdown_timeout: float = 30.0, max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``LLMEngine``); the engine thread runs while the app does.
 
     Args:
@@ -121,7 +127,11 @@ def build_app(engine, *, served_model_names: list[str] | None = None, api_key: s
         max_waiting: admitted requests without a first token beyond which new ones are answered 503.
         max_prompt_chars: a longer prompt (or chat messages' content, all together) is answered 400 before it is
             tokenized; None: no limit.
+        tool_call_parser: the format tool calls are read in (``jaxserve.server.tools.PARSERS``: hermes,
+            llama3_json, mistral); None: the one the chat template calls for.
     """
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)} or None, got {tool_call_parser!r}")
     names = list(served_model_names or [engine.model_name])
     state = ServerState(AsyncEngine(engine, names[0], max_waiting), names, api_key, max_body_bytes,
                         max_prompt_chars)
@@ -138,6 +148,7 @@ def build_app(engine, *, served_model_names: list[str] | None = None, api_key: s
                   default_response_class=JSONResponse,
                   description="OpenAI-compatible API of the jaxserve JAX inference engine.")
     app.state.server = state
+    app.state.tool_call_parser = tool_call_parser
     install_error_handlers(app)
     app.add_middleware(_Guard, state=state)
     _add_routes(app, state)
@@ -150,6 +161,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     app.post("/v1/completions", responses={**_streamed(CompletionResponse), **common})(create_completion)
     app.post("/v1/chat/completions", responses={**_streamed(ChatCompletionResponse), **common})(
         create_chat_completion)
+    app.post("/v1/responses", responses={**_streamed(ResponseObject), **common})(create_response)
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
     async def list_models():
@@ -176,11 +188,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(state.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 413))
-    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
+    async def tokenize(req: TokenizeRequest):
         state.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             ids = await render_chat(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                    req.chat_template_kwargs)
+                                    req.chat_template_kwargs, parser=app.state.tool_call_parser)
         else:
             state.check_prompt_chars(len(req.prompt))
             ids = await state.encode(req.prompt, req.add_special_tokens is not False)
@@ -196,6 +208,28 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(req.model)
         check_token_ids(req.tokens, state.vocab_size, "tokens")
         return DetokenizeResponse(prompt=await state.decode(req.tokens))
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=_errors(401))
+    async def tokenizer_info():
+        if state.tokenizer_info is None:
+            state.tokenizer_info = _tokenizer_info(state.tokenizer, state.max_model_len)
+        return state.tokenizer_info
+
+
+def _tokenizer_info(tok, max_model_len: int) -> dict:
+    """The tokenizer's configuration as vLLM's /tokenizer_info answers it: ``tokenizer_config.json``'s keys (named
+    special tokens, whether encoding adds BOS/EOS, the chat template, the added tokens) and ``tokenizer_class``
+    (``PreTrainedTokenizerFast``: every vocabulary is served by a ``tokenizers`` tokenizer)."""
+    plain, full = tok.encode("a", add_special_tokens=False), tok.encode("a", add_special_tokens=True)
+    extra = len(full) - len(plain)
+    add_bos = extra > 0 and tok.bos_token_id is not None and full[0] == tok.bos_token_id
+    added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                      "single_word": t.single_word, "special": t.special}
+             for i, t in sorted(tok.added_tokens.items())}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_tokens,
+            "add_bos_token": add_bos, "add_eos_token": extra > int(add_bos),
+            "model_max_length": max_model_len, "chat_template": tok.chat_template,
+            "clean_up_tokenization_spaces": False, "added_tokens_decoder": added}
 
 
 def _tokens_body(ids: list[int], max_model_len: int, piece: int = 32 * 1024) -> bytes:
@@ -254,7 +288,8 @@ def _tidy_openapi(app: FastAPI, with_auth: bool, vocab_size: int) -> None:
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             for path, chunk in (("/v1/completions", CompletionStreamResponse),
-                                ("/v1/chat/completions", ChatCompletionChunk)):
+                                ("/v1/chat/completions", ChatCompletionChunk),
+                                ("/v1/responses", ResponseStreamEvent)):
                 chunk_schema = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(chunk_schema.pop("$defs", {}))
                 components[chunk.__name__] = chunk_schema

@@ -16,7 +16,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from jaxserve.cli import add_model_args
     from jaxserve.server import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_PROMPT_CHARS
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
-                              description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions).")
+                              description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, "
+                                          "/v1/responses).")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -35,6 +36,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "connection is closed (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="the format the model writes tool calls in (<tool_call>{...}</tool_call>, Llama 3.1's JSON, "
+                        "[TOOL_CALLS][...]); auto: the one the chat template uses (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m = p.add_argument_group("several hosts (one command per host; process 0 serves HTTP, the others follow)")
@@ -70,7 +74,8 @@ def cmd_serve(args) -> int:
                 time.perf_counter() - t0, engine.scheduler_config.max_model_len, engine.runner.num_pages)
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting_requests,
-                    shutdown_timeout=args.shutdown_timeout, max_prompt_chars=args.max_prompt_chars or None)
+                    shutdown_timeout=args.shutdown_timeout, max_prompt_chars=args.max_prompt_chars or None,
+                    tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser)
     try:
         return serve(app, args.host, args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
                      header_timeout=args.header_timeout)

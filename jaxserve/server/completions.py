@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.errors import APIError
-from jaxserve.server.params import check_context, check_token_ids, completion_logprobs, prompt_logprobs, sampling_params
+from jaxserve.server.params import (
+    check_context,
+    check_token_ids,
+    completion_logprobs,
+    prompt_logprobs,
+    renamed_constraint_error,
+    request_constraint,
+    sampling_params,
+)
 from jaxserve.server.protocol import CompletionRequest
 from jaxserve.server.serving import (
     ServerState,
@@ -48,9 +57,22 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         check_context(len(ids), req.max_tokens, state.max_model_len)
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         req = req.model_copy(update={"prompt_logprobs": req.logprobs})  # echo's logprobs cover the prompt too
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, vocab_size=state.vocab_size)
+    max_tokens = req.max_tokens
+    if max_tokens == 0:  # the prompt alone: the engine generates one token, which the answer leaves out
+        if not req.echo:
+            raise APIError(400, "max_tokens=0 asks for no tokens: it is served only with echo=true, which returns "
+                                "the prompt (and its logprobs)", param="max_tokens")
+        if req.min_tokens:
+            raise APIError(400, f"min_tokens={req.min_tokens} with max_tokens=0", param="min_tokens")
+        max_tokens = 1
+    constraint = request_constraint(req)
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=state.vocab_size,
+                             constraint=constraint)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = await state.add_all(rid, prompts, params, req.priority or 0, arrival)
+    try:
+        streams = await state.add_all(rid, prompts, params, req.priority or 0, arrival)
+    except APIError as e:  # a constraint the engine cannot compile: name the request field it came from
+        raise renamed_constraint_error(e, constraint) from e
     ctx = _Ctx(state, req, rid, model, prompts)
     return await respond(raw, streams, bool(req.stream), ctx.events, ctx.response)
 
@@ -61,6 +83,15 @@ class _Ctx:
         self.n = req.n or 1
         self.created = int(time.time())
         self._prompt_texts: dict[int, str] = {}
+        self.prompt_only = req.max_tokens == 0
+
+    def _shown(self, c: CompletionOutput) -> CompletionOutput:
+        """``c`` as answered: with max_tokens=0, without the one token generated (finish_reason "length")."""
+        if not self.prompt_only:
+            return c
+        return dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
+                                   logprobs=None if c.logprobs is None else [],
+                                   finish_reason="length" if c.finished else None, stop_reason=None)
 
     def prompt_text(self, k: int) -> str:
         if k not in self._prompt_texts:
@@ -105,7 +136,7 @@ class _Ctx:
     def response(self, finals: list[RequestOutput]) -> dict:
         choices, generated = [], 0
         for k, out in enumerate(finals):
-            for c in out.outputs:
+            for c in map(self._shown, out.outputs):
                 head = self.prompt_text(k) if self.req.echo else ""
                 choice = self._choice(k, out, c, head + c.text, 0, 0, bool(self.req.echo))
                 if self.req.prompt_logprobs is not None:
@@ -131,7 +162,7 @@ class _Ctx:
         generated: dict[int, int] = {}
         try:
             async for k, out in merge(streams):
-                for c in out.outputs:
+                for c in map(self._shown, out.outputs):
                     idx = k * self.n + c.index
                     if idx in sent_text and sent_text[idx] < 0:
                         continue  # finished already

@@ -44,19 +44,41 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+def _path(loc, body) -> list[str]:
+    """The JSON path of an error's location: the keys and indexes found in the body, without the labels pydantic
+    adds for a union's members ("str", "list[TextPart]", a tag); the last element (a missing field) always."""
+    path, node = [], body
+    for i, x in enumerate(loc):
+        if isinstance(node, dict) and isinstance(x, str) and x in node:
+            node = node[x]
+        elif isinstance(node, list) and isinstance(x, int) and 0 <= x < len(node):
+            node = node[x]
+        elif i < len(loc) - 1:
+            continue
+        path.append(str(x))
+    return path
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if errors and errors[0].get("type") == "json_invalid":
         why = (errors[0].get("ctx") or {}).get("error", "")
         return f"The body is not valid JSON ({why} at character {errors[0]['loc'][-1]}).", None
+    unsupported = [e for e in errors if e.get("type") == "extra_forbidden"]
+    errors = unsupported or errors  # an unsupported field is the reason (the rest: other members of a union)
     parts, param = [], None
     for e in errors[:5]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        where = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
-        parts.append(f"{where}: {e.get('msg', 'invalid')}")
+        loc = e.get("loc", ())
+        path = _path(loc[1:], getattr(exc, "body", None)) if loc[:1] == ("body",) else [str(x) for x in loc]
+        where = ".".join(path) or "body"
+        if e.get("type") == "extra_forbidden":  # a field no model declares: named, its whole path the param
+            param = param or where
+            parts.append(f"'{where}' is not supported by this server")
+        else:
+            param = param or (path[0] if path else None)
+            parts.append(f"{where}: {e.get('msg', 'invalid')}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    return "; ".join(parts) + more, param
+    return "; ".join(dict.fromkeys(parts)) + more, param
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from jaxserve.outputs import Logprob
@@ -12,14 +13,82 @@ from jaxserve.server.protocol import _SamplingRequest
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
+_CONSTRAINT_KIND = re.compile(r"structured_outputs(\.\w+)?")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """A constraint on the output: ``StructuredOutputsParams``' fields, and the request field they came from
+    (named in errors: ``response_format.json_schema.schema``, ``guided_regex``, ``tool_choice``, ...)."""
+
+    fields: dict
+    source: str
+
+
+def request_constraint(req: _SamplingRequest) -> Constraint | None:
+    """The constraint ``req`` sets through ``response_format``, ``structured_outputs`` or a ``guided_*`` field.
+
+    ``response_format``: ``text`` (none), ``json_object`` (any JSON object), ``json_schema`` (valid under
+    ``json_schema.schema``; a missing schema: any object). ``structured_outputs`` (vLLM's): exactly one of
+    json, regex, choice, grammar, json_object. ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``: vLLM's older names of those.
+
+    Raises:
+        APIError: 400 naming the fields when more than one is set, or ``response_format.json_schema`` when
+            ``type`` is json_schema without it.
+    """
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(Constraint({"json_object": True}, "response_format"))
+        elif rf.json_schema is None:
+            raise APIError(400, "response_format.type is json_schema but response_format.json_schema is missing",
+                           param="response_format.json_schema")
+        elif rf.json_schema.schema_ is None:
+            found.append(Constraint({"json_object": True}, "response_format.json_schema"))
+        else:
+            found.append(Constraint({"json": rf.json_schema.schema_}, "response_format.json_schema.schema"))
+    if req.structured_outputs is not None and req.structured_outputs.model_fields_set:  # {}: nothing asked
+        fields = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        found.append(Constraint(fields, "structured_outputs"))
+    for name, kind in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append(Constraint({kind: value}, name))
+    if len(found) > 1:
+        names = [c.source.split(".")[0] for c in found]
+        raise APIError(400, f"a request may set one constraint on its output, this one sets {len(found)}: "
+                            f"{', '.join(names)}", param=names[1])
+    return found[0] if found else None
+
+
+def renamed_constraint_error(e: APIError, constraint: Constraint | None) -> APIError:
+    """An engine refusal of a constraint (a ValueError naming ``structured_outputs.<kind>``), reworded to name
+    the request field it came from; other errors unchanged."""
+    m = None if constraint is None or e.status != 400 else _CONSTRAINT_KIND.search(e.message)
+    if m is None:
+        return e
+    if constraint.source == "structured_outputs":  # the request's own words: name the member
+        return APIError(400, e.message, param=m.group(0), code=e.code)
+    message = e.message[: m.start()] + constraint.source + e.message[m.end():]
+    return APIError(400, message, param=constraint.source, code=e.code)
+
+
 def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, constraint: Constraint | None | bool = True) -> SamplingParams:
     """The engine's parameters for ``req`` (max_tokens and logprobs resolved by the endpoint).
+
+    ``constraint``: the output's constraint; True (the default): the one the request's fields set
+    (``request_constraint``).
 
     Raises:
         APIError: 400 for a token id past the vocabulary or a combination the engine rejects (min_tokens >
             max_tokens, ...); the message names the field.
     """
+    if constraint is True:
+        constraint = request_constraint(req)
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise APIError(400, f"best_of={req.best_of} is not supported: this server does not rank candidates, so "
@@ -50,8 +119,11 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
             prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            structured_outputs=constraint.fields if constraint else None,
         )
     except ValueError as e:
+        if constraint and _CONSTRAINT_KIND.search(str(e)):
+            raise renamed_constraint_error(APIError(400, str(e).replace("SamplingParams.", "")), constraint) from e
         m = _FIELD.search(str(e))
         raise APIError(400, str(e).replace("SamplingParams.", ""), param=m.group(1) if m else None) from e
 

@@ -46,6 +46,7 @@ class ServerState:
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    tokenizer_info: dict | None = None  # GET /tokenizer_info's answer, made on first use
 
     @property
     def tokenizer(self):
