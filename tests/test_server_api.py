@@ -248,6 +248,31 @@ def test_responses_cut_and_refused(served):
         assert err["param"] == field and "not supported" in err["message"], err
 
 
+def test_responses_text_format_json_schema(served):
+    """``text.format`` json_schema through the openai client: the answer validates with jsonschema; a bad schema
+    is a 400 naming text.format.schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+              "required": ["city", "population"], "additionalProperties": False}
+    client = served.client()
+    for temperature in (0.0, 1.0):
+        r = client.responses.create(model=served.model, input="The largest city in Japan, as JSON.",
+                                    max_output_tokens=60, temperature=temperature,
+                                    text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                     "strict": True}})
+        assert r.status == "completed", r
+        jsonschema.validate(json.loads(r.output_text), schema)
+        assert r.text.format.type == "json_schema"
+    obj = client.responses.create(model=served.model, input="A person's name and age as a JSON object.",
+                                  max_output_tokens=120, temperature=0, text={"format": {"type": "json_object"}})
+    assert obj.status == "completed", obj.output_text
+    assert isinstance(json.loads(obj.output_text), dict)
+    bad = served.post("/v1/responses", {"input": "Hi", "max_output_tokens": 8, "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
+
+
 # ---------------------------------------------------------------------------------------------------- fields
 def test_unimplemented_fields_are_refused(served):
     """A field that would change the output and is not implemented: 400 naming it (nested ones by their path),

@@ -292,11 +292,17 @@ class ResponseInputMessage(_Strict):
 
 
 class ResponseTextFormat(_Strict):
-    type: Literal["text"]
+    """The Responses API's output format: plain text, any JSON object, or JSON valid under ``schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(None, description="with json_schema")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="with json_schema: the JSON schema")
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
 
 
 class ResponseTextConfig(_Strict):
-    format: ResponseTextFormat | None = Field(None, description="only plain text is supported")
+    format: ResponseTextFormat | None = Field(None, description="text (default), json_object or json_schema")
 
 
 class ResponsesRequest(_SamplingRequest):

@@ -1,6 +1,7 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path (the model's chat template, the same sampling
 parameters, the engine), answering one assistant message, whole or as OpenAI's typed stream events.
 
+``text.format`` constrains the answer to any JSON object or to JSON valid under a schema (structured outputs).
 Nothing is stored or run in the background, and no tools are called: ``previous_response_id``, ``background``,
 ``tools``, ``reasoning``, ``include`` and the other fields not declared by ``ResponsesRequest`` are refused (400
 naming the field) unless null or empty. An answer cut by ``max_output_tokens`` (or the context) has status
@@ -21,7 +22,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.async_engine import EngineDeadError, EngineStepError, ServerBusyError
 from jaxserve.server.chat import render_chat
 from jaxserve.server.errors import APIError
-from jaxserve.server.params import check_context, sampling_params
+from jaxserve.server.params import Constraint, check_context, renamed_constraint_error, sampling_params
 from jaxserve.server.protocol import (
     RESPONSES_SAMPLING_FIELDS,
     ChatMessage,
@@ -61,6 +62,23 @@ def to_chat_messages(req: ResponsesRequest) -> list[ChatMessage]:
     return msgs
 
 
+def text_format_constraint(req: ResponsesRequest) -> Constraint | None:
+    """The constraint ``text.format`` sets: none (text), any JSON object, or JSON valid under its ``schema``.
+
+    Raises:
+        APIError: 400 naming ``text.format.schema`` when type is json_schema without a schema.
+    """
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint({"json_object": True}, "text.format")
+    if fmt.schema_ is None:
+        raise APIError(400, "text.format.type is json_schema but text.format.schema is missing",
+                       param="text.format.schema")
+    return Constraint({"json": fmt.schema_}, "text.format.schema")
+
+
 async def create_response(req: ResponsesRequest, raw: Request) -> Response:
     arrival = time.perf_counter()
     state: ServerState = raw.app.state.server
@@ -68,9 +86,14 @@ async def create_response(req: ResponsesRequest, raw: Request) -> Response:
     _check_served(req)
     ids = await render_chat(state, to_chat_messages(req), True, False, None)
     check_context(len(ids), req.max_output_tokens, state.max_model_len, "max_output_tokens")
-    params = sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, vocab_size=state.vocab_size)
+    constraint = text_format_constraint(req)
+    params = sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, vocab_size=state.vocab_size,
+                             constraint=constraint)
     rid = f"resp_{uuid.uuid4().hex}"
-    streams = await state.add_all(rid, [ids], params, req.priority or 0, arrival)
+    try:
+        streams = await state.add_all(rid, [ids], params, req.priority or 0, arrival)
+    except APIError as e:  # a schema the engine cannot compile: name text.format.schema
+        raise renamed_constraint_error(e, constraint) from e
     ctx = _Ctx(req, rid, model, len(ids))
     return await respond(raw, streams, bool(req.stream), ctx.events, lambda finals: ctx.response(finals[0]))
 
@@ -118,8 +141,12 @@ class _Ctx:
                 "max_output_tokens": req.max_output_tokens, "model": self.model, "output": output,
                 "parallel_tool_calls": True, "temperature": 1.0 if req.temperature is None else req.temperature,
                 "top_p": 1.0 if req.top_p is None else req.top_p, "tool_choice": "auto", "tools": [],
-                "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False, "metadata": {},
+                "text": {"format": self._format()}, "truncation": "disabled", "store": False, "metadata": {},
                 "usage": usage}
+
+    def _format(self) -> dict:
+        fmt = self.req.text.format if self.req.text is not None else None
+        return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
 
     def _final(self, out: RequestOutput) -> tuple[dict, dict]:
         """(the output message, the response) of a finished request."""
