@@ -21,9 +21,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from bench.throughput import make_workload  # noqa: E402
-from tests.test_quant import _score as score  # noqa: E402 - perplexity and top-1 under teacher forcing
+from test_quant import _score as score  # noqa: E402 - perplexity and top-1 under teacher forcing
 
 MODES = {
     "float32": {},

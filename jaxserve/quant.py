@@ -184,6 +184,9 @@ def matmul(x: jax.Array, w: QArray) -> jax.Array:
     (``axis`` -1: the tied output projection). Accumulates in x's dtype (float32 on the CPU)."""
     if w.act_quant:
         return _matmul_w8a8(x, w)
+    if w.axis == -2 and w.group == w.q.shape[-2] and w.zero is None and not w.offset and w.bits == 8:
+        # One scale per output channel: it factors out of the sum, so only the values are converted.
+        return (x @ w.q.astype(x.dtype)) * w.scale.reshape(w.scale.shape[-1]).astype(x.dtype)
     dq = dequantize(w, x.dtype)
     return x @ (dq.T if w.axis == -1 else dq)
 
