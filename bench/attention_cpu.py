@@ -33,6 +33,7 @@ from jax import lax
 
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from jaxserve.kernels.reference import ragged_paged_attention_ref
+from jaxserve.utils import next_pow2
 
 PAGE = 16
 HQ, HK, D = 9, 3, 64
@@ -118,7 +119,7 @@ def main():
         if a.cases and not any(c in label for c in a.cases.split(",")):
             continue
         args, kv_bytes = make_inputs(t, s, p, q_lens, pool=a.pool)
-        hint = {"chunk": 1 << (max(q_lens) - 1).bit_length(), "none": None, "tokens": t}[a.hint]
+        hint = {"chunk": next_pow2(max(q_lens)), "none": None, "tokens": t}[a.hint]
         fns = {
             "reference": functools.partial(ragged_paged_attention_ref, sm_scale=SM_SCALE),
             "xla": functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, max_q_len=hint,

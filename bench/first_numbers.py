@@ -80,8 +80,8 @@ def main() -> None:
     hf = bench_hf(prompt, args.max_tokens, args.runs)
     print(f"machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores; "
           f"prompt {len(prompt)} tokens, {args.max_tokens} new tokens, greedy, median of {args.runs}")
-    print(f"| metric | jaxserve | HF transformers | ratio (jaxserve/HF) |")
-    print(f"|---|---|---|---|")
+    print("| metric | jaxserve | HF transformers | ratio (jaxserve/HF) |")
+    print("|---|---|---|---|")
     for key, better in (("load_s", "lower"), ("ttft_s", "lower"), ("decode_tok_s", "higher")):
         ratio = js[key] / hf[key]
         print(f"| {key} ({better} is better) | {js[key]:.3f} | {hf[key]:.3f} | {ratio:.2f} |")

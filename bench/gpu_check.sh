@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of jaxserve's kernels on a single-GPU machine (written for one H200) that already
+# One-shot GPU check of jaxserve's kernels on a host with one GPU that already
 # has JAX with CUDA. Installs nothing and does not pip-install this repo: it lays out a throwaway
 # `jaxserve` package whose only content is a link to kernels/, so `import jaxserve.kernels` needs nothing
 # but jax and numpy. Runs, compiled on the GPU:

@@ -1,6 +1,6 @@
 """The whole engine on one GPU (bfloat16), for a device check: the offline throughput workload, random weights.
 
-The default model's GGUF (98 MB) is too big to copy to a GPU machine with the run, so this builds SmolLM2-135M's
+So that nothing but the repository (and a small tokenizer file) has to reach the GPU host, this builds SmolLM2-135M's
 architecture (``configs/smollm2-135m.json``) with random weights and takes the vocabulary from a tensor-free
 ``tokenizer.gguf`` (``--tokenizer``; ``python bench/gpu_engine.py --write-tokenizer DIR`` makes one here).
 Token ids are random: throughput does not depend on the weights' values, only on their shapes.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The one device call: kernels (bench/gpu_check.sh) then the whole engine (bench/gpu_engine.py) on one GPU.
-# Installs nothing: the gguf wheel comes carried in .whl/ (pure Python) and a throwaway `jaxserve` package of
-# links stands in for `pip install -e .`. Needs .gpu/tokenizer.gguf (python bench/gpu_engine.py --write-tokenizer
-# .gpu). Usage on the device: bash bench/gpu_run.sh   (about 8 minutes; each part has a hard stop)
+# One-shot GPU check: the kernels (bench/gpu_check.sh), then the whole engine (bench/gpu_engine.py), on a host
+# with one GPU and JAX for CUDA but without this repo installed. Installs nothing from the network: wheels put in
+# .whl/ (e.g. gguf's, pure Python) are installed into /tmp/site, and a throwaway `jaxserve` package of links stands
+# in for `pip install -e .`. Needs .gpu/tokenizer.gguf (python bench/gpu_engine.py --write-tokenizer .gpu).
+# Usage on the GPU host: bash bench/gpu_run.sh   (about 8 minutes; each part has a hard stop)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then

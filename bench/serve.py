@@ -1,7 +1,7 @@
 """Online serving numbers for bench/RESULTS.md: latency vs request rate, and the server's overhead.
 
 Starts ``jaxserve serve`` (the default model unless --model) as a subprocess, then with ``jaxserve bench serve``'s
-client (``jaxserve/server/bench.py``):
+client (``jaxserve/benchmarks/serve.py``):
   1. a sweep at --rates (default 1, 4, 16 requests/s; Poisson arrivals): TTFT, TPOT, ITL mean/median/p99 and
      throughput per rate, and a PNG of latency vs rate;
   2. the overhead run: --overhead-prompts requests sent at once, streamed, through the server, and the same
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxserve.server import bench
+from jaxserve.benchmarks import serve as bench
 from jaxserve.server.launch import free_port
 
 
@@ -197,7 +197,7 @@ def main() -> None:
     print(f"server exited with {code}")
     load.append(os.getloadavg()[0])
     bench.plot(results, str(out / "latency_vs_rate.png"),
-               f"jaxserve serve, default model, 2-core CPU: ~{args.input_len} in / {args.output_len} out tokens")
+               f"jaxserve serve, default model, {os.cpu_count()} CPUs: ~{args.input_len} in / {args.output_len} out tokens")
     (out / "serve_results.json").write_text(json.dumps({"sweep": results, "overhead": over}, indent=1))
     md = markdown(args, results, over, load)
     (out / "serve_results.md").write_text(md + "\n")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from serve import client_args, start_server, stop_server
 
-from jaxserve.server import bench
+from jaxserve.benchmarks import serve as bench
 from jaxserve.server.launch import free_port
 from jaxserve.server.metrics import parse_metrics as metrics
 

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.utils import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +128,11 @@ class Plan:
     @property
     def max_sequences(self) -> int:
         """Sequences of ``seq_len`` tokens the pool holds at once."""
-        return self.num_pages // math.ceil(self.seq_len / self.page_size)
+        return self.num_pages // cdiv(self.seq_len, self.page_size)
 
     @property
     def fits(self) -> bool:
-        return self.num_pages >= math.ceil(self.seq_len / self.page_size)
+        return self.num_pages >= cdiv(self.seq_len, self.page_size)
 
     def decode_tokens_per_s(self) -> float:
         """Roofline of a decode step of ``batch`` sequences at ``seq_len``: each chip reads its weights once and
@@ -255,7 +256,7 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
     page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * cfg.head_dim * kv_itemsize
     compiled: list[Variant] = []
     if compile:
-        probe = runner(num_pages=config.num_pages or 2 * math.ceil(max_model_len / config.page_size))
+        probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))
         page_bytes = probe.device_page_bytes()  # with the TPU's tile padding
         weights = _per_chip_bytes((probe.state, probe.matmul_weights))
     else:
@@ -284,7 +285,7 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
             f"{name} does not fit {topology} at tensor_parallel_size={tp}: per chip {weights / GiB:.2f} GiB of "
             f"weights and {activations / GiB:.2f} GiB of activations leave {max(budget, 0) / GiB:.2f} GiB of "
             f"{chip.hbm_bytes / GiB:.0f} GiB ({config.kv_cache_memory_fraction:.0%}) for the KV cache, less than "
-            f"one {seq_len}-token sequence ({math.ceil(seq_len / config.page_size) * page_bytes / GiB:.2f} GiB); "
+            f"one {seq_len}-token sequence ({cdiv(seq_len, config.page_size) * page_bytes / GiB:.2f} GiB); "
             f"use more chips, a larger chip or a shorter max_model_len")
     if compile:
         final = runner(num_pages)

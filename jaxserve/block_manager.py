@@ -22,6 +22,7 @@ from array import array
 from collections import OrderedDict
 
 from jaxserve.request import Request
+from jaxserve.utils import cdiv
 
 NULL_PAGE = 0
 
@@ -31,10 +32,6 @@ def hash_page(parent: bytes | None, token_ids: list[int]) -> bytes:
     h = hashlib.sha256(parent or b"")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockManager:
@@ -88,7 +85,7 @@ class BlockManager:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def pages_needed(self, num_tokens: int) -> int:
-        return _cdiv(num_tokens, self.page_size)
+        return cdiv(num_tokens, self.page_size)
 
     def page_table(self, request_id: str) -> list[int]:
         """A copy of the request's page table (empty if it holds no pages)."""

@@ -1,8 +1,13 @@
-"""``jaxserve generate | chat | convert``: the command line."""
+"""The command line: ``jaxserve generate | chat | convert | plan | serve | bench serve``.
+
+Every command's parser is built here; the commands run lazily imported code (``serve``: ``jaxserve.server.cli``,
+``bench serve``: ``jaxserve.benchmarks.serve``), so ``jaxserve --help`` imports neither jax nor the server.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,24 +126,10 @@ def cmd_chat(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from pathlib import Path
+    from jaxserve.loading import convert
 
-    from jaxserve.loading import load_model, orbax_ckpt, resolve_model_path
-
-    src = resolve_model_path(args.src)
-    loaded = load_model(src, args.dtype, keep_quantized=args.quantization == "gguf")
-    params = loaded.params
-    if args.quantization not in (None, "gguf"):
-        import jax
-        import numpy as np
-
-        from jaxserve import quant
-
-        params = {name: jax.tree.map(np.asarray, quant.quantize(value, args.quantization, axis=quant.weight_axis(name)))
-                  if name in quant.QUANTIZED_PARAMS else value for name, value in params.items()}
-    orbax_ckpt.save(args.dst, loaded.config, params, args.dtype)
-    orbax_ckpt.copy_tokenizer(src, Path(args.dst))
-    print(f"wrote {args.dst} ({loaded.config.architecture}, {args.dtype}"
+    config = convert(args.src, args.dst, args.dtype, args.quantization)
+    print(f"wrote {args.dst} ({config.architecture}, {args.dtype}"
           f"{', ' + args.quantization if args.quantization else ''})")
     return 0
 
@@ -201,11 +192,67 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(pl, tensor_parallel_size=0, dtype="bfloat16")
     pl.set_defaults(func=cmd_plan)
 
-    from jaxserve.server.cli import add_bench_parser, add_serve_parser
-
-    add_serve_parser(sub)
-    add_bench_parser(sub)
+    _add_serve_parser(sub)
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_serve_parser(subparsers) -> None:
+    from jaxserve.server import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_PROMPT_CHARS
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, "
+                                          "/v1/responses).")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients send as 'model' (default: the model's name)")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests queued without a first token beyond which new ones get 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument("--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS,
+                   help="longer prompts (chat: all messages' content together) get 400 before they are tokenized; "
+                        "0: no limit (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a client may take to send a request's line and headers; then 408 and the "
+                        "connection is closed (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="the format the model writes tool calls in (<tool_call>{...}</tool_call>, Llama 3.1's JSON, "
+                        "[TOOL_CALLS][...]); auto: the one the chat template uses (default: %(default)s)")
+    p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before serving")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    m = p.add_argument_group("several hosts (one command per host; process 0 serves HTTP, the others follow)")
+    m.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed (with --num-processes and --process-id)")
+    m.add_argument("--num-processes", type=int, default=None)
+    m.add_argument("--process-id", type=int, default=None)
+    m.add_argument("--distributed-auto", action="store_true",
+                   help="let jax.distributed.initialize() find the group itself (Cloud TPU VMs of a multi-host slice)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from jaxserve.server.cli import serve
+
+    return serve(args)
+
+
+def _add_bench_parser(subparsers) -> None:
+    """``jaxserve bench serve`` (``bench`` is a group, so more benchmarks can join it)."""
+    from jaxserve.benchmarks import serve as bench_serve
+
+    b = subparsers.add_parser("bench", help="benchmarks")
+    sub = b.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser("serve", help="online benchmark against a running server (Poisson arrivals)",
+                       description="Sends requests at Poisson-distributed times to a running OpenAI-compatible "
+                                   "server; reports TTFT, TPOT, ITL (mean/median/p99) and throughput per rate.")
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.main)
 
 
 def main(argv: list[str] | None = None) -> int:

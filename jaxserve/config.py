@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2")
 
 # HF `architectures[0]` / `model_type` -> our architecture name.
 _HF_MODEL_TYPES = {
@@ -22,6 +23,20 @@ _HF_MODEL_TYPES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
 }
+
+
+def architecture_flags(architecture: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields an architecture fixes, whatever its checkpoint's format (HF or GGUF): Gemma's
+    GeGLU activation, ``1 + w`` norms and embedding scale, Gemma-2's sandwich norms; plain SwiGLU otherwise."""
+    gemma = architecture in GEMMA_ARCHITECTURES
+    return {"hidden_act": "gelu_pytorch_tanh" if gemma else "silu", "norm_weight_offset": 1.0 if gemma else 0.0,
+            "scale_embeddings": gemma, "sandwich_norms": architecture == "gemma2"}
+
+
+def gemma2_sliding_layers(num_layers: int) -> tuple[bool, ...]:
+    """Gemma-2's layer pattern when the checkpoint does not list one: sliding window (local) on even layers, full
+    attention (global) on odd ones."""
+    return tuple(i % 2 == 0 for i in range(num_layers))
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -184,8 +199,8 @@ class ModelConfig:
             elif rope_type != "default":
                 raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
         num_layers = hf["num_hidden_layers"]
-        gemma = arch in ("gemma", "gemma2")
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        flags = architecture_flags(arch)
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or flags["hidden_act"]
         if act in ("gelu", "gelu_pytorch_tanh"):
             act = "gelu_pytorch_tanh"  # Gemma's reference implementation uses the tanh approximation.
         sliding_window = hf.get("sliding_window") if arch in ("mistral", "gemma2", "qwen2", "qwen3") else None
@@ -201,7 +216,7 @@ class ModelConfig:
             if layer_types:
                 sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
             else:
-                sliding_layers = tuple(i % 2 == 0 for i in range(num_layers))
+                sliding_layers = gemma2_sliding_layers(num_layers)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -215,13 +230,10 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
+            tie_word_embeddings=hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES),
             attention_bias=hf.get("attention_bias", arch == "qwen2"),
             qk_norm=arch == "qwen3",
-            hidden_act=act,
-            norm_weight_offset=1.0 if gemma else 0.0,
-            scale_embeddings=gemma,
-            sandwich_norms=arch == "gemma2",
+            **(flags | {"hidden_act": act}),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if arch == "gemma2" else None,
             attn_logit_softcap=hf.get("attn_logit_softcapping") if arch == "gemma2" else None,
             final_logit_softcap=hf.get("final_logit_softcapping") if arch == "gemma2" else None,

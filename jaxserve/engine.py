@@ -25,7 +25,7 @@ from jaxserve.distributed import StepChannel, multi_process
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxserve.request import Request, RequestStatus
+from jaxserve.request import Request, RequestStatus, check_prompt, out_of_vocabulary
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
@@ -97,12 +97,15 @@ class _Tracked:
 
 
 class LLMEngine:
-    """The serving engine. See ``LLM`` for the offline batch API.
+    """The serving engine: requests in (``add_request``), one ``step()`` at a time, streamed outputs out. ``LLM`` is
+    the offline batch API over it; the HTTP server drives it from a thread of its own.
 
     Args:
-        model: GGUF file, HF directory, orbax directory, preset name or hub id; None = the default model.
-        config: the engine's settings (``jaxserve.config.EngineConfig``: dtypes, KV pool, batching, attention
-            kernels, tensor / data parallelism); default: the defaults.
+        model: GGUF file, HF directory, orbax directory, preset name or hub id; a ``LoadedModel`` already in host
+            memory (several engines can share one load); None = the default model.
+        config: the engine's settings (``jaxserve.config.EngineConfig``: dtypes, quantization, KV pool, batching,
+            attention kernels ("auto", "xla", "reference", "pallas"), tensor / data parallelism); default: the
+            defaults.
         **settings: fields of ``EngineConfig`` that replace ``config``'s (``max_num_seqs=8``,
             ``tensor_parallel_size=4`` ...).
 
@@ -110,6 +113,7 @@ class LLMEngine:
         TypeError: an unknown setting.
         ValueError: a bad setting, or a parallel layout the devices or the model cannot take (before the
             weights are read).
+        FileNotFoundError: the model cannot be found (or fetched from the hub).
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, config: EngineConfig | None = None,
@@ -215,11 +219,16 @@ class LLMEngine:
         return result
 
     def warmup(self) -> int:
-        """Compiles every step variant of every replica ahead of traffic; returns the number of compilations."""
+        """Compiles every step variant (shape bucket) of every replica ahead of traffic, running none.
+
+        Returns:
+            The number of step variants traced (those found in the persistent compilation cache count too).
+        """
         return sum(r.runner.warmup() for r in self.replicas)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end a sequence (unless ``ignore_eos``): the tokenizer's and the model config's."""
         return tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
 
     # ------------------------------------------------------------------ requests
@@ -232,13 +241,22 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Queues a prompt (text, or token ids: a list, tuple or 1-D integer numpy array).
+        """Queues a prompt; its outputs come from the following ``step()`` calls.
+
+        Args:
+            request_id: unique among unfinished requests; with ``n > 1`` the sequences are ``id#0``, ``id#1`` ...
+                inside the engine, and outputs carry ``request_id``.
+            prompt: text, or token ids (a list, tuple or 1-D integer numpy array).
+            sampling_params: default ``SamplingParams()``.
+            priority: lower is served first under ``policy="priority"``.
+            arrival_time: ``time.monotonic()`` of arrival (default: now); orders the queue.
 
         Raises:
             ValueError: an id in use (or one of its ``#k`` children's, for ``n > 1``), an empty prompt or one
                 of the wrong type, token ids out of the vocabulary (in the prompt, ``logit_bias`` or
-                ``stop_token_ids``), a prompt longer than max_model_len (naming both lengths), or a request
-                that cannot fit the page pool.
+                ``stop_token_ids``), a prompt that leaves no room to generate within max_model_len (naming both
+                lengths; ``jaxserve.request.check_prompt``), a grammar that does not compile, or a request that
+                cannot fit the page pool.
         """
         self.add_requests([(request_id, prompt, sampling_params, priority)], arrival_time=arrival_time)
 
@@ -308,19 +326,19 @@ class LLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in use" if rid == request_id else
                                  f"{where}: its sequence id {rid!r} (n={params.n}) is already in use")
         prompt_text, prompt_ids = self._prompt_ids(where, prompt)
-        vocab = self.model_config.vocab_size
-        for name, toks in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in toks if t >= vocab]
+        vocab, max_len = self.model_config.vocab_size, self.scheduler_config.max_model_len
+        try:
+            check_prompt(prompt_ids, vocab, max_len)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        for name, toks in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids)):
+            bad = out_of_vocabulary(toks, vocab)
             if bad:
-                raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary "
+                raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad} outside the vocabulary "
                                  f"[0, {vocab})")
         if params.n > self.runner.num_pages:
             raise ValueError(f"{where}: SamplingParams.n={params.n} sequences cannot each hold a page of the "
                              f"{self.runner.num_pages}-page KV pool")
-        max_len = self.scheduler_config.max_model_len
-        if len(prompt_ids) >= max_len:
-            raise ValueError(f"{where}: the prompt has {len(prompt_ids)} tokens, which leaves no room "
-                             f"to generate within max_model_len={max_len}")
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(prompt_ids)
         so = params.structured_outputs
         if so is not None:
@@ -343,7 +361,8 @@ class LLMEngine:
         return tracked
 
     def _prompt_ids(self, where: str, prompt) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt: a string, or token ids as a list, tuple or 1-D int array."""
+        """(text or None, token ids) of a prompt: a string, or token ids as a list, tuple or 1-D int array (their
+        values are checked by ``check_prompt``)."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
@@ -355,16 +374,14 @@ class LLMEngine:
                    f"a {type(prompt).__name__} holding {sorted({type(t).__name__ for t in prompt})}"
                    if isinstance(prompt, (list, tuple)) else f"a {type(prompt).__name__}")
             raise ValueError(f"{where}: the prompt must be a string or a list of int token ids, got {got}")
-        if not ids:
-            raise ValueError(f"{where}: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{where}: prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return (prompt if isinstance(prompt, str) else None), ids
 
     def abort_request(self, request_id: str) -> bool:
-        """Aborts a request (all its sequences) and frees its pages at once. Returns False if unknown."""
+        """Aborts a request (all its sequences) and frees its pages at once; it produces no further output.
+
+        Returns:
+            True if the request was unfinished, False if unknown (finished already, or never added).
+        """
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return False
@@ -375,11 +392,16 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
+        """True while some added request has not finished (``step()`` has work)."""
         return bool(self._tracked)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler + device step on every replica. Returns an output for every request that progressed.
+        """Runs one scheduler + device step on every replica.
+
+        Returns:
+            A ``RequestOutput`` for every request that progressed (cumulative: text and tokens so far;
+            ``finished`` on its last one, after which the request is forgotten).
 
         Raises:
             StepFailed: the device step, or a request's own processing, raised. The requests concerned are
@@ -544,7 +566,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
-        """Scheduler and runner counters, summed over the data-parallel replicas."""
+        """Scheduler and runner counters, summed over the data-parallel replicas.
+
+        Returns:
+            A dict: ``num_running``, ``num_waiting``, ``num_preemptions``, ``num_used_pages``,
+            ``num_usable_pages``, ``kv_usage``, ``prefix_cache_queries``, ``prefix_cache_hits``,
+            ``prefix_cache_hit_rate``, ``num_compilations``, ``num_pages``, ``num_tokens_computed`` and
+            ``num_steps`` (what ``/metrics`` reports).
+        """
         per = [dataclasses.asdict(r.scheduler.stats()) for r in self.replicas]
         stats = {k: sum(p[k] for p in per) for k in per[0]}
         stats["kv_usage"] = stats["num_used_pages"] / max(stats["num_usable_pages"], 1)

@@ -19,13 +19,21 @@ Message = dict[str, str]
 
 
 class LLM:
-    """Loads a model and generates for batches of prompts with continuous batching.
+    """Loads a model and generates for batches of prompts with continuous batching (an ``LLMEngine`` stepped
+    until every prompt of a call is done).
 
     Args:
-        model: GGUF file, HF directory, orbax directory, preset name or hub id; None = the embedded default
+        model: GGUF file, HF directory, orbax directory (``jaxserve convert``), preset name (``configs/``) or
+            Hugging Face hub id; a ``jaxserve.loading.LoadedModel`` already in memory; None = the embedded default
             model (SmolLM2-135M-Instruct).
-        **engine_kwargs: see ``LLMEngine`` (num_pages, page_size, max_num_seqs, max_num_batched_tokens,
-            max_model_len, enable_prefix_caching, attention_impl, dtype, seed, ...).
+        **engine_kwargs: the engine's settings, fields of ``jaxserve.config.EngineConfig`` (``max_num_seqs``,
+            ``max_model_len``, ``dtype``, ``attention_impl`` ("auto", "xla", "reference", "pallas"),
+            ``quantization``, ``tensor_parallel_size`` ...), or ``config=EngineConfig(...)``; see ``LLMEngine``.
+
+    Raises:
+        TypeError: an unknown engine setting.
+        ValueError: a bad setting, or a parallel layout the devices or the model cannot take.
+        FileNotFoundError: the model cannot be found (or fetched from the hub).
     """
 
     def __init__(self, model: str | Path | None = None, **engine_kwargs):
@@ -34,6 +42,7 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The model's ``jaxserve.tokenizer.Tokenizer`` (``encode``, ``decode``, ``apply_chat_template``)."""
         return self.engine.tokenizer
 
     def generate(
@@ -43,13 +52,24 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (a string or a list of token ids); outputs come back in prompt order.
+        """Generates for every prompt; outputs come back in prompt order, each once finished.
 
         Under several processes (``jax.distributed``) every process calls this with the same arguments: process
         0 schedules and every process runs the steps; all return process 0's outputs (or raise its error).
 
+        Args:
+            prompts: one prompt or a list of them; a prompt is a string or token ids (a list of ints or a 1-D
+                integer numpy array).
+            sampling_params: one ``SamplingParams`` for every prompt, or one per prompt; None = the defaults.
+            use_tqdm: show a progress bar.
+            priority: one int per prompt (lower first) under ``policy="priority"``; None = all 0.
+
+        Returns:
+            One ``RequestOutput`` per prompt, with ``n`` ``CompletionOutput``s each.
+
         Raises:
-            ValueError: a bad prompt or parameter; nothing is queued in that case.
+            ValueError: a bad prompt or parameter, or a prompt that leaves no room to generate within
+                ``max_model_len``; nothing is queued in that case.
         """
         return self.engine.lead_or_follow(self._generate, prompts, sampling_params, use_tqdm, priority)
 
@@ -76,7 +96,22 @@ class LLM:
         add_generation_prompt: bool = True,
         **template_kwargs,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+        """Renders each conversation with the model's chat template, then generates (as ``generate``).
+
+        Args:
+            messages: one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of them.
+            sampling_params: as in ``generate``.
+            use_tqdm: show a progress bar.
+            add_generation_prompt: end the rendered prompt with the assistant turn's header.
+            **template_kwargs: passed to the chat template (e.g. ``tools=[...]``).
+
+        Returns:
+            One ``RequestOutput`` per conversation.
+
+        Raises:
+            ValueError: as ``generate``, or the model has no chat template.
+            jinja2.TemplateError: the template refused a conversation (e.g. a bad order of roles).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             self.tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, tokenize=True,

@@ -90,12 +90,8 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """``all_token_ids[start:stop]`` without building the whole list."""
+        """Tokens ``[start, stop)`` of prompt + output, without concatenating the two lists."""
         p = len(self.prompt_token_ids)
         if stop <= p:
             return self.prompt_token_ids[start:stop]
@@ -138,21 +134,48 @@ class Request:
         )
 
 
-def check_prompt_length(request: Request, max_model_len: int) -> None:
-    """Raises ValueError (naming both lengths) if the prompt is longer than ``max_model_len``."""
-    if request.num_prompt_tokens > max_model_len:
-        raise ValueError(
-            f"request {request.request_id!r}: the prompt has {request.num_prompt_tokens} tokens, "
-            f"longer than max_model_len={max_model_len}"
-        )
+# ---------------------------------------------------------------------------------------------------- validation
+# The rules a prompt obeys, in one place: the engine (``LLMEngine.add_request``), the scheduler and the server all
+# check them here (the server words its answers the OpenAI way, but decides with these functions).
+
+def out_of_vocabulary(token_ids, vocab_size: int) -> list[int]:
+    """The first (at most five) ids of ``token_ids`` outside ``[0, vocab_size)``; empty when all are inside."""
+    if not len(token_ids) or 0 <= min(token_ids) and max(token_ids) < vocab_size:  # C loops: fast on long prompts
+        return []
+    return [t for t in token_ids if not 0 <= t < vocab_size][:5]
+
+
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave room for at least one generated token: prompt + output is at most ``max_model_len``.
+
+    Raises:
+        ValueError: ``num_prompt_tokens >= max_model_len`` (the message names both lengths).
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
+                         f"max_model_len={max_model_len}")
+
+
+def check_prompt(token_ids, vocab_size: int, max_model_len: int) -> None:
+    """Every rule of a prompt's token ids: not empty, inside the vocabulary, and within ``check_prompt_length``.
+
+    Raises:
+        ValueError: the first rule broken, named.
+    """
+    if not len(token_ids):
+        raise ValueError("the prompt is empty")
+    bad = out_of_vocabulary(token_ids, vocab_size)
+    if bad:
+        raise ValueError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    check_prompt_length(len(token_ids), max_model_len)
 
 
 def max_computed_tokens(request: Request, max_model_len: int) -> int:
     """Most KV positions this request can ever need.
 
     The last token of a finished request is sampled but never fed back, so a request that ends with
-    ``T`` tokens computes ``T - 1`` of them, and never fewer than its whole prompt.
+    ``T`` tokens computes ``T - 1`` of them, and never fewer than its whole prompt (``check_prompt_length``
+    holds).
     """
-    sp = request.sampling_params
-    final = min(request.num_prompt_tokens + sp.max_tokens, max(max_model_len, request.num_prompt_tokens + 1))
+    final = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_model_len)
     return max(request.num_prompt_tokens, final - 1)

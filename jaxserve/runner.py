@@ -3,11 +3,16 @@
 The runner receives a :class:`~jaxserve.scheduler.SchedulerOutput`, packs it into padded arrays of a
 bucketed shape (tokens in the step, sequences, pages per sequence) and calls
 
-    step(state, k_cache, v_cache, tokens, batch, logits_indices, sampling) -> (sampled, k_cache, v_cache)
+    step(state, matmul_weights, k_cache, v_cache, tokens, batch, logits_indices, sampling, next_tokens)
+        -> (sampler_output, prompt_logprobs, k_cache, v_cache)
 
-with both caches donated, so the pool is updated in place. Everything the step reads is an argument: no
-Python value is frozen into a trace except the static shapes, so one compilation serves every mix of
-requests of the same bucket.
+with both caches donated, so the pool is updated in place. ``state`` is the model's weights (flax NNX state),
+``matmul_weights`` the optional bfloat16 copies for ``matmul_dtype``, ``tokens`` [T] and ``batch``
+(``AttentionBatch``: positions, slot mapping, kv lens, page table, cu_q_lens, num_seqs) the step's tokens,
+``logits_indices`` [S] the last token of each sequence, ``sampling`` the sampler's fixed-width arrays
+(``SamplingMetadata``) and ``next_tokens`` [T] the targets of prompt logprobs (-1: none). Everything the step
+reads is an argument: no Python value is frozen into a trace except the static shapes (and the ``decode_only``
+variant), so one compilation serves every mix of requests of the same bucket.
 
 The step is one SPMD program over the runner's mesh (``jaxserve.sharding``): weights placed shard by shard by
 their logical axes, the pool split over KV heads, the kernels under ``shard_map``, the logits gathered once
@@ -20,7 +25,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import math
 import os
 import time
 import warnings
@@ -45,6 +49,7 @@ from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import (KV_POOL_SPEC, VOCAB_SPEC, fit_sharding, kv_heads_for, make_mesh, param_shardings,
                                replicate_kv_heads, shard_kernels)
 from jaxserve.structured import bitmask_width
+from jaxserve.utils import cdiv, next_pow2
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
 _CPU_KV_AVAILABLE_SHARE = 0.25  # ... and to at most this share of the memory available at startup
@@ -65,16 +70,12 @@ def available_host_memory(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _buckets(lo: int, hi: int) -> list[int]:
-    out, b = [], _pow2_at_least(lo)
+    out, b = [], next_pow2(lo)
     while b < hi:
         out.append(b)
         b *= 2
-    return out + [_pow2_at_least(hi)]
+    return out + [next_pow2(hi)]
 
 
 def _pick(buckets: list[int], n: int) -> int:
@@ -135,13 +136,20 @@ class ModelRunner:
         model_cfg: the model.
         params: stacked parameter arrays (see ``jaxserve.loading.weights.param_shapes``).
         cache_cfg / sched_cfg: pool size and batching limits (they fix the bucket set).
-        attention_impl: "auto" | "reference" | "pallas".
+        attention_impl: "auto" | "xla" | "reference" | "pallas" (see ``jaxserve.kernels``).
         matmul_dtype: None or "bfloat16": dtype of the weights in the matrix products (None: the weights'
             own). On the CPU, "bfloat16" with float32 weights runs the products of steps of 8 rows or more on
             bfloat16 inputs with float32 accumulation (about 2x faster); norms, residuals, attention, the KV
             cache and the sampler stay float32.
         mesh: the ("data", "model") mesh the step runs over (default: the first device); its "model" size is
             the tensor-parallel degree.
+        platform: None (the platform JAX runs on), or "tpu" / "gpu" to build the steps for that platform without
+            running them (``jaxserve.aot``; then ``params`` may be ``jax.ShapeDtypeStruct``s).
+        quantization: None, or "int8" / "int4" / "w8a8" / "fp8" to quantize the float weights on their devices,
+            or "gguf" for weights that came quantized (``jaxserve.quant``).
+
+    Raises:
+        ValueError: a quantization the backend cannot run, or a KV pool that does not fit the memory.
     """
 
     def __init__(
@@ -209,9 +217,9 @@ class ModelRunner:
             zeros = self._pool_zeros(self.num_pages)
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
         self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
-        self.max_seqs = _pow2_at_least(sched_cfg.max_num_seqs)
-        self.page_buckets = _buckets(min(8, math.ceil(sched_cfg.max_model_len / self.page_size)),
-                                     math.ceil(sched_cfg.max_model_len / self.page_size))
+        self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
+        self.page_buckets = _buckets(min(8, cdiv(sched_cfg.max_model_len, self.page_size)),
+                                     cdiv(sched_cfg.max_model_len, self.page_size))
         self.attention_impl = attention_impl
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
         self.reset_timers()
@@ -278,7 +286,7 @@ class ModelRunner:
         pages = 64
         with jax.set_mesh(self.mesh):  # a topology's devices (jaxserve.aot) compile inside their mesh
             out = self._pool_zeros(pages).lower().compile().memory_analysis().output_size_in_bytes
-        return -(-2 * out // pages)
+        return cdiv(2 * out, pages)
 
     def _pages_from_memory(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> int:
         """Pool size when ``num_pages`` is not given; logs the pages, tokens and bytes.
@@ -307,7 +315,7 @@ class ModelRunner:
             budget = int(min(_CPU_KV_CAP_BYTES, available * _CPU_KV_AVAILABLE_SHARE))
         pages = budget // page_bytes
         if explicit is None and not on_device:
-            pages = min(pages, sched_cfg.max_num_seqs * math.ceil(sched_cfg.max_model_len / self.page_size) + 1)
+            pages = min(pages, sched_cfg.max_num_seqs * cdiv(sched_cfg.max_model_len, self.page_size) + 1)
         if pages < 2:
             raise ValueError(f"not enough memory for a KV cache: {budget} bytes hold {pages} pages of {page_bytes} "
                              f"bytes ({available} bytes available); set num_pages or kv_cache_memory")
@@ -387,7 +395,7 @@ class ModelRunner:
         kv_lens = np.zeros(sb, np.int32)
         for i, s in enumerate(seqs):
             kv_lens[i] = s.start_pos + len(s.token_ids)
-        pb = _pick(self.page_buckets, -(-int(kv_lens.max()) // self.page_size))
+        pb = _pick(self.page_buckets, cdiv(int(kv_lens.max()), self.page_size))
         rows = np.array([self._requests[s.req_id].row for s in seqs], np.int32)
         page_indices = np.full((sb, pb), NULL_PAGE, np.int32)
         page_indices[: len(seqs)] = self.page_table[rows, :pb]
@@ -507,7 +515,7 @@ class ModelRunner:
         chunks = []
         for i in range(0, len(ops), self.max_seqs):
             part = ops[i: i + self.max_seqs]
-            src, dst = np.full((2, _pow2_at_least(len(part))), NULL_PAGE, np.int32)
+            src, dst = np.full((2, next_pow2(len(part))), NULL_PAGE, np.int32)
             src[: len(part)], dst[: len(part)] = zip(*part)
             chunks.append((src, dst))
         return chunks
@@ -545,8 +553,8 @@ class ModelRunner:
         """Compiles every step variant ahead of traffic, without running any; logs how many and how long.
 
         Variants are traced and lowered one by one (Python), then compiled by ``workers`` threads at once
-        (XLA compiles outside the GIL, but each compile is itself multi-threaded: on 2 CPUs one worker was
-        fastest, so the default is a quarter of the CPUs, at least one). The jitted step finds them in JAX's
+        (XLA compiles outside the GIL, but each compile is itself multi-threaded, so parallel compiles compete for
+        the same cores: the default is a quarter of the CPUs, at least one). The jitted step finds them in JAX's
         caches on first use (no trace, no compile), and a second process in the persistent compilation
         cache. Returns the number of compilations (traces: a variant found in the persistent cache still
         counts).

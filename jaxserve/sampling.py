@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from collections.abc import Sequence
 
 import jax
@@ -27,11 +26,12 @@ import numpy as np
 from jaxserve.sampling_params import (  # noqa: F401
     GREEDY_EPS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, PAD_ID, TOP_K_CAP, SamplingParams,
 )
+from jaxserve.utils import next_pow2
 
 
 def _bucket(n: int, minimum: int) -> int:
     """Smallest power of two >= max(n, minimum)."""
-    return 1 << (max(n, minimum, 1) - 1).bit_length()
+    return next_pow2(max(n, minimum))
 
 
 def bias_width(num_eos_tokens: int) -> int:

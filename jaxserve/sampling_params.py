@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -97,12 +96,34 @@ class StructuredOutputsParams:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request (the vLLM / OpenAI knobs). Validated at construction.
+    """How to sample one request (the vLLM / OpenAI knobs). Validated at construction; frozen.
 
-    ``top_k`` of 0 or -1 and ``top_p`` of 1 are off; ``temperature`` below 1e-5 is greedy. ``logprobs=N``
-    returns the chosen token's logprob and the top N (0: the chosen token only). ``stop`` is normalized to a
-    list of strings, ``stop_token_ids`` to a list of ints and ``logit_bias`` to ``dict[int, float]``
-    (string keys such as OpenAI JSON sends are accepted).
+    Args:
+        n: sequences to generate for the prompt (>= 1); they share the prompt's KV pages.
+        temperature: >= 0; below 1e-5 sampling is greedy (argmax). Default 1.0.
+        top_p: nucleus sampling, in (0, 1]; 1 is off.
+        top_k: keep the k most likely tokens; 0 or -1 is off.
+        min_p: drop tokens below ``min_p`` times the top token's probability, in [0, 1]; 0 is off.
+        repetition_penalty: > 0; divides positive (multiplies negative) logits of tokens seen in the prompt or
+            output; 1 is off.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token the output already holds; 0 is off.
+        frequency_penalty: in [-2, 2]; subtracted as many times as the output holds the token; 0 is off.
+        logit_bias: ``{token id: bias}``, biases in [-100, 100] added to the logits, at most 1024 entries;
+            string keys (as OpenAI JSON sends them) are accepted. Normalized to ``dict[int, float]``.
+        seed: a 64-bit signed int for reproducible sampling; None: the engine draws one (from its ``seed``).
+        max_tokens: most tokens to generate (>= 1); None: up to ``max_model_len``. Default 16.
+        min_tokens: EOS and ``stop_token_ids`` are banned until this many tokens are generated (<= max_tokens).
+        stop: a string or list of strings; the output ends before the first one generated (with it, if
+            ``include_stop_str_in_output``). Normalized to a list.
+        stop_token_ids: at most 256 token ids that end the output (not included in its text).
+        ignore_eos: go on past the model's end-of-sequence tokens.
+        logprobs: 0..20 or None: each generated token's logprob plus the top ``logprobs`` alternatives (0: the
+            chosen token only).
+        prompt_logprobs: 0..20 or None: the same for every prompt position after the first.
+        skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        structured_outputs: a ``StructuredOutputsParams``, or a dict of its fields (``{"json": schema}``,
+            ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": True}``).
 
     Raises:
         ValueError: a field has a wrong type or an out-of-range value; the message names the field.

@@ -62,10 +62,6 @@ class SchedulerOutput:
     preempted_req_ids: list[str]  # preempted this step: their KV is gone, they restart from position 0
     num_scheduled_tokens: int
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerStats:
@@ -113,7 +109,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         max_len = self.config.max_model_len
-        check_prompt_length(request, max_len)
+        try:
+            check_prompt_length(request.num_prompt_tokens, max_len)
+        except ValueError as e:
+            raise ValueError(f"request {request.request_id!r}: {e}") from None
         bm = self.block_manager
         tokens = max_computed_tokens(request, max_len)
         if bm.pages_needed(tokens) > bm.num_usable_pages:
@@ -127,8 +126,9 @@ class Scheduler:
         """Queues a new request.
 
         Raises:
-            ValueError: the id is in use, the prompt is longer than ``max_model_len``, or the request may
-                need more pages than the whole pool.
+            ValueError: the id is in use, the prompt leaves no room to generate within ``max_model_len``
+                (``jaxserve.request.check_prompt_length``), or the request may need more pages than the whole
+                pool.
         """
         self.add_requests([request])
 

@@ -139,10 +139,22 @@ def write_kv(
     interpret: bool | None = None,
     backend: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Writes the step's new K/V ([T, num_kv_heads, head_dim]) into one layer of the pool.
+    """Writes the step's new K/V into one layer of the pool.
 
-    ``slot_mapping[t] = page * page_size + offset``; negative slots write nothing. Returns the updated
-    (k_cache, v_cache); donate the caches to the enclosing jit so the update happens in place.
+    Args:
+      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool.
+      layer: int32 scalar (may be traced), the layer to write.
+      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype.
+      slot_mapping: [T] int32, ``page * page_size + offset`` of token t; negative slots (padding) write nothing.
+      impl, backend, interpret: see the module docstring ("xla" on the CPU: the C++ in-place write when it is
+        available, else the reference scatter).
+
+    Returns:
+      The updated (k_cache, v_cache). Donate the caches to the enclosing jit so that the update happens in place
+      (without donation XLA copies the pool).
+
+    Raises:
+      ValueError: bad impl/backend; the Pallas and C++ writes also refuse new rows that do not fit the caches.
     """
     kernel, interp = _choose(impl, backend, interpret)
     if kernel == "xla" and jax.default_backend() == "cpu" and cpu_ffi.available():

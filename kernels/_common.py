@@ -10,13 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def cdiv(a, b):
-    return (a + b - 1) // b
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
+from jaxserve.utils import cdiv
 
 
 def validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *, sm_scale, soft_cap) -> None:

@@ -8,8 +8,10 @@ the CPU when the caches are float32 or bfloat16. ``write_kv`` writes new K/V row
 The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
 ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
 ``~/.cache/jaxserve/ffi``). ``available()`` says whether it could be built and loaded, and ``unavailable_reason()``
-says why not; ``impl="auto"`` then keeps the pure-XLA path, and asking for it explicitly
-(``impl="ffi"``) raises with that reason.
+says why not. Without it the public ``ragged_paged_attention(impl="auto" | "xla")`` silently keeps the jnp/lax
+blocks (and ``write_kv`` the reference scatter); only a direct call of the lower-level
+``ragged_paged_attention_xla(..., impl="ffi")`` (tests, ``bench/attention_cpu.py``) insists on the C++ kernel and
+raises with that reason.
 """
 
 from __future__ import annotations

@@ -28,10 +28,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels._common import cdiv, next_pow2, num_seq_q_blocks, seq_q_blocks, valid_token_mask
-from jaxserve.kernels._common import validate_attention_inputs
+from jaxserve.kernels._common import num_seq_q_blocks, seq_q_blocks, valid_token_mask, validate_attention_inputs
+from jaxserve.utils import cdiv, next_pow2
 
-# Enough programs to fill an H100/H200 (132 SMs) about twice over before splitting contexts further.
+# Enough programs to fill an H100-class GPU (132 SMs) about twice over before splitting contexts further.
 _TARGET_PROGRAMS = 256
 
 

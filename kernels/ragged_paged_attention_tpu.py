@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.kernels._common import cdiv, validate_attention_inputs
+from jaxserve.kernels._common import validate_attention_inputs
+from jaxserve.utils import cdiv
 
 _LANES = 128
 

@@ -38,9 +38,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.kernels import cpu_ffi
-from jaxserve.kernels._common import cdiv, next_pow2, valid_token_mask, validate_attention_inputs
+from jaxserve.kernels._common import valid_token_mask, validate_attention_inputs
+from jaxserve.utils import cdiv, next_pow2
 
-# Heuristics measured with bench/attention_cpu.py on a 2-core AVX-512 host. One block costs about one context
+# Heuristics measured with bench/attention_cpu.py (an AVX-512 CPU). One block costs about one context
 # gather plus a matmul that grows with its rows: decode is fastest at 1 token per block, long prefill at 128.
 _MAX_BLOCK_Q = 128
 _DEFAULT_BLOCK_Q = 32  # no hint
@@ -89,14 +90,16 @@ def ragged_paged_attention_xla(
       ctx_chunk, decode_chunk: context tokens per online-softmax step for those blocks and for 1-token
         sequences (override the defaults).
       impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32 or bfloat16 caches on the CPU),
-        "xla" the blocks here, "auto" the C++ kernel where it applies and could be built, else the blocks.
+        "xla" the blocks here, "auto" the C++ kernel where it applies and could be built, else the blocks. (This
+        is the lower-level choice; the public ``jaxserve.kernels.ragged_paged_attention`` always passes "auto".)
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
 
     Raises:
-      ValueError: inconsistent shapes or head counts, a bad hint or block size, or a page table too short for a
-        concrete kv_lens.
+      ValueError: inconsistent shapes or head counts, a bad hint, block size or ``impl``, ``impl="ffi"`` on caches
+        it cannot read, or a page table too short for a concrete kv_lens.
+      RuntimeError: ``impl="ffi"`` and the C++ kernel could not be built (naming why).
     """
     validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
                               soft_cap=soft_cap)

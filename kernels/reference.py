@@ -1,7 +1,9 @@
 """Plain-jnp reference for ragged paged attention and for writing K/V into pages.
 
-This is the ground truth the Pallas kernels are tested against, and the implementation the engine uses
-on the CPU. Layout conventions shared by every implementation:
+This is the ground truth every other implementation (the Pallas kernels, the XLA blocks, the C++ kernel) is
+tested against. The engine attends with it only under ``attention_impl="reference"``; on the CPU it attends with
+the C++ kernel or the XLA blocks, and writes K/V with ``write_kv_ref`` only when the C++ kernel is unavailable.
+Layout conventions shared by every implementation:
 
     q            [T, num_q_heads, head_dim]         the step's query tokens, sequences back to back
     k_cache      [L, num_pages, page_size, num_kv_heads, head_dim]   (v_cache the same)
@@ -47,7 +49,19 @@ def ragged_paged_attention_ref(
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
 ) -> jax.Array:
-    """Attention of a ragged batch of query chunks over paged K/V. Returns [T, num_q_heads, head_dim]."""
+    """Attention of a ragged batch of query chunks over paged K/V, as the module docstring defines it.
+
+    Args:
+      q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs: the layouts above.
+      sm_scale: softmax scale applied to q (a Python float).
+      sliding_window: 0 = off, else attend to the last ``sliding_window`` positions; may be traced.
+      soft_cap: None or ``cap`` for ``cap * tanh(s / cap)`` on the scores.
+
+    Returns:
+      [T, num_q_heads, head_dim] in q.dtype (computed in float32); padding tokens are zeros.
+
+    It validates nothing (``jaxserve.kernels.ragged_paged_attention`` does before calling it).
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs_padded, pages_per_seq = page_indices.shape
@@ -116,9 +130,16 @@ def write_kv_ref(
     new_v: jax.Array,
     slot_mapping: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V ([T, num_kv_heads, head_dim]) into the pages of one layer.
+    """Scatters the step's new K/V into the pages of one layer (out of place: XLA's scatter).
 
-    ``slot_mapping[t] = page * page_size + offset`` for token t; a negative slot (padding) writes nothing.
+    Args:
+      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim].
+      layer: int32 scalar (may be traced).
+      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype.
+      slot_mapping: [T], ``page * page_size + offset`` for token t; a negative slot (padding) writes nothing.
+
+    Returns:
+      The updated (k_cache, v_cache).
     """
     num_pages, page_size = k_cache.shape[1:3]
     page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped

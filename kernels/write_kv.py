@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels._common import cdiv, next_pow2
+from jaxserve.utils import cdiv, next_pow2
 
 
 def _validate(k_cache, v_cache, new_k, new_v, slot_mapping):
@@ -64,9 +64,19 @@ def _write_kv_gpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_
 
 
 def write_kv_gpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t: int = 16, interpret: bool = False):
-    """In-place scatter of new K/V rows into one layer of the page pool (Pallas Triton). See module docstring.
+    """In-place scatter of new K/V rows into one layer of the page pool (Pallas Triton); ``write_kv_ref``'s contract.
 
-    In place only when the caller donates the caches (the runner's jitted step does); otherwise XLA copies.
+    Args:
+      k_cache, v_cache, layer, new_k, new_v, slot_mapping: as in ``reference.write_kv_ref``.
+      block_t: tokens per program (rounded to a power of two, at most the step's).
+      interpret: run in the Pallas interpreter (any backend, slow).
+
+    Returns:
+      The updated (k_cache, v_cache): in place only when the caller donates the caches (the runner's jitted step
+      does); otherwise XLA copies them first.
+
+    Raises:
+      ValueError: shapes that do not fit the caches.
     """
     _validate(k_cache, v_cache, new_k, new_v, slot_mapping)
     if new_k.shape[0] == 0:
@@ -134,7 +144,20 @@ def _write_kv_tpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_
 
 
 def write_kv_tpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t: int = 16, interpret: bool = False):
-    """In-place scatter of new K/V rows into one layer of the page pool (Pallas Mosaic, row DMAs into HBM)."""
+    """In-place scatter of new K/V rows into one layer of the page pool (Pallas Mosaic, row DMAs into HBM);
+    ``write_kv_ref``'s contract.
+
+    Args:
+      k_cache, v_cache, layer, new_k, new_v, slot_mapping: as in ``reference.write_kv_ref``.
+      block_t: tokens per program (at most the step's).
+      interpret: run in Pallas' TPU interpret mode (on the CPU).
+
+    Returns:
+      The updated (k_cache, v_cache), in place when the caller donates them.
+
+    Raises:
+      ValueError: shapes that do not fit the caches.
+    """
     _validate(k_cache, v_cache, new_k, new_v, slot_mapping)
     if new_k.shape[0] == 0:
         return k_cache, v_cache

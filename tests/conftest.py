@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))  # helpers.py, shared by the test modules
 
 # Before jax is imported anywhere: eight fake CPU devices for sharding tests, float32 matmuls.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

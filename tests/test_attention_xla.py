@@ -21,6 +21,8 @@ from jaxserve import kernels
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from jaxserve.kernels.reference import ragged_paged_attention_ref
 
+from helpers import Batch, make_batch
+
 PAGE = 16
 TOL = 1e-5
 SM_SCALE = 0.125
@@ -37,55 +39,8 @@ PREFILL_Q = [15, 16, 17, 70]
 PREFILL_KV = [15, 16, 17, 86]  # the last one is a second chunk starting mid-page
 
 
-@dataclasses.dataclass
-class Batch:
-    q: jax.Array
-    k_cache: jax.Array
-    v_cache: jax.Array
-    kv_lens: jax.Array
-    page_indices: jax.Array
-    cu_q_lens: jax.Array
-    num_seqs: jax.Array
-
-    def args(self, layer=1):
-        return (self.q, self.k_cache, self.v_cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
-                self.num_seqs)
-
-    @property
-    def num_real_tokens(self) -> int:
-        return int(self.cu_q_lens[int(self.num_seqs)])
-
-
-def make_batch(q_lens, kv_lens, *, hq=9, hk=3, d=64, pad_seqs=2, pad_tokens=5, seed=0, dtype=jnp.float32,
-               page=PAGE) -> Batch:
-    rng = np.random.default_rng(seed)
-    num_seqs = len(q_lens)
-    need = [-(-k // page) for k in kv_lens]
-    pages_per_seq = max(max(need), 1) + 1  # a spare column of junk in every row
-    num_pages = sum(need) + 3
-    perm = rng.permutation(num_pages).astype(np.int32)
-    k_cache = rng.standard_normal((2, num_pages, page, hk, d)).astype(np.float32)
-    v_cache = rng.standard_normal((2, num_pages, page, hk, d)).astype(np.float32)
-    table = np.full((num_seqs + pad_seqs, pages_per_seq), -1, np.int32)
-    owned = np.zeros(num_pages, bool)
-    start = 0
-    for s in range(num_seqs):
-        table[s, :] = num_pages + 1000 + s  # out of range: following it would read junk
-        table[s, : need[s]] = perm[start : start + need[s]]
-        owned[perm[start : start + need[s]]] = True
-        start += need[s]
-        for p in range(kv_lens[s], need[s] * page):  # slots past kv_len inside owned pages
-            k_cache[:, table[s, p // page], p % page] = np.nan
-            v_cache[:, table[s, p // page], p % page] = np.nan
-    k_cache[:, ~owned] = np.nan
-    v_cache[:, ~owned] = np.nan
-    q = rng.standard_normal((sum(q_lens) + pad_tokens, hq, d)).astype(np.float32)
-    cu = np.full(num_seqs + pad_seqs + 1, sum(q_lens), np.int32)
-    cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
-    kv = np.zeros(num_seqs + pad_seqs, np.int32)
-    kv[:num_seqs] = kv_lens
-    return Batch(jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), jnp.asarray(kv),
-                 jnp.asarray(table), jnp.asarray(cu), jnp.int32(num_seqs))
+# These tests' batches: 9 query and 3 KV heads, 3 unowned pages (kernels' tests: 8 / 2 / 4).
+make_batch = functools.partial(make_batch, hq=9, hk=3, extra_pages=3, page=PAGE)
 
 
 _reference = jax.jit(ragged_paged_attention_ref, static_argnames=("sm_scale", "soft_cap"))

@@ -1,23 +1,14 @@
 """BlockManager: accounting, ref counts, prefix cache hits, LRU eviction, fork and copy-on-write. No jax."""
 
-import dataclasses
-
 import pytest
 
+from helpers import SP
 from jaxserve.block_manager import NULL_PAGE, BlockManager, hash_page
 from jaxserve.request import Request
 
 
-@dataclasses.dataclass
-class SP:
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop_token_ids: list = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
-
-
 def req(rid, tokens):
-    return Request(rid, list(tokens), SP())
+    return Request(rid, list(tokens), SP(max_tokens=16))
 
 
 def compute(bm, r, n, cached=()):

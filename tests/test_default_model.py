@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import hf_greedy
 from jaxserve import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -27,25 +28,13 @@ PROMPTS = [
 MAX_TOKENS = 32
 
 
-def _hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    import torch
-
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_scores=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    tokens = out.sequences[0, len(ids):].tolist()
-    # scores are the raw logits here (greedy, no processors): logprob of each chosen token
-    lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens)]
-    return tokens, lps
-
-
 def test_greedy_matches_hf_token_for_token(default_llm, hf_default):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outs = default_llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ids = out.prompt_token_ids
         assert ids == default_llm.tokenizer.encode(prompt)
-        ref_tokens, ref_lps = _hf_greedy(hf_default, ids, MAX_TOKENS)
+        ref_tokens, ref_lps = hf_greedy(hf_default, ids, MAX_TOKENS, logprobs=True)
         got = out.outputs[0]
         assert got.token_ids == ref_tokens, f"prompt {prompt!r}: {got.text!r}"
         ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]

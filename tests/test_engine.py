@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from helpers import hf_greedy
 from jaxserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -38,18 +39,13 @@ def _tokens(outs) -> list[list[int]]:
 
 
 def test_batch_equals_alone_and_hf(small_llm, hf_default):
-    import torch
-
     prompts = _mixed_prompts(32)
     batched = _tokens(small_llm.generate(prompts, GREEDY, use_tqdm=False))
     for i, p in enumerate(prompts[:8]):  # alone: one request at a time
         assert _tokens(small_llm.generate([p], GREEDY, use_tqdm=False))[0] == batched[i], f"prompt {i}"
     for i, p in enumerate(prompts):
         ids = small_llm.tokenizer.encode(p)
-        with torch.no_grad():
-            ref = hf_default.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                      pad_token_id=0)[0, len(ids):].tolist()
-        assert batched[i] == ref, f"prompt {i} ({len(ids)} tokens) differs from HF"
+        assert batched[i] == hf_greedy(hf_default, ids, 16), f"prompt {i} ({len(ids)} tokens) differs from HF"
 
 
 def test_small_pool_preempts_and_loses_nothing(default_loaded, small_llm):

@@ -16,7 +16,6 @@ bfloat16 atol = rtol = 1e-2.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -31,6 +30,8 @@ from jaxserve import kernels
 from jaxserve.kernels import reference
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+
+from helpers import Batch, make_batch
 
 PAGE = 16
 F32_TOL = 1e-5
@@ -47,52 +48,8 @@ DECODE_Q = [1, 1, 1, 1, 1]
 DECODE_KV = [1, 16, 17, 33, 70]
 
 
-@dataclasses.dataclass
-class Batch:
-    q: jax.Array
-    k_cache: jax.Array
-    v_cache: jax.Array
-    kv_lens: jax.Array
-    page_indices: jax.Array
-    cu_q_lens: jax.Array
-    num_seqs: jax.Array
-
-    def args(self, layer):
-        return (self.q, self.k_cache, self.v_cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
-                self.num_seqs)
-
-
-def make_batch(q_lens, kv_lens, *, hq=8, hk=2, d=64, pad_seqs=2, pad_tokens=5, layers=2, dtype=jnp.float32,
-               seed=0, extra_pages=4) -> Batch:
-    rng = np.random.default_rng(seed)
-    num_seqs = len(q_lens)
-    need = [-(-k // PAGE) for k in kv_lens]
-    pages_per_seq = max(max(need), 1) + 1  # one spare column of junk in every row
-    num_pages = sum(need) + extra_pages
-    perm = rng.permutation(num_pages).astype(np.int32)
-    table = np.full((num_seqs + pad_seqs, pages_per_seq), -1, np.int32)
-    k_cache = rng.standard_normal((layers, num_pages, PAGE, hk, d)).astype(np.float32)
-    v_cache = rng.standard_normal((layers, num_pages, PAGE, hk, d)).astype(np.float32)
-    owned = np.zeros(num_pages, bool)
-    start = 0
-    for s in range(num_seqs):
-        table[s, :] = num_pages + 1000 + s  # out of range: a kernel that follows it would fail
-        table[s, : need[s]] = perm[start : start + need[s]]
-        owned[perm[start : start + need[s]]] = True
-        start += need[s]
-        for p in range(kv_lens[s], need[s] * PAGE):  # slots past kv_len inside owned pages
-            k_cache[:, table[s, p // PAGE], p % PAGE] = np.nan
-            v_cache[:, table[s, p // PAGE], p % PAGE] = np.nan
-    k_cache[:, ~owned] = np.nan
-    v_cache[:, ~owned] = np.nan
-    num_tokens = sum(q_lens) + pad_tokens
-    q = rng.standard_normal((num_tokens, hq, d)).astype(np.float32)
-    cu = np.full(num_seqs + pad_seqs + 1, sum(q_lens), np.int32)
-    cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
-    kv = np.zeros(num_seqs + pad_seqs, np.int32)
-    kv[:num_seqs] = kv_lens
-    return Batch(jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), jnp.asarray(kv),
-                 jnp.asarray(table), jnp.asarray(cu), jnp.int32(num_seqs))
+# The batches of these tests: every row of the table has a spare column, 4 unowned pages, 2 layers.
+make_batch = functools.partial(make_batch, page=PAGE)
 
 
 def naive_attention(b: Batch, layer, *, sm_scale, window=0, soft_cap=None) -> np.ndarray:
@@ -309,7 +266,7 @@ def test_dispatch_auto_on_cpu_is_the_xla_path():
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_pallas_float32_queries_over_a_bfloat16_cache(backend):
     """float32 weights with a bfloat16 pool (kv_cache_dtype): the dispatch casts q for the kernels' products and
-    gives float32 back. Seen on an H200: Triton refused the f32 x bf16 product before this."""
+    gives float32 back (Triton refuses an f32 x bf16 product)."""
     b = make_batch(MIXED_Q, MIXED_KV, hq=8, hk=2, d=64)
     k, v = b.k_cache.astype(jnp.bfloat16), b.v_cache.astype(jnp.bfloat16)
     args = (b.q, k, v, *b.args(1)[3:])

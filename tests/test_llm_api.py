@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="HF transformers' reference needs torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
 
+from helpers import hf_greedy  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.cli import main as cli_main  # noqa: E402
 
@@ -45,13 +46,6 @@ def hf_dir(tmp_path_factory):
     return path, model
 
 
-def _hf_greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def test_hf_directory_generates_like_hf(hf_dir):
     path, model = hf_dir
     llm = LLM(str(path), **ENGINE)
@@ -59,7 +53,7 @@ def test_hf_directory_generates_like_hf(hf_dir):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.prompt_token_ids == llm.tokenizer.encode(prompt)
-        assert out.outputs[0].token_ids == _hf_greedy(model, out.prompt_token_ids, 12)
+        assert out.outputs[0].token_ids == hf_greedy(model, out.prompt_token_ids, 12)
         # As vLLM, bytes of a character cut at the end (max_tokens inside it) are left out rather than written as
         # U+FFFD (the detokenizer's own tests check which ones).
         full = llm.tokenizer.decode(out.outputs[0].token_ids)
@@ -85,7 +79,7 @@ def test_orbax_convert_round_trip(hf_dir, tmp_path):
         np.testing.assert_array_equal(np.asarray(value), np.asarray(b_params[name]))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert b.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids == \
-        _hf_greedy(model, a.tokenizer.encode("hello world"), 8)
+        hf_greedy(model, a.tokenizer.encode("hello world"), 8)
 
 
 def test_cli_generate_streams_the_text(hf_dir, capsys):
@@ -94,7 +88,7 @@ def test_cli_generate_streams_the_text(hf_dir, capsys):
     out = capsys.readouterr().out
     llm_tok = LLM(str(path), **ENGINE).tokenizer
     ids = llm_tok.encode("hello world")
-    assert out == llm_tok.decode(_hf_greedy(model, ids, 6)) + "\n"
+    assert out == llm_tok.decode(hf_greedy(model, ids, 6)) + "\n"
 
 
 def test_cli_reports_a_missing_model(capsys, tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from helpers import hf_greedy
 from jaxserve import LLM, SamplingParams, quant
 
 # ---------------------------------------------------------------------------------------------- formats
@@ -188,8 +189,6 @@ def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
 def test_default_model_served_from_its_own_blocks_matches_hf(default_model_path, hf_default, default_loaded):
     """The Q4_1 / Q8_0 file served quantized: weights dequantized bit for bit as HF's GGUF loader does, greedy
     tokens identical to HF transformers', at 0.18x the float32 bytes."""
-    import torch
-
     from jaxserve.loading import load_model
 
     loaded = load_model(default_model_path, "float32", keep_quantized=True)
@@ -203,10 +202,7 @@ def test_default_model_served_from_its_own_blocks_matches_hf(default_model_path,
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         ids = llm.tokenizer.encode(prompt)
-        with torch.no_grad():
-            ref = hf_default.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                      pad_token_id=0)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == ref, prompt
+        assert out.outputs[0].token_ids == hf_greedy(hf_default, ids, 24), prompt
     q_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.state))
     f_bytes = sum(np.asarray(v).nbytes for v in default_loaded.params.values())
     assert q_bytes / f_bytes < 0.19

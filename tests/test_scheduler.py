@@ -5,25 +5,15 @@ The fake runner keeps a host-side page pool whose slot values chain from the pre
 page or missing copy changes the sampled tokens and shows up against ``reference``.
 """
 
-import dataclasses
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import SP
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
 from jaxserve.request import Request, RequestStatus
 from jaxserve.scheduler import Scheduler
-
-
-@dataclasses.dataclass
-class SP:
-    max_tokens: int = 8
-    min_tokens: int = 0
-    stop_token_ids: list = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int = 0
 
 
 def kv(prev, token):
@@ -231,10 +221,11 @@ def test_abort_frees_pages_for_waiting_and_running():
 
 def test_max_model_len():
     sched, runner = make(max_model_len=100)
-    with pytest.raises(ValueError, match=r"101 tokens.*max_model_len=100"):
-        sched.add_request(Request("x", prompt(101), SP()))
+    for n in (101, 100):  # a prompt of max_model_len tokens leaves no room to generate (the engine's rule too)
+        with pytest.raises(ValueError, match=rf"'x': the prompt has {n} tokens.*no room.*max_model_len=100"):
+            sched.add_request(Request("x", prompt(n), SP()))
     capped = Request("capped", prompt(90), SP(max_tokens=50))
-    full = Request("full", prompt(100), SP(max_tokens=50))  # room to sample exactly one token
+    full = Request("full", prompt(99), SP(max_tokens=50))  # room to sample exactly one token
     sched.add_request(capped)
     sched.add_request(full)
     check_done(sched, run(sched, runner), [capped, full])

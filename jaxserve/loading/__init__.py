@@ -106,3 +106,44 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
                                         shardings=shardings and shardings(cfg))
         return LoadedModel(path.name, cfg, params, path)
     raise FileNotFoundError(f"{path} is not a GGUF file, an HF model directory (config.json) or an orbax directory")
+
+
+def convert(src: str | Path | None, dst: str | Path, dtype: str = "float32",
+            quantization: str | None = None) -> ModelConfig:
+    """Writes an orbax checkpoint of a model (``jaxserve convert SRC DST``), which ``LLM(dst)`` restores shard by
+    shard onto any mesh.
+
+    Args:
+        src: a GGUF file, HF directory, preset or hub id (as ``load_model``); None = the default model.
+        dst: the directory to write (created; an existing checkpoint there is replaced): ``jaxserve.json``,
+            ``params/`` and the tokenizer (an HF directory's files, or a tensor-free ``tokenizer.gguf``).
+        dtype: the float weights' dtype on disk: "float32", "bfloat16" or "float16".
+        quantization: None; "int8", "int4" or "w8a8" to store the weights quantized (``jaxserve.quant``); "gguf"
+            to store a GGUF file's own quantized blocks. They are served quantized when loaded.
+
+    Returns:
+        The model's config.
+
+    Raises:
+        FileNotFoundError: ``src`` cannot be found.
+        ValueError: an unsupported model, dtype or quantization ("gguf" from a source that is not a GGUF file).
+    """
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if quantization not in (None, "int8", "int4", "w8a8", "gguf"):
+        raise ValueError(f"quantization must be None, int8, int4, w8a8 or gguf, got {quantization!r}")
+    from jaxserve.loading import orbax_ckpt
+
+    path = resolve_model_path(src)
+    loaded = load_model(path, dtype, keep_quantized=quantization == "gguf")
+    params = loaded.params
+    if quantization not in (None, "gguf"):
+        import jax
+
+        from jaxserve import quant
+
+        params = {name: jax.tree.map(np.asarray, quant.quantize(value, quantization, axis=quant.weight_axis(name)))
+                  if name in quant.QUANTIZED_PARAMS else value for name, value in params.items()}
+    orbax_ckpt.save(dst, loaded.config, params, dtype)
+    orbax_ckpt.copy_tokenizer(path, Path(dst).resolve())
+    return loaded.config

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.config import ModelConfig, RopeScaling, architecture_flags, gemma2_sliding_layers
+from jaxserve.utils import cdiv
 
 _Q = GGMLQuantizationType
 logger = logging.getLogger(__name__)
@@ -435,7 +436,7 @@ def _parse(buf, size: int) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0:
         raise _Corrupt(f"bad general.alignment {alignment!r}")
-    data_start = -(-cur.pos // alignment) * alignment
+    data_start = cdiv(cur.pos, alignment) * alignment
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, shape, qtype, offset, nbytes in infos:
         if name in tensors:
@@ -449,7 +450,6 @@ def _parse(buf, size: int) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
 
 # ---------------------------------------------------------------------------------------------- architectures
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
-_GEMMA = ("gemma", "gemma2")
 
 # GGUF tensor name -> HF name; ``{i}`` is the layer. ffn_norm is the pre-MLP norm: HF calls it
 # post_attention_layernorm except in Gemma-2, where that name belongs to the norm after attention.
@@ -550,10 +550,6 @@ class GGUFCheckpoint:
         """``general.architecture`` as written in the file (not checked against the supported list)."""
         return self.metadata.get("general.architecture")
 
-    def tensor_names(self) -> list[str]:
-        """GGUF tensor names, in file order."""
-        return list(self.tensors)
-
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """GGUF tensor name -> numpy shape (outermost first)."""
         return {name: info.shape for name, info in self.tensors.items()}
@@ -641,7 +637,7 @@ class GGUFCheckpoint:
         sliding_layers = None
         if arch == "gemma2":
             sliding_window = sliding_window or 4096  # llama.cpp's default when the key is absent
-            sliding_layers = tuple(i % 2 == 0 for i in range(num_layers))  # local, global, local, ...
+            sliding_layers = gemma2_sliding_layers(num_layers)
         query_pre_attn_scalar = attn_softcap = final_softcap = None
         if arch == "gemma2":
             # llama.cpp does not store query_pre_attn_scalar; it scales by head_dim ** -0.5, except for the
@@ -655,7 +651,6 @@ class GGUFCheckpoint:
             token = self.metadata.get("tokenizer.ggml." + key)
             if token is not None and token not in eos_ids:
                 eos_ids.append(token)
-        gemma = arch in _GEMMA
         return ModelConfig(
             architecture=arch,
             vocab_size=vocab_size,
@@ -672,10 +667,7 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
-            hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-            norm_weight_offset=1.0 if gemma else 0.0,
-            scale_embeddings=gemma,
-            sandwich_norms=arch == "gemma2",
+            **architecture_flags(arch),
             query_pre_attn_scalar=query_pre_attn_scalar,
             attn_logit_softcap=attn_softcap,
             final_logit_softcap=final_softcap,
@@ -753,8 +745,8 @@ class GGUFCheckpoint:
                     w = rows(lambda x: _unpermute_rows(x, cfg.num_heads))
                 elif cfg.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
                     w = rows(lambda x: _unpermute_rows(x, cfg.num_kv_heads))
-                elif cfg.architecture in _GEMMA and name.endswith("norm.weight"):
-                    w -= 1.0
+                elif cfg.norm_weight_offset and name.endswith("norm.weight"):  # llama.cpp stores 1 + w
+                    w -= cfg.norm_weight_offset
                 bar.update(self.tensors[name].nbytes)
                 yield hf, w
             if fallback:

@@ -1,8 +1,11 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 1/2) as one flax NNX module.
 
 Weights of all layers are stacked on a leading layer axis and the layers run under ``lax.scan``, so compile
-time does not grow with depth. The module is split into ``(graphdef, state)`` by the runner, which calls
-the pure function :func:`forward` under ``jax.jit``.
+time does not grow with depth. The runner holds the module split into ``(graphdef, state)``
+(:func:`model_from_params`); its jitted step merges them back (``nnx.merge``) and calls :meth:`Llama.__call__`
+(hidden states, K/V written into the pool) and :meth:`Llama.logits`. Attention and the K/V write are arguments
+of ``__call__`` (``attention_fn``, ``write_kv_fn``), so the same model runs on any kernel of
+``jaxserve.kernels``.
 
 Dimension letters: T tokens in the step, D hidden, N query heads, K kv heads, H head_dim, F MLP hidden,
 V vocabulary, L layers, S sequences.

@@ -14,7 +14,8 @@ Layout: ``protocol`` (request/response models, hence the schema), ``params`` (to
 ``async_engine`` (the engine in its own thread, one mailbox per request), ``completions`` / ``chat`` /
 ``responses`` (the handlers), ``tools`` (tool-call parsers and grammars, the tools system prompt), ``serving``
 (what they share), ``app`` (routes, auth and body limit, the OpenAPI schema), ``metrics``, ``launch`` (uvicorn,
-graceful SIGTERM), ``cli`` and ``bench`` (``jaxserve bench serve``).
+graceful SIGTERM) and ``cli`` (what ``jaxserve serve`` runs; its flags are defined in ``jaxserve.cli``). The
+benchmark client ``jaxserve bench serve`` lives outside the server, in ``jaxserve.benchmarks.serve``.
 
 In Python::
 

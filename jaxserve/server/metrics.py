@@ -57,9 +57,10 @@ class _EngineCollector:
         yield gauge("kv_cache_usage_perc", "Fraction of the KV page pool in use (1 = full).", s.get("kv_usage", 0.0))
         yield gauge("kv_cache_used_pages", "KV pages in use.", s.get("num_used_pages", 0))
         yield gauge("kv_cache_usable_pages", "KV pages in the pool.", s.get("num_usable_pages", 0))
-        yield counter("prefix_cache_queries", "Prompt pages looked up in the prefix cache.",
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.",
                       s.get("prefix_cache_queries", 0))
-        yield counter("prefix_cache_hits", "Prompt pages found in the prefix cache.", s.get("prefix_cache_hits", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (whole pages).",
+                      s.get("prefix_cache_hits", 0))
         yield gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.",
                     s.get("prefix_cache_hit_rate", 0.0))
         yield counter("num_compilations", "Traces of the jitted step.", s.get("num_compilations", 0))

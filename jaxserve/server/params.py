@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 from jaxserve.outputs import Logprob
+from jaxserve.request import check_prompt_length, out_of_vocabulary
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import _SamplingRequest
@@ -129,19 +130,21 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
 
 
 def check_token_ids(ids, vocab_size: int, param: str) -> None:
-    if not ids or 0 <= min(ids) and max(ids) < vocab_size:  # min/max: C loops, 20x faster on a long prompt
-        return
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    """400 naming ``param`` if any id is outside the vocabulary (``jaxserve.request.out_of_vocabulary``)."""
+    bad = out_of_vocabulary(ids, vocab_size)
     if bad:
-        raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", param=param)
+        raise APIError(400, f"{param}: token ids {bad} are outside the vocabulary [0, {vocab_size})", param=param)
 
 
 def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> None:
-    """400 (naming both lengths) unless the prompt, plus max_tokens when given, fits the context."""
-    if num_prompt >= max_model_len:
+    """400 (naming both lengths) unless the prompt, plus max_tokens when given, fits the context; the prompt alone
+    by the engine's rule (``jaxserve.request.check_prompt_length``), in OpenAI's words."""
+    try:
+        check_prompt_length(num_prompt, max_model_len)
+    except ValueError:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                             f"{num_prompt} tokens, which leaves no room for a completion. Shorten the prompt.",
-                       param="prompt", code="context_length_exceeded")
+                       param="prompt", code="context_length_exceeded") from None
     if max_tokens is not None and num_prompt + max_tokens > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                             f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "

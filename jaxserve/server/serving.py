@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse

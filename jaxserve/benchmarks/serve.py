@@ -6,6 +6,9 @@ all at once). Prompts are random text cut to a length drawn uniformly from ``inp
 request generates exactly its length). Reported per rate: TTFT, TPOT (time per output token after the first),
 ITL (gap between streamed chunks) and end-to-end latency, mean / median / p99, and request and token throughput.
 Several rates make a sweep, and ``--plot`` draws latency against request rate.
+
+Needs httpx (and matplotlib for ``--plot``), the ``bench`` extra (``pip install -e ".[bench]"``); both are imported
+only when the benchmark runs, so the command line and the server never need them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +29,7 @@ _WORDS = ["the", "a", "of", "river", "city", "light", "north", "stone", "garden"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Registers the benchmark's flags on ``p`` (the ``jaxserve bench serve`` parser)."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
@@ -183,8 +188,7 @@ def print_result(r: dict) -> None:
 
 def plot(results: list[dict], path: str, title: str = "") -> None:
     """Latency (TTFT, TPOT, ITL: median and p99) and throughput against the request rate."""
-    import matplotlib
-
+    matplotlib = _require("matplotlib", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -215,7 +219,7 @@ def plot(results: list[dict], path: str, title: str = "") -> None:
 
 
 async def _main(args) -> list[dict]:
-    import httpx
+    httpx = _require("httpx")
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -239,7 +243,27 @@ async def _main(args) -> list[dict]:
     return results
 
 
+def _require(module: str, what: str = "jaxserve bench serve"):
+    """Imports an optional dependency of the benchmark, or raises naming the extra that provides it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ModuleNotFoundError(f"{what} needs {module}: pip install {module} (or the bench extra: "
+                                  f"pip install -e \".[bench]\")") from e
+
+
 def main(args) -> int:
+    """Runs ``jaxserve bench serve`` with parsed ``args`` (see ``add_arguments``). Returns the exit code: 0 when
+    every rate completed at least one request, 2 when a dependency is missing (checked before anything runs)."""
+    try:
+        _require("httpx")
+        if args.plot:
+            _require("matplotlib", "--plot")
+    except ModuleNotFoundError as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
     results = asyncio.run(_main(args))
     if args.result_json:
         with open(args.result_json, "w") as f:

@@ -1,0 +1,101 @@
+"""Helpers shared by several test modules (``conftest.py`` puts this folder on ``sys.path``: ``import helpers``).
+
+Importing this module imports neither jax nor torch: the host-side tests (scheduler, block manager) use it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+# ---------------------------------------------------------------------------------------------------- host side
+@dataclasses.dataclass
+class SP:
+    """The sampling parameters the scheduler and block manager read (``jaxserve.request.Request`` treats the rest
+    as opaque), without importing the real ``SamplingParams``."""
+
+    max_tokens: int = 8
+    min_tokens: int = 0
+    stop_token_ids: list = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------- kernels
+@dataclasses.dataclass
+class Batch:
+    """The inputs of ``ragged_paged_attention`` for one ragged batch (jax arrays), built by :func:`make_batch`."""
+
+    q: Any
+    k_cache: Any
+    v_cache: Any
+    kv_lens: Any
+    page_indices: Any
+    cu_q_lens: Any
+    num_seqs: Any
+
+    def args(self, layer=1) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
+                self.num_seqs)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.cu_q_lens[int(self.num_seqs)])
+
+
+def make_batch(q_lens, kv_lens, *, hq=8, hk=2, d=64, pad_seqs=2, pad_tokens=5, layers=2, dtype=None, seed=0,
+               extra_pages=4, page=16) -> Batch:
+    """A random ragged batch over a scrambled page pool, poisoned so that reading what the contract calls junk fails:
+    cache pages no sequence owns and slots past a sequence's kv_len are NaN, page-table entries past a sequence's
+    pages point out of range (-1 for the ``pad_seqs`` padding sequences), every row of the table has a spare column,
+    and there are ``pad_tokens`` padding query tokens. Sequence i has ``q_lens[i]`` query tokens at the end of its
+    ``kv_lens[i]``-token context; ``dtype`` (default float32) is q's and the caches'."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    dtype = dtype or jnp.float32
+    rng = np.random.default_rng(seed)
+    num_seqs = len(q_lens)
+    need = [-(-k // page) for k in kv_lens]
+    pages_per_seq = max(max(need), 1) + 1  # one spare column of junk in every row
+    num_pages = sum(need) + extra_pages
+    perm = rng.permutation(num_pages).astype(np.int32)
+    table = np.full((num_seqs + pad_seqs, pages_per_seq), -1, np.int32)
+    k_cache = rng.standard_normal((layers, num_pages, page, hk, d)).astype(np.float32)
+    v_cache = rng.standard_normal((layers, num_pages, page, hk, d)).astype(np.float32)
+    owned = np.zeros(num_pages, bool)
+    start = 0
+    for s in range(num_seqs):
+        table[s, :] = num_pages + 1000 + s  # out of range: a kernel that follows it would fail
+        table[s, : need[s]] = perm[start : start + need[s]]
+        owned[perm[start : start + need[s]]] = True
+        start += need[s]
+        for p in range(kv_lens[s], need[s] * page):  # slots past kv_len inside owned pages
+            k_cache[:, table[s, p // page], p % page] = np.nan
+            v_cache[:, table[s, p // page], p % page] = np.nan
+    k_cache[:, ~owned] = np.nan
+    v_cache[:, ~owned] = np.nan
+    q = rng.standard_normal((sum(q_lens) + pad_tokens, hq, d)).astype(np.float32)
+    cu = np.full(num_seqs + pad_seqs + 1, sum(q_lens), np.int32)
+    cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    kv = np.zeros(num_seqs + pad_seqs, np.int32)
+    kv[:num_seqs] = kv_lens
+    return Batch(jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), jnp.asarray(kv),
+                 jnp.asarray(table), jnp.asarray(cu), jnp.int32(num_seqs))
+
+
+# ---------------------------------------------------------------------------------------------------- HF reference
+def hf_greedy(model, ids: list[int], n: int, *, logprobs: bool = False):
+    """HF transformers' greedy continuation of ``ids`` by ``n`` tokens (no EOS stop): the token ids, or with
+    ``logprobs`` (token ids, the chosen tokens' logprobs)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             output_scores=logprobs, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    if not logprobs:
+        return tokens
+    # scores are the raw logits here (greedy, no processors): logprob of each chosen token
+    return tokens, [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens)]
