@@ -344,6 +344,49 @@ def test_json_schemas_hold_at_temperatures_0_and_1(served):
 
 
 @slow
+def test_ten_more_schemas_through_the_openai_client(served):
+    """The ten schemas the engine-level tests use (tests/test_structured.py), each with its prompt, through
+    /v1/chat/completions at temperatures 0 and 1: every answer parses and validates."""
+    from test_structured import PROMPTS
+    from test_structured import SCHEMAS as ENGINE_SCHEMAS
+
+    c = served.client()
+
+    def ask(job):
+        i, temperature = job
+        r = c.chat.completions.create(
+            model=served.model, temperature=temperature, seed=i, max_tokens=160,
+            messages=[{"role": "user", "content": PROMPTS[i]}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": f"schema{i}", "schema": ENGINE_SCHEMAS[i], "strict": True}})
+        return i, temperature, r.choices[0]
+
+    jobs = [(i, t) for i in range(len(ENGINE_SCHEMAS)) for t in (0.0, 1.0)]
+    for i, temperature, choice in _parallel(ask, jobs):
+        assert choice.finish_reason == "stop", (i, temperature, choice.message.content)
+        _valid(json.loads(choice.message.content), ENGINE_SCHEMAS[i])
+
+
+@slow
+def test_regex_and_choice_hold_on_64_samples(served):
+    c = served.client()
+    pattern = r"[A-Z][a-z]{2,8}-[0-9]{3}"
+    options = ["red", "green", "light blue"]
+    texts, picks = [], []
+    for seed in range(4):  # n is at most 16 per request
+        r = c.completions.create(model=served.model, prompt="A product code:", temperature=1.0, seed=seed, n=16,
+                                 max_tokens=24, extra_body={"structured_outputs": {"regex": pattern}})
+        texts += [ch.text for ch in r.choices]
+        r = c.chat.completions.create(model=served.model, temperature=1.0, seed=seed, n=16, max_tokens=10,
+                                      messages=[{"role": "user", "content": "Name a color."}],
+                                      extra_body={"structured_outputs": {"choice": options}})
+        picks += [ch.message.content for ch in r.choices]
+    assert len(texts) == len(picks) == 64
+    assert all(re.fullmatch(pattern, t) for t in texts), [t for t in texts if not re.fullmatch(pattern, t)]
+    assert all(p in options for p in picks), picks
+
+
+@slow
 def test_json_object_and_streamed_json_schema(served):
     c = served.client()
     r = c.chat.completions.create(model=served.model, temperature=0, max_tokens=120,
