@@ -64,8 +64,8 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
     ``shardings`` (config -> {param name: Sharding}): the weights go straight onto the devices, each receiving
     its own part (orbax: each reads its shards from disk; GGUF and safetensors: tensor by tensor, so the host
     holds one tensor at a time), and come back as device arrays; without it, as host arrays.
-    ``keep_quantized``: a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices come as host ``jaxserve.quant.QArray``s of
-    their own blocks (raises ValueError for other sources).
+    ``keep_quantized``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrices come as host
+    ``jaxserve.quant.QArray``s of their own blocks (raises ValueError for other sources).
     """
     check = check_config or (lambda cfg: None)
     from jaxserve.loading import orbax_ckpt
