@@ -715,8 +715,8 @@ class GGUFCheckpoint:
 
         Args:
             progress: show a tqdm bar if loading takes more than a second.
-            quantized: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K come as ``GGUFQuantized`` (their own blocks,
-                repacked) instead of float32; matrices of other types are dequantized, and logged.
+            quantized: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K come as ``GGUFQuantized`` (their own
+                blocks, repacked) instead of float32; matrices of other types are dequantized, and logged.
 
         Raises:
             ValueError: unsupported architecture, tensor type, or tensor name.
