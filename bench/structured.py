@@ -87,10 +87,10 @@ def main() -> None:
     for schema in SCHEMAS:
         so = StructuredOutputsParams(json=schema)
         t = time.perf_counter()
-        fresh.matcher(so)
+        fresh.matchers(so)
         cold.append(time.perf_counter() - t)
         t = time.perf_counter()
-        fresh.matcher(so)
+        fresh.matchers(so)
         cached.append(time.perf_counter() - t)
     print(f"\ngrammar engine tokenizer (once per engine): {build * 1e3:.0f} ms; per schema (10 schemas): cold "
           f"median {statistics.median(cold) * 1e3:.2f} ms (max {max(cold) * 1e3:.2f}), cached median "

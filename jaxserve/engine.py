@@ -341,9 +341,10 @@ class LLMEngine:
                              f"{self.runner.num_pages}-page KV pool")
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(prompt_ids)
         so = params.structured_outputs
+        matchers = [None] * params.n
         if so is not None:
             try:
-                self.structured.compile(so)
+                matchers = self.structured.matchers(so, params.n)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -355,7 +356,7 @@ class LLMEngine:
                           arrival_time, int(priority))
             seq = _Sequence(i, req, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
                             logprobs=[] if params.logprobs is not None else None,
-                            matcher=None if so is None else self.structured.matcher(so))
+                            matcher=matchers[i])
             tracked.seqs.append(seq)
         taken.update(ids)
         return tracked

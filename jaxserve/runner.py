@@ -190,7 +190,6 @@ class ModelRunner:
             if platform is None:  # compiling for another platform (jaxserve.aot) checks its chip itself
                 quant.check_backend(quantization)
             placed = self._quantize(placed, schema, quantization)
-        self.quantization = quantization
         self.graphdef, self.state = model_from_params(model_cfg, placed)
         self.matmul_weights = None
         if matmul_dtype is not None and jnp.dtype(matmul_dtype) != dtype:
@@ -249,14 +248,14 @@ class ModelRunner:
                 group = quant.pick_group(n // tp if split else n, quant.INT4_GROUP) if mode == "int4" else None
             except ValueError as e:
                 raise ValueError(f"quantization={mode!r} of {name!r} under tensor_parallel_size={tp}: {e}") from None
-            shapes = jax.eval_shape(lambda x, a=axis, g=group: quant.quantize(x, mode, axis=a, group=g), w)
+            fn = functools.partial(quant.quantize, mode=mode, axis=axis, group=group)
+            shapes = jax.eval_shape(fn, w)
             leaf_shardings = jax.tree.map(lambda x: fit_sharding(sharding, x.shape), shapes)
             if self.abstract:
                 out[name] = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                                          leaf_shardings)
             else:
-                out[name] = jax.jit(lambda x, a=axis, g=group: quant.quantize(x, mode, axis=a, group=g),
-                                    out_shardings=leaf_shardings)(w)
+                out[name] = jax.jit(fn, out_shardings=leaf_shardings)(w)
         return out
 
     def reset_timers(self) -> None:

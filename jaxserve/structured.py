@@ -124,9 +124,10 @@ class StructuredOutputs:
                 self._cache.popitem(last=False)
         return matcher
 
-    def matcher(self, so: StructuredOutputsParams) -> Matcher:
-        """A fresh matcher for one sequence (raises ValueError as ``compile``)."""
-        return Matcher(self.compile(so).deep_copy(), so.kind)
+    def matchers(self, so: StructuredOutputsParams, n: int = 1) -> list[Matcher]:
+        """Fresh matchers for ``n`` sequences, from one compile (raises ValueError as ``compile``)."""
+        compiled = self.compile(so)
+        return [Matcher(compiled.deep_copy(), so.kind) for _ in range(n)]
 
     def fill_bitmask(self, matchers: Sequence[Matcher]) -> np.ndarray:
         """[len(matchers), bitmask_width(vocab)] int32: each matcher's allowed next tokens, filled in parallel."""

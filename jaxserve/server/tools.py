@@ -90,7 +90,25 @@ class ParsedOutput:
 
 
 # ---------------------------------------------------------------------------------------------------- JSON scan
-class _CallScan:
+class _JsonStrings:
+    """Where a character-by-character JSON reader is relative to strings (``in_str``, and an escape pending)."""
+
+    in_str = False
+    esc = False
+
+    def _string_char(self, ch: str) -> bool:
+        """Reads ``ch`` inside a string (``in_str``); returns True when it closes the string."""
+        if self.esc:
+            self.esc = False
+        elif ch == "\\":
+            self.esc = True
+        elif ch == '"':
+            self.in_str = False
+            return True
+        return False
+
+
+class _CallScan(_JsonStrings):
     """Reads one JSON object ``{"name": ..., "arguments": ...}`` a piece at a time.
 
     Tracks strings, nesting and, at the object's top level, each key and where its value starts and ends, so
@@ -134,14 +152,8 @@ class _CallScan:
 
     def _char(self, ch: str, pos: int) -> None:
         if self.in_str:
-            if self.esc:
-                self.esc = False
-            elif ch == "\\":
-                self.esc = True
-            elif ch == '"':
-                self.in_str = False
-                if self.depth == 1:
-                    self._string_end(pos)
+            if self._string_char(ch) and self.depth == 1:
+                self._string_end(pos)
             return
         if ch == '"':
             self.in_str = True
@@ -595,7 +607,7 @@ class MistralParser(ToolCallParser):
         return f'start: {start} "[" fn{rep} "]"\n' + _fn_rules(functions)
 
 
-class _ValueScan:
+class _ValueScan(_JsonStrings):
     """Reads one JSON object or list a piece at a time, up to its closing bracket."""
 
     def __init__(self):
@@ -616,12 +628,7 @@ class _ValueScan:
                     return i
             self.text += ch
             if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
+                self._string_char(ch)
             elif ch == '"':
                 self.in_str = True
             elif ch in "{[":
