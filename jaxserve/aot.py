@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, kv_dtype
 from jaxserve.utils import cdiv
 
 
@@ -252,7 +252,7 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         return ModelRunner(cfg, _abstract_params(cfg, dtype), cache, sched_cfg, "pallas", config.matmul_dtype, mesh,
                            platform="tpu", quantization=config.quantization)
 
-    kv_itemsize = np.dtype(_np_dtype(config.kv_cache_dtype or dtype)).itemsize
+    kv_itemsize = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype)).itemsize
     page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * cfg.head_dim * kv_itemsize
     compiled: list[Variant] = []
     if compile:

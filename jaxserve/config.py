@@ -281,8 +281,8 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}"
             )
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"CacheConfig.dtype must be float32, bfloat16, float16 or None, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in KV_DTYPES:
+            raise ValueError(f"CacheConfig.dtype must be one of {KV_DTYPES} or None, got {self.dtype!r}")
         m = self.kv_cache_memory
         if m is not None and (isinstance(m, bool) or not (isinstance(m, int) and m > 0
                                                           or isinstance(m, float) and 0 < m <= 1)):
@@ -312,6 +312,21 @@ def _setting(default, help: str, **cli):
 
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# fp8 KV pages, stored without scales (vLLM's fp8 cache with k_scale = v_scale = 1): e4m3 keeps more mantissa, e5m2
+# more range. "fp8" is e4m3, as in vLLM.
+KV_DTYPES = _DTYPES + ("fp8", "fp8_e4m3", "fp8_e5m2")
+_KV_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_dtype(name: str | None, default):
+    """The KV pool's numpy/jax dtype for a ``kv_cache_dtype`` name (None: ``default``)."""
+    import jax.numpy as jnp
+
+    if name is None:
+        return jnp.dtype(default)
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {name!r}")
+    return jnp.dtype(_KV_FP8.get(name, name))
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -344,8 +359,9 @@ class EngineConfig:
               "Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices as stored (default: float weights)",
         choices=("int8", "int4", "w8a8", "fp8", "gguf"))
     kv_cache_dtype: str | None = _setting(
-        None, "the KV page pool's dtype (default: --dtype's); bfloat16 halves the memory attention reads",
-        choices=_DTYPES)
+        None, "the KV page pool's dtype (default: --dtype's); bfloat16 halves the memory attention reads, fp8 "
+              "(e4m3, or fp8_e5m2; no scales) quarters it against float32",
+        choices=KV_DTYPES)
     num_pages: int | None = _setting(None, "KV pages per data-parallel replica (default: from memory)", type=int)
     page_size: int = _setting(16, "tokens per KV page", type=int)
     kv_cache_memory_fraction: float = _setting(0.9, "share of free device memory the KV pool may take", type=float)

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import kernels, quant
 from jaxserve.block_manager import NULL_PAGE
-from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.kernels import cpu_ffi
 from jaxserve.models.llama import OUTPUT_AXES, AttentionBatch, Llama, ParamSpec, model_from_params, param_schema
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
@@ -199,7 +199,7 @@ class ModelRunner:
             mm_shardings = param_shardings(axes, self.mesh, shapes=shapes)
             self.matmul_weights = (jax.tree.map(_place, jax.eval_shape(make, self.state), mm_shardings)
                                    if self.abstract else jax.jit(make, out_shardings=mm_shardings)(self.state))
-        self.kv_dtype = jnp.dtype(cache_cfg.dtype or dtype)  # default: the weights' dtype
+        self.kv_dtype = kv_dtype(cache_cfg.dtype, dtype)  # default: the weights' dtype
         cpp = attention_impl in ("auto", "xla") and cpu_ffi.serves(self.kv_dtype) and cpu_ffi.available()
         on_cpu = (platform or jax.default_backend()) == "cpu"
         if self.kv_dtype != jnp.float32 and on_cpu and attention_impl != "pallas" and not cpp:

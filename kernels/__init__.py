@@ -15,7 +15,7 @@ Layouts and semantics are defined once, in ``reference.py``.
                mode. ``backend="gpu"|"tpu"`` picks which kernel (default: the platform's, GPU-style on CPU).
   "xla"        the CPU path. Attention and the K/V write go to C++ kernels called through XLA FFI
                (``cpu_paged_attention.cc``, built on first use by ``cpu_ffi.py``) when a C++ compiler is there
-               (attention: for float32 or bfloat16 caches); else attention runs in jnp/lax blocks
+               (attention: for float32, bfloat16 or fp8 caches); else attention runs in jnp/lax blocks
                (``ragged_paged_attention_xla.py``) and K/V is written with the reference scatter.
   "reference"  the jnp reference, anywhere.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 
 from jaxserve.kernels import cpu_ffi
-from jaxserve.kernels._common import validate_attention_inputs
+from jaxserve.kernels._common import is_fp8, validate_attention_inputs
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
@@ -121,7 +121,8 @@ def ragged_paged_attention(
     if kernel == "xla":
         return ragged_paged_attention_xla(*args, **kw, max_q_len=max_q_len, **kernel_options)
     fn = ragged_paged_attention_gpu if kernel == "gpu" else ragged_paged_attention_tpu
-    if q.dtype != k_cache.dtype:  # the kernels' products take one element type: q in the cache's (as vLLM does)
+    # The kernels' products take one element type: q in the cache's (as vLLM does); fp8 pages are widened to q's.
+    if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):
         out = fn(q.astype(k_cache.dtype), *args[1:], **kw, **kernel_options, interpret=interp)
         return out.astype(q.dtype)
     return fn(*args, **kw, **kernel_options, interpret=interp)

@@ -89,3 +89,30 @@ def seq_q_blocks(cu_q_lens: jax.Array, num_seqs, block_q: int, num_blocks: int):
 def num_seq_q_blocks(num_tokens: int, num_seqs_padded: int, block_q: int) -> int:
     """Static upper bound on sum_i cdiv(q_len_i, block_q) given sum_i q_len_i <= num_tokens."""
     return max(1, min(num_tokens, num_tokens // block_q + num_seqs_padded))
+
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def is_fp8(dtype) -> bool:
+    """fp8 KV pages (stored without scales): the kernels widen each block they read to the queries' dtype."""
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def widen_fp8(x: jax.Array, dtype) -> jax.Array:
+    """``x`` in ``dtype`` when it is fp8 (K/V read from an fp8 pool), else unchanged."""
+    return x.astype(dtype) if is_fp8(x.dtype) else x
+
+
+def settle_tpu_interpret(out, interpret: bool):
+    """Waits for a Pallas TPU kernel run in interpret mode when it was called eagerly (outside ``jit``).
+
+    The TPU interpreter's io_callbacks run small jax ops on CPU device 0 while the kernel's own computation is still
+    running there. If the caller dispatches another op to that device in the meantime (async dispatch lets it), that
+    op queues ahead of the callbacks' ops and waits for the kernel, which waits for its callbacks: a deadlock (seen
+    on a cold compilation cache, where the caller's next op is slow to compile). Under ``jit`` the kernel is part of
+    one computation and there is nothing to wait for here.
+    """
+    if interpret and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
+        jax.block_until_ready(out)
+    return out

@@ -3,7 +3,7 @@ XLA FFI.
 
 ``paged_attention`` computes every sequence's query tokens (prefill chunks and decode tokens alike) with the
 contract of ``reference.ragged_paged_attention_ref``; ``ragged_paged_attention_xla`` hands its whole call to it on
-the CPU when the caches are float32 or bfloat16. ``write_kv`` writes new K/V rows into the pool in place.
+the CPU when the caches are float32, bfloat16 or fp8. ``write_kv`` writes new K/V rows into the pool in place.
 
 The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
 ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
@@ -33,7 +33,8 @@ import numpy as np
 
 TARGET = "jaxserve_paged_attention"
 WRITE_TARGET = "jaxserve_write_kv"
-CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the C++ attention reads
+# What the C++ attention reads: float32, bfloat16, and fp8 pools (stored without scales).
+CACHE_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2))
 _SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-pthread"]
 _error: str | None = None
@@ -128,12 +129,12 @@ def serves(dtype) -> bool:
 def paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
                     sm_scale: float, soft_cap: float | None) -> jax.Array:
     """[T, Nq, H] float32 ragged paged attention (``reference.ragged_paged_attention_ref``'s contract): every
-    sequence's query tokens, zeros for padding tokens. float32 or bfloat16 caches (one dtype for both; products
-    and softmax in float32); ``window`` <= 0 means no window."""
+    sequence's query tokens, zeros for padding tokens. float32, bfloat16 or fp8 caches (one dtype for both;
+    products and softmax in float32); ``window`` <= 0 means no window."""
     if not _load():
         raise RuntimeError(f"the C++ paged attention is unavailable: {_error}")
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"the C++ paged attention needs float32 or bfloat16 caches, got {k_cache.dtype}/"
+        raise ValueError(f"the C++ paged attention needs float32, bfloat16 or fp8 caches, got {k_cache.dtype}/"
                          f"{v_cache.dtype}")
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")

@@ -78,6 +78,53 @@ inline float ToFloat(uint16_t x) {
   return f;
 }
 
+// fp8 K/V elements (float8_e4m3fn, float8_e5m2: pools stored without scales) as their raw byte, widened to float32
+// through a 256-entry table, as bfloat16's are by a shift.
+struct E4M3 {
+  uint8_t bits;
+};
+struct E5M2 {
+  uint8_t bits;
+};
+
+// exp_bits 4 (e4m3fn: bias 7, no infinities, S.1111.111 is NaN) or 5 (e5m2: bias 15, IEEE-style inf / NaN).
+struct Fp8Table {
+  float value[256];
+  explicit Fp8Table(int exp_bits) {
+    const int man_bits = 7 - exp_bits, bias = (1 << (exp_bits - 1)) - 1, top = (1 << exp_bits) - 1;
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> man_bits) & top, m = b & ((1 << man_bits) - 1);
+      const float sign = (b & 0x80) ? -1.0f : 1.0f;
+      float v;
+      if (exp_bits == 4 && e == top && m == (1 << man_bits) - 1) {
+        v = std::numeric_limits<float>::quiet_NaN();
+      } else if (exp_bits == 5 && e == top) {
+        v = m == 0 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+      } else if (e == 0) {
+        v = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);  // subnormal
+      } else {
+        v = std::ldexp(static_cast<float>(m + (1 << man_bits)), e - bias - man_bits);
+      }
+      value[b] = sign * v;
+    }
+  }
+};
+
+const Fp8Table kE4M3(4), kE5M2(5);
+
+inline float ToFloat(E4M3 x) { return kE4M3.value[x.bits]; }
+inline float ToFloat(E5M2 x) { return kE5M2.value[x.bits]; }
+
+template <typename F8>
+inline V16 LoadFp8x16(const F8* p) {
+  alignas(64) float w[kWide];
+  for (int j = 0; j < kWide; ++j) w[j] = ToFloat(p[j]);
+  return Load16(w);
+}
+
+inline V16 LoadKV16(const E4M3* p) { return LoadFp8x16(p); }
+inline V16 LoadKV16(const E5M2* p) { return LoadFp8x16(p); }
+
 typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
 
 // Merge<W>(x, y): x and y each hold 16 / W keys' partial sums in groups of W lanes; returns x's then y's keys, W / 2
@@ -607,7 +654,8 @@ ffi::Error WriteKV(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<f
   switch (ffi::ByteWidth(dt)) {
     case 4: return WriteKVImpl<uint32_t>(layer, new_k, new_v, slots, *k_out, *v_out);
     case 2: return WriteKVImpl<uint16_t>(layer, new_k, new_v, slots, *k_out, *v_out);
-    default: return ffi::Error::InvalidArgument("write_kv: 2- or 4-byte elements only");
+    case 1: return WriteKVImpl<uint8_t>(layer, new_k, new_v, slots, *k_out, *v_out);
+    default: return ffi::Error::InvalidArgument("write_kv: 1-, 2- or 4-byte elements only");
   }
 }
 
@@ -625,7 +673,15 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::
     return PagedAttentionImpl<uint16_t>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
                                         window, sm_scale, soft_cap, pool, out);
   }
-  return ffi::Error::InvalidArgument("paged attention: caches must be float32 or bfloat16");
+  if (dt == ffi::DataType::F8E4M3FN) {
+    return PagedAttentionImpl<E4M3>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window,
+                                    sm_scale, soft_cap, pool, out);
+  }
+  if (dt == ffi::DataType::F8E5M2) {
+    return PagedAttentionImpl<E5M2>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window,
+                                    sm_scale, soft_cap, pool, out);
+  }
+  return ffi::Error::InvalidArgument("paged attention: caches must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
 }
 
 }  // namespace
@@ -633,7 +689,7 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32 or bfloat16
+                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32, bfloat16 or fp8
                                   .Arg<ffi::AnyBuffer>()  // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens

@@ -28,7 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels._common import num_seq_q_blocks, seq_q_blocks, valid_token_mask, validate_attention_inputs
+from jaxserve.kernels._common import (num_seq_q_blocks, seq_q_blocks, valid_token_mask, validate_attention_inputs,
+                                      widen_fp8)
 from jaxserve.utils import cdiv, next_pow2
 
 # Enough programs to fill an H100-class GPU (132 SMs) about twice over before splitting contexts further.
@@ -104,6 +105,7 @@ def _kernel(
             kv_mask = jnp.broadcast_to(kv_ok[:, None], (block_kv, head_dim))
             k = plgpu.load(k_ref.at[layer, page, off, kv_head, dims], mask=kv_mask, other=0)  # [BK, D]
             v = plgpu.load(v_ref.at[layer, page, off, kv_head, dims], mask=kv_mask, other=0)
+            k, v = widen_fp8(k, q.dtype), widen_fp8(v, q.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * sm_scale  # [BM, BK]
             if soft_cap is not None:

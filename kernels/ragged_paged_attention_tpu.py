@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.kernels._common import validate_attention_inputs
+from jaxserve.kernels._common import is_fp8, settle_tpu_interpret, validate_attention_inputs, widen_fp8
 from jaxserve.utils import cdiv
 
 _LANES = 128
@@ -125,11 +125,13 @@ def _kernel(
         ok &= (window <= 0) | (kv_tok > pos - window)  # [R, C]
         # fp32 products only for f32 caches: Mosaic rejects a bf16 x bf16 matmul asking for fp32 contraction
         # ("Bad lhs type"), and the MXU's bf16 x bf16 -> f32 product is already exact.
-        prec = lax.Precision.HIGHEST if k_buf.dtype == jnp.float32 else lax.Precision.DEFAULT
+        # fp8 pages are widened to the queries' dtype block by block (the pool stays fp8 in HBM and in the buffers).
+        compute = q_ref.dtype if is_fp8(k_buf.dtype) else k_buf.dtype
+        prec = lax.Precision.HIGHEST if compute == jnp.float32 else lax.Precision.DEFAULT
         for h in range(kv_heads_blk):
             q = q_ref[h]  # [R, D]
-            k = k_buf[slot, :, h, :]  # [C, D]
-            v = v_buf[slot, :, h, :]
+            k = widen_fp8(k_buf[slot, :, h, :], compute)  # [C, D]
+            v = widen_fp8(v_buf[slot, :, h, :], compute)
             # Rows of the buffer outside [lo, hi) are stale or never written: zero V so 0 * garbage can't leak.
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
             s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=prec,
@@ -274,13 +276,14 @@ def ragged_paged_attention_tpu(
         num_kv_heads, block_q * group, q.shape[2], pages_per_block * page_size, q.dtype, k_cache.dtype, budget)
     if num_kv_heads % kv_heads_per_block:
         raise ValueError(f"kv_heads_per_block ({kv_heads_per_block}) must divide num_kv_heads ({num_kv_heads})")
-    return _rpa_tpu(
+    out = _rpa_tpu(
         q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lens.astype(jnp.int32),
         page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
         jnp.asarray(sliding_window, jnp.int32), sm_scale=float(sm_scale), soft_cap=soft_cap, block_q=block_q,
         pages_per_block=pages_per_block, kv_heads_per_block=kv_heads_per_block,
         vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
     )
+    return settle_tpu_interpret(out, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q", "pages_per_block",

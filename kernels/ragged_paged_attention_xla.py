@@ -89,7 +89,7 @@ def ragged_paged_attention_xla(
       block_q: query tokens per block for sequences with more than one query token (overrides the hint).
       ctx_chunk, decode_chunk: context tokens per online-softmax step for those blocks and for 1-token
         sequences (override the defaults).
-      impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32 or bfloat16 caches on the CPU),
+      impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32, bfloat16 or fp8 caches on the CPU),
         "xla" the blocks here, "auto" the C++ kernel where it applies and could be built, else the blocks. (This
         is the lower-level choice; the public ``jaxserve.kernels.ragged_paged_attention`` always passes "auto".)
 
@@ -118,7 +118,7 @@ def ragged_paged_attention_xla(
     fits = k_cache.dtype == v_cache.dtype and cpu_ffi.serves(k_cache.dtype)
     if impl == "ffi":
         if not fits:
-            raise ValueError("impl='ffi' needs float32 or bfloat16 caches on the CPU backend, got "
+            raise ValueError("impl='ffi' needs float32, bfloat16 or fp8 caches on the CPU backend, got "
                              f"{k_cache.dtype} on {jax.default_backend()}")
         if not cpu_ffi.available():
             raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: "

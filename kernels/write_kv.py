@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.kernels._common import settle_tpu_interpret
 from jaxserve.utils import cdiv, next_pow2
 
 
@@ -162,5 +163,6 @@ def write_kv_tpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t
     if new_k.shape[0] == 0:
         return k_cache, v_cache
     block_t = max(1, min(block_t, new_k.shape[0]))
-    return _write_kv_tpu(k_cache, v_cache, jnp.asarray(layer, jnp.int32), new_k, new_v, slot_mapping.astype(jnp.int32),
-                         block_t=block_t, interpret=interpret)
+    out = _write_kv_tpu(k_cache, v_cache, jnp.asarray(layer, jnp.int32), new_k, new_v, slot_mapping.astype(jnp.int32),
+                        block_t=block_t, interpret=interpret)
+    return settle_tpu_interpret(out, interpret)

@@ -70,11 +70,12 @@ def _check_tpu_kernel(compiled, name: str) -> None:
 
 
 def compile_attention(topology, dtype, num_q_heads, num_kv_heads, head_dim, page_size, num_tokens, num_seqs,
-                      soft_cap=None, **kernel_options):
-    """AOT-compiles ragged_paged_attention_tpu for one chip of ``topology``; returns the compiled executable."""
+                      soft_cap=None, kv_dtype=None, **kernel_options):
+    """AOT-compiles ragged_paged_attention_tpu for one chip of ``topology`` (pages in ``kv_dtype``, default
+    ``dtype``); returns the compiled executable."""
     mesh = _mesh(topology)
     a = functools.partial(_abstract, mesh)
-    cache = a((LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), dtype)
+    cache = a((LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     i32 = lambda *shape: a(shape, jnp.int32)  # noqa: E731
     args = (a((num_tokens, num_q_heads, head_dim), dtype), cache, cache, i32(), i32(num_seqs),
             i32(num_seqs, MAX_CTX // page_size), i32(num_seqs + 1), i32(), i32())
@@ -92,10 +93,10 @@ def compile_attention(topology, dtype, num_q_heads, num_kv_heads, head_dim, page
     return compiled
 
 
-def compile_write_kv(topology, dtype, num_kv_heads, head_dim, page_size, num_tokens):
+def compile_write_kv(topology, dtype, num_kv_heads, head_dim, page_size, num_tokens, kv_dtype=None):
     mesh = _mesh(topology)
     a = functools.partial(_abstract, mesh)
-    cache = a((LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), dtype)
+    cache = a((LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     new = a((num_tokens, num_kv_heads, head_dim), dtype)
     with jax.set_mesh(mesh):
         compiled = jax.jit(write_kv_tpu, donate_argnums=(0, 1)).lower(
@@ -130,6 +131,16 @@ def test_attention_compiles_for_tpu(topology, corner):
                          [(BF16, 8, 128, 16, 256), (F32, 1, 64, 64, 32), (BF16, 2, 256, 32, 32)])
 def test_write_kv_compiles_for_tpu(topology, dtype, num_kv_heads, head_dim, page_size, num_tokens):
     compile_write_kv(topology, dtype, num_kv_heads, head_dim, page_size, num_tokens)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_pages_compile_for_tpu(topology, kv_dtype):
+    """bfloat16 queries over fp8 pages (kv_cache_dtype="fp8_e4m3" / "fp8_e5m2"), Llama-3-8B's decode and a mixed
+    step; the write of bfloat16 rows into fp8 pages."""
+    compile_attention(topology, BF16, 32, 8, 128, 16, *DECODE, kv_dtype=kv_dtype)
+    compile_attention(topology, BF16, 14, 2, 128, 32, *MIXED, kv_dtype=kv_dtype)
+    compile_write_kv(topology, BF16, 8, 128, 16, 256, kv_dtype=kv_dtype)
 
 
 @pytest.mark.parametrize("num_tokens,num_seqs", [DECODE, MIXED], ids=["decode", "mixed"])
