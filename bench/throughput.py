@@ -149,11 +149,13 @@ def run_vllm(prompts, output_len: int, dtype: str, single_len: int, max_num_batc
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()
+        # Not from the repository root: its kernels/ folder would shadow the HF `kernels` package vLLM imports.
         proc = subprocess.run([str(VLLM_PYTHON), "-P", str(BENCH / "vllm_worker.py"), f.name], capture_output=True,
-                              text=True)
+                              cwd=tempfile.gettempdir(), text=True)
     if proc.returncode != 0:
         raise SystemExit(f"vLLM ({dtype}) failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT "))
+    return json.loads(line.split(" ", 1)[1])
 
 
 def main() -> None:

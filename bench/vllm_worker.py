@@ -1,6 +1,6 @@
 """Runs vLLM's CPU build on bench/throughput.py's workload; started by it under bench/.venv-vllm's Python.
 
-    bench/.venv-vllm/bin/python bench/vllm_worker.py JOB.json   # prints one JSON line of results last
+    bench/.venv-vllm/bin/python bench/vllm_worker.py JOB.json   # prints VLLM_RESULT {json}
 
 JOB.json: {"model": HF dir, "dtype": "float32" | "bfloat16", "prompts": [[token ids], ...], "output_len": N,
 "single_len": M, "max_num_batched_tokens": B, "kv_cache_gib": G}. It generates every prompt at once (offline
@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+RESULT = "VLLM_RESULT"  # vLLM logs to stdout too: the result line starts with this
 
 def main() -> None:
     job = json.load(open(sys.argv[1]))
@@ -39,7 +40,7 @@ def main() -> None:
     t = time.perf_counter()
     llm.generate(prompts[:1], one, use_tqdm=False)
     single = time.perf_counter() - t
-    print(json.dumps({"elapsed": elapsed, "load_s": load, "single_s": single, "tokens": tokens,
+    print(RESULT, json.dumps({"elapsed": elapsed, "load_s": load, "single_s": single, "tokens": tokens,
                       "version": __import__("vllm").__version__}))
 
 

@@ -327,6 +327,8 @@ def kv_dtype(name: str | None, default):
     if name not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {name!r}")
     return jnp.dtype(_KV_FP8.get(name, name))
+
+
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
