@@ -265,7 +265,7 @@ def test_ffi_write_kv_matches_reference():
 
 def test_ffi_refuses_what_it_cannot_do():
     b = make_batch(DECODE_Q, DECODE_KV, dtype=jnp.float16)
-    with pytest.raises(ValueError, match="float32 or bfloat16 caches"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or fp8 caches"):
         ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, impl="ffi")
     with pytest.raises(ValueError, match="impl must"):
         ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, impl="cpp")
