@@ -105,44 +105,41 @@ CHECKS = [
 ]
 
 
+def check_case(label, make, backend, tol, kw) -> bool:
+    """One compiled-kernel-vs-reference case (``make()`` builds its batch); logs and records it, never raises."""
+    try:
+        b = make()
+        d = b["q"].shape[-1]
+        out = np.asarray(attend("pallas", b, 1, backend=backend, sm_scale=d**-0.5, **kw), np.float32)
+        ref = np.asarray(attend("reference", b, 1, sm_scale=d**-0.5, **kw), np.float32)
+        err = float(np.max(np.abs(out - ref)))
+        ok = bool(np.isfinite(out).all() and np.allclose(out, ref, atol=tol, rtol=tol))
+        log(f"{label}: {'OK' if ok else 'FAIL'} max|err|={err:.2e} (tol {tol})")
+        ROWS.append(dict(case=label, impl="pallas", result="OK" if ok else "FAIL", err=err))
+        return ok
+    except Exception as e:  # noqa: BLE001 -- keep going, report at the end
+        log(f"{label}: ERROR {type(e).__name__}: {e}")
+        traceback.print_exc()
+        ROWS.append(dict(case=label, impl="pallas", result=f"ERROR {type(e).__name__}"))
+        return False
+
+
+def fp8_pages(b: dict, kv) -> dict:
+    return {**b, "k_cache": b["k_cache"].astype(kv), "v_cache": b["v_cache"].astype(kv)}
+
+
 def run_checks(backend):
     """Compiled kernel vs the reference (float32 reference matmuls at full precision)."""
     failures = 0
     with jax.default_matmul_precision("highest"):
         for dtype, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)):
             for name, (q_lens, kv_lens), (hq, hk), d, kw in CHECKS:
-                label = f"check {name} {jnp.dtype(dtype).name}"
-                try:
-                    b = edge_batch(q_lens, kv_lens, hq=hq, hk=hk, d=d, dtype=dtype)
-                    out = np.asarray(attend("pallas", b, 1, backend=backend, sm_scale=d**-0.5, **kw), np.float32)
-                    ref = np.asarray(attend("reference", b, 1, sm_scale=d**-0.5, **kw), np.float32)
-                    err = float(np.max(np.abs(out - ref)))
-                    ok = np.isfinite(out).all() and np.allclose(out, ref, atol=tol, rtol=tol)
-                    failures += not ok
-                    log(f"{label}: {'OK' if ok else 'FAIL'} max|err|={err:.2e} (tol {tol})")
-                    ROWS.append(dict(case=label, impl="pallas", result="OK" if ok else "FAIL", err=err))
-                except Exception as e:  # noqa: BLE001 -- keep going, report at the end
-                    failures += 1
-                    log(f"{label}: ERROR {type(e).__name__}: {e}")
-                    traceback.print_exc()
-                    ROWS.append(dict(case=label, impl="pallas", result=f"ERROR {type(e).__name__}"))
+                make = functools.partial(edge_batch, q_lens, kv_lens, hq=hq, hk=hk, d=d, dtype=dtype)
+                failures += not check_case(f"check {name} {jnp.dtype(dtype).name}", make, backend, tol, kw)
         for kv in (jnp.float8_e4m3fn, jnp.float8_e5m2):  # kv_cache_dtype="fp8_e4m3" / "fp8_e5m2" under bf16 queries
-            label = f"check fp8 pages {jnp.dtype(kv).name}"
-            try:
-                b = edge_batch([17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128, dtype=jnp.bfloat16)
-                b.update(k_cache=b["k_cache"].astype(kv), v_cache=b["v_cache"].astype(kv))
-                out = np.asarray(attend("pallas", b, 1, backend=backend, sm_scale=128**-0.5), np.float32)
-                ref = np.asarray(attend("reference", b, 1, sm_scale=128**-0.5), np.float32)
-                err = float(np.max(np.abs(out - ref)))
-                ok = np.isfinite(out).all() and np.allclose(out, ref, atol=2e-2, rtol=2e-2)
-                failures += not ok
-                log(f"{label}: {'OK' if ok else 'FAIL'} max|err|={err:.2e} (tol 2e-2)")
-                ROWS.append(dict(case=label, impl="pallas", result="OK" if ok else "FAIL", err=err))
-            except Exception as e:  # noqa: BLE001 -- keep going, report at the end
-                failures += 1
-                log(f"{label}: ERROR {type(e).__name__}: {e}")
-                traceback.print_exc()
-                ROWS.append(dict(case=label, impl="pallas", result=f"ERROR {type(e).__name__}"))
+            make = lambda kv=kv: fp8_pages(edge_batch([17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128,  # noqa: E731
+                                                      dtype=jnp.bfloat16), kv)
+            failures += not check_case(f"check fp8 pages {jnp.dtype(kv).name}", make, backend, 2e-2, {})
         label = "check write_kv bf16"
         try:
             b = edge_batch([1] * 4, [5, 16, 17, 33], hq=8, hk=2, d=128, dtype=jnp.bfloat16)
