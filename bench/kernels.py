@@ -137,8 +137,9 @@ def run_checks(backend):
                 make = functools.partial(edge_batch, q_lens, kv_lens, hq=hq, hk=hk, d=d, dtype=dtype)
                 failures += not check_case(f"check {name} {jnp.dtype(dtype).name}", make, backend, tol, kw)
         for kv in (jnp.float8_e4m3fn, jnp.float8_e5m2):  # kv_cache_dtype="fp8_e4m3" / "fp8_e5m2" under bf16 queries
-            make = lambda kv=kv: fp8_pages(edge_batch([17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128,  # noqa: E731
-                                                      dtype=jnp.bfloat16), kv)
+            batch = functools.partial(edge_batch, [17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128,
+                                      dtype=jnp.bfloat16)
+            make = lambda kv=kv, batch=batch: fp8_pages(batch(), kv)  # noqa: E731
             failures += not check_case(f"check fp8 pages {jnp.dtype(kv).name}", make, backend, 2e-2, {})
         label = "check write_kv bf16"
         try:

@@ -75,7 +75,8 @@ def main() -> None:
         t = time.perf_counter()
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         offline = args.num_requests * 64 / (time.perf_counter() - t)
-        rows.append((mode, nbytes / base[0], page / base[3], ppl, ppl / base[1] - 1, float(np.mean(top == base[2])), decode, offline))
+        rows.append((mode, nbytes / base[0], page / base[3], ppl, ppl / base[1] - 1, float(np.mean(top == base[2])),
+                     decode, offline))
         print(rows[-1], flush=True)
         del llm
 
