@@ -82,8 +82,8 @@ def main() -> None:
 
     print(f"\n## Quantized weights ({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs)\n")
     print(f"`python bench/quantization.py --modes {' '.join(args.modes)} --num-requests {args.num_requests}`\n")
-    print("| mode | weight bytes vs float32 | KV page bytes vs float32 | perplexity | vs float32 | next-token agreement "
-          "| one request decode tok/s | offline output tok/s |")
+    print("| mode | weight bytes vs float32 | KV page bytes vs float32 | perplexity | vs float32 "
+          "| next-token agreement | one request decode tok/s | offline output tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for mode, b, kv, ppl, d, agree, decode, offline in rows:
         print(f"| {mode} | {b:.3f}x | {kv:.3f}x | {ppl:.3f} | {d:+.1%} | {agree:.1%} | {decode:.1f} | {offline:.1f} |")
