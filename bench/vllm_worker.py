@@ -15,10 +15,12 @@ import os
 import sys
 import time
 
-RESULT = "VLLM_RESULT"  # vLLM logs to stdout too: the result line starts with this
+RESULT = "VLLM_RESULT"  # vLLM logs to stdout too: the result line starts with this (bench/throughput.py looks for it)
+
 
 def main() -> None:
-    job = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
     t = time.perf_counter()
     from vllm import LLM, SamplingParams

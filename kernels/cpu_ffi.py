@@ -31,10 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.kernels._common import FP8_DTYPES
+
 TARGET = "jaxserve_paged_attention"
 WRITE_TARGET = "jaxserve_write_kv"
 # What the C++ attention reads: float32, bfloat16, and fp8 pools (stored without scales).
-CACHE_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2))
+CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) + FP8_DTYPES
 _SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-pthread"]
 _error: str | None = None
