@@ -27,6 +27,11 @@ from jaxserve.sampling_params import StructuredOutputsParams
 MAX_CACHED_GRAMMARS = 512
 
 
+class ConstraintUnsatisfiable(ValueError):
+    """A grammar asks for text the model's vocabulary cannot produce (e.g. a character whose UTF-8 bytes no token
+    holds): the request is at fault, not the engine (the server answers 400)."""
+
+
 def bitmask_width(vocab_size: int) -> int:
     """Words of a packed token bitmask row (32 tokens a word)."""
     return (vocab_size + 31) // 32
@@ -94,10 +99,29 @@ class StructuredOutputs:
             if kind == "regex":
                 return llg.LLMatcher.grammar_from_regex(so.regex)
             if kind == "choice":
+                for i, c in enumerate(so.choice):
+                    self._check_producible(c, f"choice[{i}]")
                 return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
             return llg.grammar_from("gbnf" if "::=" in so.grammar else "lark", so.grammar)
+        except ConstraintUnsatisfiable:
+            raise
         except (ValueError, TypeError, RuntimeError) as e:
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {e}") from None
+
+    def _check_producible(self, text: str, where: str) -> None:
+        """Raises ConstraintUnsatisfiable if no token sequence spells ``text`` exactly (byte-level vocabularies can
+        lack the tokens of some bytes: SmolLM2's has none starting with 0xF1 / 0xF2, i.e. U+40000..U+BFFFF)."""
+        tok = self._tokenizer
+
+        def spelled(t: str) -> bool:
+            data = t.encode("utf-8", "surrogatepass")
+            return tok.decode_bytes(tok.tokenize_bytes(data)) == data
+
+        if spelled(text):
+            return
+        chars = ", ".join(f"U+{ord(ch):04X}" for ch in [ch for ch in dict.fromkeys(text) if not spelled(ch)][:5])
+        raise ConstraintUnsatisfiable(f"structured_outputs.{where} cannot be generated: this model's vocabulary has "
+                                      f"no tokens for {chars or 'its bytes'}")
 
     def compile(self, so: StructuredOutputsParams):
         """The compiled grammar of ``so`` in its start state (cached; do not advance it: ``matcher`` copies it).
@@ -133,6 +157,8 @@ class StructuredOutputs:
         """[len(matchers), bitmask_width(vocab)] int32: each matcher's allowed next tokens, filled in parallel."""
         t0 = time.perf_counter()
         out = np.full((len(matchers), bitmask_width(self.vocab_size)), -1, np.int32)
+        for m, row in zip(matchers, out):
+            m.mask = row  # kept to tell a grammar the vocabulary cannot follow from a sampler that ignored the mask
         if len(matchers) == 1:
             row = out[0]
             matchers[0].inner.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
@@ -148,16 +174,26 @@ class Matcher:
 
     def __init__(self, inner, kind: str):
         self.inner, self.kind = inner, kind
+        self.mask: np.ndarray | None = None  # the packed row of allowed tokens last filled for this sequence
 
     def advance(self, token_id: int) -> None:
         """Consumes a sampled token.
 
         Raises:
-            RuntimeError: the grammar rejects it (the sampler was given this grammar's mask, so this is a bug or
-                a grammar state the parser could not handle); the message carries llguidance's reason.
+            ConstraintUnsatisfiable: the grammar rejects a token its own mask allowed: llguidance's mask lets
+                through the nearest token when the text the grammar forces next has bytes no token produces.
+            RuntimeError: the grammar rejects a token its mask did not allow (a bug: the sampler ignored the mask);
+                the message carries llguidance's reason.
         """
-        if not self.inner.consume_token(token_id) or self.inner.is_error():
-            raise RuntimeError(f"the {self.kind} constraint rejected token {token_id}: {self.inner.get_error()}")
+        if self.inner.consume_token(token_id) and not self.inner.is_error():
+            return
+        reason = self.inner.get_error().strip().splitlines()[0] if self.inner.get_error() else "rejected"
+        mask = self.mask
+        if mask is not None and 0 <= token_id < 32 * mask.size and (int(mask[token_id // 32]) >> (token_id % 32)) & 1:
+            raise ConstraintUnsatisfiable(
+                f"structured_outputs.{self.kind} cannot be followed: the text it requires next has characters this "
+                f"model's vocabulary has no tokens for ({reason})")
+        raise RuntimeError(f"the {self.kind} constraint rejected token {token_id}: {self.inner.get_error()}")
 
     @property
     def done(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import threading
 import time
@@ -476,7 +477,7 @@ def test_bench_serve_cli_reports_and_plots(served, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- fuzz
 FUZZ_MAX_TOKENS = 4
-FUZZ_EXAMPLES = 30  # per operation and mode
+FUZZ_EXAMPLES = int(os.environ.get("JAXSERVE_FUZZ_EXAMPLES", 30))  # per operation and mode (more: a deeper local run)
 
 
 def _cheap(body) -> None:

@@ -547,6 +547,7 @@ def test_legacy_functions_and_tool_call_replay(served):
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ({"guided_choice": ["a"], "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"guided_choice": ["yes", "x\U000A87A0"]}, "guided_choice"),  # no token of this vocabulary starts with 0xF2
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
@@ -564,6 +565,26 @@ def test_bad_constraints_and_tool_choices_are_400_naming_the_field(served, body,
     assert err["param"] == param, err
     if param != "structured_outputs":
         assert param.split(".")[-1] in err["message"], err
+
+
+@slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_the_vocabulary_cannot_follow_is_a_400_and_the_server_serves_on(served, stream):
+    """A regex forcing a character no token spells (found mid-generation, not at compile time): the request fails
+    with a 400 naming structured_outputs (not a 500), streamed or not, and the next request is served."""
+    body = {"prompt": "hi", "max_tokens": 8, "stream": stream, "structured_outputs": {"regex": "ab\U000A87A0c"}}
+    r = served.post("/v1/completions", body)
+    if stream:
+        assert r.status_code == 200, r.text
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        err = events[-1]["error"]
+    else:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+    assert err["type"] == "invalid_request_error", err
+    assert "structured_outputs.regex" in err["message"] and "vocabulary" in err["message"], err
+    r = served.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "structured_outputs": {"regex": "ab+"}})
+    assert r.status_code == 200 and re.fullmatch("ab+", r.json()["choices"][0]["text"]), r.text
 
 
 @slow

@@ -152,6 +152,62 @@ def test_bad_constraints_name_the_field(llm, field, value, words):
     assert not llm.engine.has_unfinished_requests()
 
 
+# A character whose UTF-8 bytes (F2 A8 9E A0) no token of SmolLM2's byte-level vocabulary begins with.
+UNSPELLABLE = "\U000A87A0"
+
+
+def test_the_default_vocabulary_cannot_spell_the_test_character(llm):
+    """The premise of the next tests, read from the tokenizer's own vocabulary (not from llguidance)."""
+    vocab = json.loads(llm.tokenizer.to_json())["model"]["vocab"]
+    byte_of = {ch: b for b, ch in _gpt2_byte_chars().items()}
+    first_bytes = {byte_of.get(t[0]) for t in vocab if t and t[0] in byte_of}
+    assert UNSPELLABLE.encode()[0] not in first_bytes and ord("a") in first_bytes
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet), written out from its definition."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@pytest.mark.slow
+def test_a_choice_the_vocabulary_cannot_spell_is_refused_naming_it(llm):
+    with pytest.raises(ValueError, match=r"structured_outputs\.choice\[1\].*U\+A87A0"):
+        llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs={"choice": ["yes", "x" + UNSPELLABLE]}))
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_a_regex_the_vocabulary_cannot_follow_fails_that_request_alone(llm):
+    """llguidance finds it only mid-generation (its mask then lets a wrong token through): that request fails
+    with ConstraintUnsatisfiable, its neighbour finishes, and every page is freed."""
+    from jaxserve.engine import StepFailed
+    from jaxserve.structured import ConstraintUnsatisfiable
+
+    eng = llm.engine
+    eng.add_request("bad", "hi", SamplingParams(max_tokens=8, structured_outputs={"regex": "ab" + UNSPELLABLE}))
+    eng.add_request("good", "hi", SamplingParams(max_tokens=6, temperature=0))
+    failures, finished = [], {}
+    while eng.has_unfinished_requests():
+        try:
+            outs = eng.step()
+        except StepFailed as e:
+            failures.append(e)
+            outs = e.outputs
+        finished.update({o.request_id: o for o in outs if o.finished})
+    assert [f.request_ids for f in failures] == [["bad"]], failures
+    assert isinstance(failures[0].cause, ConstraintUnsatisfiable) and "vocabulary" in str(failures[0].cause)
+    assert list(finished) == ["good"] and len(finished["good"].outputs[0].token_ids) == 6
+    assert eng.get_stats()["num_used_pages"] == 0
+
+
 # ---------------------------------------------------------------------------------------------- generation
 
 @pytest.mark.slow

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.structured import ConstraintUnsatisfiable
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -280,7 +282,7 @@ class AsyncEngine:
                 st.added.set_exception(err or ServerBusyError("the server is shutting down", retry_after=5))
             st.end = _ABORTED if err is None else err
             st.ready.set()
-            self.metrics.finished("error" if isinstance(err, EngineStepError) else "abort")
+            self.metrics.finished("error" if isinstance(err, (EngineStepError, APIError)) else "abort")
 
     # ------------------------------------------------------------------ the engine thread
     def _call(self, fn, *args) -> None:
@@ -361,10 +363,14 @@ class AsyncEngine:
         if self._step_failures >= MAX_STEP_FAILURES:
             raise e
         cause = getattr(e, "cause", None) or e.__cause__ or e
-        logger.error("an engine step failed for %d request(s); the engine serves on", len(failed), exc_info=cause)
+        if not isinstance(cause, ConstraintUnsatisfiable):
+            logger.error("an engine step failed for %d request(s); the engine serves on", len(failed), exc_info=cause)
         live.difference_update(failed)
-        self._call(self._fail, list(failed), EngineStepError(f"the engine step failed: {type(cause).__name__}: "
-                                                             f"{cause}"))
+        if isinstance(cause, ConstraintUnsatisfiable):  # the request asked for what cannot be generated: a 400
+            err = APIError(400, str(cause), param="structured_outputs", code="invalid_request")
+        else:
+            err = EngineStepError(f"the engine step failed: {type(cause).__name__}: {cause}")
+        self._call(self._fail, list(failed), err)
         return outputs
 
 

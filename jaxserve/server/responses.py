@@ -99,7 +99,8 @@ async def create_response(req: ResponsesRequest, raw: Request) -> Response:
 
 
 _ERROR_CODES = ((ServerBusyError, "server_busy"), (EngineDeadError, "engine_dead"),
-                (EngineStepError, "engine_step_failed"), (ValueError, "invalid_request"))
+                (EngineStepError, "engine_step_failed"), (ValueError, "invalid_request"),
+                (APIError, "invalid_request"))
 
 
 def _part(text: str) -> dict:
