@@ -6,9 +6,10 @@ mix of temperatures, top-k/top-p/min-p, penalties, biases, logprobs and seeds at
 asks for fixed widths (bias entries and token history), so no request parameter can change a shape and
 trigger a compile after warm-up; without them the widths are bucketed to what the batch needs.
 
-The order follows vLLM v1: the structured-output token mask, logit bias (and the ``min_tokens`` ban on stop
-tokens), penalties, then temperature, min-p, top-k, top-p and a Gumbel-max draw; greedy rows (temperature < 1e-5)
-take the argmax of the biased and penalized logits. Returned logprobs are those of the raw model logits (vLLM's
+The order follows vLLM v1: logit bias (and the ``min_tokens`` ban on stop tokens), penalties, the
+structured-output token mask (last of the three, so no extreme penalty can lift a ban), then temperature, min-p,
+top-k, top-p and a Gumbel-max draw; greedy rows (temperature < 1e-5) take the argmax of the biased, penalized and
+masked logits. Returned logprobs are those of the raw model logits (vLLM's
 default ``raw_logprobs``). Each row draws with ``fold_in(key(seed), step)``, so a seeded request gets the same
 tokens whatever else shares its batch.
 """
@@ -27,6 +28,14 @@ from jaxserve.sampling_params import (  # noqa: F401
     GREEDY_EPS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, PAD_ID, TOP_K_CAP, SamplingParams,
 )
 from jaxserve.utils import next_pow2
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _f32_positive(x: float) -> float:
+    """A positive float within float32's normal range (a penalty of 1e-320 would be 0 on the device)."""
+    return min(max(float(x), float(np.finfo(np.float32).tiny)), _F32_MAX)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -145,8 +154,9 @@ class SamplingMetadata:
         prompts: list[Sequence[int]] = [()] * b
         outputs: list[Sequence[int]] = [()] * b
         for i, p in enumerate(params):
-            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
-            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+            temperature[i], top_k[i], top_p[i], min_p[i] = (min(p.temperature, _F32_MAX), max(p.top_k, 0), p.top_p,
+                                                            p.min_p)
+            rep[i], pres[i], freq[i] = _f32_positive(p.repetition_penalty), p.presence_penalty, p.frequency_penalty
             step[i], num_logprobs[i] = steps[i], p.logprobs or 0
             s = seeds[i] if seeds is not None and seeds[i] is not None else p.seed
             if s is None:
@@ -219,9 +229,12 @@ def _apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     in_prompt = jnp.zeros((b, v), jnp.bool_).at[rows, prompt_ids].set(True, mode="drop")  # [B, V]
     seen = in_prompt | (out_counts > 0)
     rep = meta.repetition_penalty[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - meta.frequency_penalty[:, None] * out_counts
-    return logits - meta.presence_penalty[:, None] * (out_counts > 0)
+    out = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    out = out - meta.frequency_penalty[:, None] * out_counts - meta.presence_penalty[:, None] * (out_counts > 0)
+    # Extreme penalties can overflow (or make 0 * inf = nan): every token not already banned stays finite, so
+    # the bans and the grammar's mask still decide what may be drawn.
+    big = jnp.finfo(jnp.float32).max
+    return jnp.where(jnp.isneginf(logits), -jnp.inf, jnp.clip(jnp.nan_to_num(out, nan=-big), -big, big))
 
 
 def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -277,18 +290,19 @@ def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.
     """Logits to draw from, and the greedy mask. Greedy rows get the biased, penalized logits unfiltered."""
     b, v = logits.shape
     logits = logits.astype(jnp.float32)
-    constrained = jnp.any(meta.token_mask != -1)  # structured outputs: only then is the mask unpacked
-    logits = jax.lax.cond(constrained, _apply_token_mask, lambda x, _: x, logits, meta.token_mask)
     rows = jnp.arange(b)[:, None]
     biased = jnp.any(meta.bias_values != 0.0)  # a scatter over [B, V] only when some row has a bias
     logits = jax.lax.cond(biased, lambda x: x.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop"),
                           lambda x: x, logits)
     penalized = (meta.repetition_penalty != 1.0) | (meta.presence_penalty != 0.0) | (meta.frequency_penalty != 0.0)
     logits = jax.lax.cond(jnp.any(penalized), _apply_penalties, lambda x, _: x, logits, meta)
+    constrained = jnp.any(meta.token_mask != -1)  # structured outputs: only then is the mask unpacked
+    logits = jax.lax.cond(constrained, _apply_token_mask, lambda x, _: x, logits, meta.token_mask)
     greedy = meta.temperature < GREEDY_EPS  # [B]
 
     def filtered(x):
-        x = x / jnp.where(greedy, 1.0, meta.temperature)[:, None]
+        # Banned tokens stay -inf: a huge temperature's reciprocal flushes to 0, and -inf * 0 is nan.
+        x = jnp.where(x == -jnp.inf, x, x / jnp.where(greedy, 1.0, meta.temperature)[:, None])
         # min-p: keep p >= min_p * p_max, i.e. logit >= max logit + log(min_p); log(0) = -inf keeps all.
         log_min_p = jnp.log(jnp.where(greedy, 0.0, meta.min_p))[:, None]
         x = jnp.where(x >= x.max(-1, keepdims=True) + log_min_p, x, -jnp.inf)

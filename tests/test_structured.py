@@ -113,6 +113,31 @@ def test_sampler_mask_matches_llguidance_numpy():
         assert allowed[np.arange(b), toks].all(), f"seed {seed} drew a banned token"
 
 
+@pytest.mark.parametrize("extreme", [
+    dict(repetition_penalty=5e-324), dict(repetition_penalty=1e-40), dict(repetition_penalty=1e300),
+    dict(temperature=1e300), dict(temperature=1e300, repetition_penalty=5e-324, presence_penalty=2.0),
+])
+def test_extreme_parameters_never_lift_the_mask(extreme):
+    """Penalties and temperatures past float32's range (valid request values) once made inf / nan logits that
+    let a banned token win: the draw stays within llguidance's own unpacking of the mask, greedy or not."""
+    rng = np.random.default_rng(2)
+    b, v = 4, 200
+    logits = rng.normal(size=(b, v)).astype(np.float32) * 3
+    logits[:, 0] = 0.0  # 0 * inf
+    mask = np.zeros((b, (v + 31) // 32), np.int32)
+    mask[:, 1] = 0b1011  # tokens 32, 33, 35
+    allowed = np.zeros((b, v), np.float32)
+    llg_numpy.apply_token_bitmask_inplace(allowed, mask)
+    allowed = np.isfinite(allowed)
+    history = [list(range(0, v, 2))] * b  # every even token seen: most banned ones and some allowed ones
+    for seed in range(4):
+        params = [SamplingParams(seed=seed, **{"temperature": 0.0, **extreme}) if i == 0 else
+                  SamplingParams(seed=seed, **{"temperature": 1.0, **extreme}) for i in range(b)]
+        meta = SamplingMetadata.from_params(params, token_mask=mask, prompt_ids=history, output_ids=history)
+        toks = np.asarray(sample(logits, meta, max_logprobs=0).tokens)
+        assert allowed[np.arange(b), toks].all(), (extreme, seed, toks)
+
+
 def test_sampler_without_mask_is_unchanged():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(4, 300)).astype(np.float32)
