@@ -550,6 +550,7 @@ def test_legacy_functions_and_tool_call_replay(served):
     ({"guided_choice": ["yes", "x\U000A87A0"]}, "guided_choice"),  # no token of this vocabulary starts with 0xF2
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"function_call": {"name": ""}}, "function_call"),  # a named (if empty) function and no functions
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],

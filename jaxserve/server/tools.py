@@ -763,7 +763,7 @@ def plan_tools(req) -> ToolPlan:
         choice = "auto" if functions else "none"
     named = None if isinstance(choice, str) else (choice.name if legacy else choice.function.name)
     if (named is not None or choice == "required") and not functions:
-        raise APIError(400, f"{choice_param}={json.dumps(named or choice)} needs "
+        raise APIError(400, f"{choice_param}={json.dumps(choice if named is None else named)} needs "
                             f"{'functions' if legacy else 'tools'}, and none were given", param=choice_param)
     if named is not None and named not in names:
         raise APIError(400, f"{choice_param} names the function {named!r}, which is not among the "
