@@ -18,6 +18,7 @@ XLA, so they run under ``jax.shard_map`` on each device's heads; without it XLA 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 import jax
@@ -111,10 +112,16 @@ def replicate_kv_heads(cfg: ModelConfig, params: dict, kv_heads: int) -> tuple[M
 
 
 def fit_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
-    """``sharding`` for an array of ``shape`` whose size-1 dimensions cannot be split: those are replicated (a
-    quantized weight's per-channel scales have one entry along the weight's split input axis)."""
+    """``sharding`` for an array of ``shape``, each dimension the mesh axes do not divide replicated instead: a
+    quantized weight's per-channel scales have one entry along the weight's split input axis, and a checkpoint's
+    group count need not divide by the tensor-parallel size (the jitted product reshards what it needs)."""
     spec = tuple(sharding.spec)
-    fitted = tuple(None if i < len(shape) and shape[i] == 1 else axis for i, axis in enumerate(spec))
+
+    def ways(axis) -> int:
+        return math.prod(sharding.mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
+
+    fitted = tuple(None if axis is not None and i < len(shape) and shape[i] % ways(axis) else axis
+                   for i, axis in enumerate(spec))
     return sharding if fitted == spec else NamedSharding(sharding.mesh, P(*fitted))
 
 

@@ -245,6 +245,7 @@ class GGUFQuantized:
     bits: int
     offset: int
     group: int = 32
+    act_quant: bool = False  # W8A8: the product quantizes its activations per token (compressed-tensors dirs)
 
     def map_rows(self, fn) -> GGUFQuantized:
         """The same tensor with ``fn`` applied to the rows (output channels) of every part."""

@@ -19,6 +19,7 @@ from jaxserve.config import ModelConfig
 _DTYPES = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 
 
@@ -83,5 +84,10 @@ def count_tensors(model_dir: str | Path) -> int:
 
 
 def iter_hf_dir(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
-    for path in safetensors_files(model_dir):
-        yield from iter_safetensors(path)
+    """Every tensor of the directory; a compressed-tensors checkpoint's quantized modules each come as one
+    ``x.weight`` holding its quantized values and scales (``jaxserve.loading.compressed``)."""
+    from jaxserve.loading.compressed import quantization_config, quantized_tensors
+
+    qcfg = quantization_config(model_dir)
+    tensors = (item for path in safetensors_files(model_dir) for item in iter_safetensors(path))
+    yield from tensors if qcfg is None else quantized_tensors(tensors, qcfg)

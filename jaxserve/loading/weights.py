@@ -136,7 +136,7 @@ def params_from_hf_tensors(
 
 
 def _quantized_parts(q, transpose: bool) -> dict:
-    """A ``GGUFQuantized`` matrix ([out, in], grouped along in) as ``QArray`` fields in our layout: linear
+    """A ``GGUFQuantized`` matrix (GGUF blocks or a compressed-tensors weight: [out, in], grouped along in) as ``QArray`` fields in our layout: linear
     weights [in, out] grouped along axis -2, the embedding [V, D] grouped along axis -1; 4-bit values packed."""
     from jaxserve.quant import pack4_host
 
@@ -146,7 +146,7 @@ def _quantized_parts(q, transpose: bool) -> dict:
         leaves = {k: None if v is None else np.ascontiguousarray(v.T) for k, v in leaves.items()}
     if q.bits == 4:
         leaves["q"] = pack4_host(leaves["q"], axis)
-    return dict(leaves, bits=q.bits, group=q.group, offset=q.offset, axis=axis)
+    return dict(leaves, bits=q.bits, group=q.group, offset=q.offset, axis=axis, act_quant=q.act_quant)
 
 
 def _stack_quantized(layers: dict):
