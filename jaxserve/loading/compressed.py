@@ -60,8 +60,8 @@ def quantization_config(model_dir: str | Path) -> dict | None:
     unknown = sorted(str(f) for f in formats - {None, "pack-quantized", "int-quantized", "float-quantized",
                                                 "naive-quantized", "dense"})
     if unknown:
-        raise ValueError(f"{model_dir}: compressed-tensors format {', '.join(unknown)} is not supported (pack-quantized, "
-                         "int-quantized, float-quantized and naive-quantized are)")
+        raise ValueError(f"{model_dir}: compressed-tensors format {', '.join(unknown)} is not supported "
+                         "(pack-quantized, int-quantized, float-quantized and naive-quantized are)")
     return q
 
 
