@@ -299,11 +299,67 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
+    speculative: SpeculativeConfig | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     def __post_init__(self):
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"SchedulerConfig.policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, written as vLLM users write it: ``{"method": "ngram", "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1}``.
+
+    ``ngram`` (prompt lookup) proposes, for a decoding sequence, the tokens that followed the latest earlier
+    occurrence of its last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own prompt
+    and output; the step computes them with the sequence's next token, and keeps the longest run the model itself
+    would have produced (see ``jaxserve.speculative``).
+
+    Raises:
+        ValueError: an unknown method or key, or a value out of range (naming it).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            hint = " (a draft model is not supported yet)" if self.method in ("draft_model", "eagle", "eagle3") else ""
+            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}{hint}")
+        for name, lo, hi in (("num_speculative_tokens", 1, 16), ("prompt_lookup_max", 1, 64),
+                             ("prompt_lookup_min", 1, 64)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"speculative_config.{name} must be an int in [{lo}, {hi}], got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """None, a dict, a JSON object (the command line) or a SpeculativeConfig -> SpeculativeConfig or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object (a dict), got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 def _setting(default, help: str, **cli):
@@ -384,6 +440,9 @@ class EngineConfig:
                                          type=int)
     data_parallel_size: int = _setting(1, "independent replicas (each on its own tensor_parallel_size devices) that "
                                           "requests are balanced over", type=int)
+    speculative_config: dict | None = _setting(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'
+              ' "prompt_lookup_min": 1} (default: off)', type=SpeculativeConfig.parse)
     seed: int = _setting(0, "seeds the per-request seeds of requests that give none", flag="--engine-seed",
                          type=int)
     compilation_cache: bool = _setting(True, "JAX's persistent compilation cache (~/.cache/jaxserve/xla)",
@@ -401,6 +460,7 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _positive(self, name)
         self.cache_config()  # validates the pool's fields
+        SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def _meta(cls, name: str) -> dict:
@@ -421,7 +481,7 @@ class EngineConfig:
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
-                               self.enable_prefix_caching, self.policy)
+                               self.enable_prefix_caching, self.policy, SpeculativeConfig.parse(self.speculative_config))
 
     # ------------------------------------------------------------------ command line
     @classmethod

@@ -437,16 +437,23 @@ class LLMEngine:
             owner = self._seq_owner.get(rid)
             if owner is not None and owner[1].index == 0:  # the request's prompt logprobs are its first sequence's
                 owner[0].prompt_logprobs.update(entries)
-        scheduler.update_from_output(sched, {rid: [s.token_id] for rid, s in sampled.items()})
+        before = {rid: len(owner[1].request.output_token_ids) for rid in sampled
+                  if (owner := self._seq_owner.get(rid)) is not None}
+        scheduler.update_from_output(sched, {rid: [t.token_id for t in toks] for rid, toks in sampled.items()})
         touched: dict[str, _Tracked] = {}
         errors: dict[str, Exception] = {}
-        for rid, tok in sampled.items():
+        for rid, toks in sampled.items():
             owner = self._seq_owner.get(rid)
             if owner is None or owner[0].request_id in errors:
                 continue
             tracked, seq = owner
+            out_ids = seq.request.output_token_ids
+            kept = toks[: len(out_ids) - before[rid]]  # the scheduler stops at the first stop token
             try:
-                self._append(tracked, seq, tok)
+                for j, tok in enumerate(kept):
+                    if self._append(tracked, seq, tok, last=j == len(kept) - 1):  # a stop string or the grammar
+                        del out_ids[before[rid] + j + 1:]  # ended it: the confirmed tokens after it are dropped
+                        break
             except Exception as e:  # noqa: BLE001 - e.g. detokenization: only this request fails
                 errors[tracked.request_id] = e
             touched[tracked.request_id] = tracked
@@ -485,26 +492,32 @@ class LLMEngine:
         for seq in tracked.seqs:
             self._seq_owner.pop(seq.request.request_id, None)
 
-    def _append(self, tracked: _Tracked, seq: _Sequence, tok) -> None:
+    def _append(self, tracked: _Tracked, seq: _Sequence, tok, last: bool = True) -> bool:
+        """Adds one sampled token to a sequence's text, logprobs and grammar; ``last``: the last of the step's
+        tokens for it (only then can the scheduler have finished it). True if this token ended the sequence here
+        (a stop string, or the grammar's end)."""
         params = seq.request.sampling_params
         req = seq.request
+        finished_before = req.is_finished and last  # by the scheduler: a stop token, max_tokens, the model length
         if seq.logprobs is not None:
             entry = {tok.token_id: Logprob(tok.logprob, self.tokenizer.decode([tok.token_id], False))}
             for tid, lp in zip(tok.top_ids, tok.top_logprobs):
                 entry.setdefault(tid, Logprob(lp, self.tokenizer.decode([tid], False)))
             seq.logprobs.append(entry)
         seq.cumulative_logprob += tok.logprob
-        stopped_by_token = req.is_finished and req.finish_reason == "stop"
+        stopped_by_token = finished_before and req.finish_reason == "stop"
         if stopped_by_token:
             seq.stop_reason = tok.token_id if tok.token_id in (params.stop_token_ids or ()) else None
-            return  # the stop token's text is not part of the output
+            return False  # the stop token's text is not part of the output
+        ended = False
         if seq.matcher is not None:
             seq.matcher.advance(tok.token_id)
             if seq.matcher.done and not req.is_finished:  # the grammar is complete: nothing more may follow
                 tracked.replica.scheduler.finish_request(req.request_id, "stop")
                 req.status = RequestStatus.FINISHED_STOPPED
+                ended = True
         seq.text += seq.detok.add(tok.token_id)
-        if req.is_finished:
+        if finished_before or ended:
             seq.text += seq.detok.flush()
         for stop in params.stop or ():
             # Only the tail can hold a new match: the new text plus len(stop) - 1 characters before it.
@@ -514,7 +527,9 @@ class LLMEngine:
                 seq.stop_reason = stop
                 tracked.replica.scheduler.finish_request(req.request_id, "stop")
                 req.status = RequestStatus.FINISHED_STOPPED
+                ended = True
                 break
+        return ended
 
     def _start_forks(self, replica: Replica) -> None:
         """n > 1: the other sequences share the first one's prompt pages once its prefill is done."""
@@ -572,8 +587,9 @@ class LLMEngine:
         Returns:
             A dict: ``num_running``, ``num_waiting``, ``num_preemptions``, ``num_used_pages``,
             ``num_usable_pages``, ``kv_usage``, ``prefix_cache_queries``, ``prefix_cache_hits``,
-            ``prefix_cache_hit_rate``, ``num_compilations``, ``num_pages``, ``num_tokens_computed`` and
-            ``num_steps`` (what ``/metrics`` reports).
+            ``prefix_cache_hit_rate``, ``spec_draft_tokens`` and ``spec_accepted_tokens`` (speculative decoding),
+            ``num_compilations``, ``num_pages``, ``num_tokens_computed`` and ``num_steps`` (what ``/metrics``
+            reports).
         """
         per = [dataclasses.asdict(r.scheduler.stats()) for r in self.replicas]
         stats = {k: sum(p[k] for p in per) for k in per[0]}

@@ -9,7 +9,8 @@ bucketed shape (tokens in the step, sequences, pages per sequence) and calls
 with both caches donated, so the pool is updated in place. ``state`` is the model's weights (flax NNX state),
 ``matmul_weights`` the optional bfloat16 copies for ``matmul_dtype``, ``tokens`` [T] and ``batch``
 (``AttentionBatch``: positions, slot mapping, kv lens, page table, cu_q_lens, num_seqs) the step's tokens,
-``logits_indices`` [S] the last token of each sequence, ``sampling`` the sampler's fixed-width arrays
+``logits_indices`` [R] the positions sampled (each sequence's last; with speculative decoding also those
+of its proposals), ``sampling`` the sampler's fixed-width arrays
 (``SamplingMetadata``) and ``next_tokens`` [T] the targets of prompt logprobs (-1: none). Everything the step
 reads is an argument: no Python value is frozen into a trace except the static shapes (and the ``decode_only``
 variant), so one compilation serves every mix of requests of the same bucket.
@@ -48,6 +49,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import (KV_POOL_SPEC, VOCAB_SPEC, fit_sharding, kv_heads_for, make_mesh, param_shardings,
                                replicate_kv_heads, shard_kernels)
+from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
 from jaxserve.utils import cdiv, next_pow2
 
@@ -118,10 +120,11 @@ class SampledToken:
 
 @dataclasses.dataclass(frozen=True)
 class RunnerOutput:
-    """What one step computed: the sampled token of each request that asked for one, and the prompt logprobs
-    (request id -> prompt position -> entry) of the positions this step computed for requests that want them."""
+    """What one step computed: the sampled tokens of each request that asked for them (one; with proposals, the
+    confirmed ones and the token after them), and the prompt logprobs (request id -> prompt position -> entry) of
+    the positions this step computed for requests that want them."""
 
-    sampled: dict[str, SampledToken]
+    sampled: dict[str, list[SampledToken]]
     prompt_logprobs: dict[str, dict[int, SampledToken]]
 
 
@@ -217,6 +220,7 @@ class ModelRunner:
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
         self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
         self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
+        self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
         self.page_buckets = _buckets(min(8, cdiv(sched_cfg.max_model_len, self.page_size)),
                                      cdiv(sched_cfg.max_model_len, self.page_size))
         self.attention_impl = attention_impl
@@ -384,9 +388,16 @@ class ModelRunner:
             row = self._requests[s.req_id].row
             self.page_table[row, s.pages_from: s.pages_from + len(s.new_page_ids)] = s.new_page_ids
 
-    def pack(self, sched: SchedulerOutput) -> tuple[np.ndarray, AttentionBatch, np.ndarray]:
-        """SchedulerOutput -> (tokens [Tb], AttentionBatch, logits_indices [Sb]) as padded host arrays (after
-        ``update_states``: the page tables come from the standing table)."""
+    def sample_rows(self, token_bucket: int) -> int:
+        """Rows the step samples in a token bucket: one per sequence, and with speculative decoding one more per
+        proposed token (never more than the bucket's tokens)."""
+        return min(token_bucket, self.max_seqs * (1 + self.num_speculative_tokens))
+
+    def pack(self, sched: SchedulerOutput) -> tuple[np.ndarray, AttentionBatch, np.ndarray, list[tuple[int, int]]]:
+        """SchedulerOutput -> (tokens [Tb], AttentionBatch, logits_indices [Rb], rows) as padded host arrays (after
+        ``update_states``: the page tables come from the standing table). ``logits_indices`` are the positions
+        sampled: each sequence's last, and the positions of its proposals' predecessors before it; ``rows`` says
+        whose (sequence index, index among its sampled positions) each is."""
         seqs = sched.scheduled
         num_tokens = sum(len(s.token_ids) for s in seqs)
         tb = _pick(self.token_buckets, num_tokens)
@@ -412,10 +423,16 @@ class ModelRunner:
             t += n
             cu[i + 1] = t
         cu[len(seqs) + 1:] = t
-        logits_indices = np.maximum(cu[1:] - 1, 0)
+        logits_indices = np.zeros(max(self.sample_rows(tb), sb), np.int32)
+        rows = []
+        for i, s in enumerate(seqs):
+            d = len(s.draft_token_ids)
+            for j in range(d + 1):
+                logits_indices[len(rows)] = cu[i + 1] - 1 - d + j
+                rows.append((i, j))
         batch = AttentionBatch(positions=positions, slot_mapping=slots, kv_lens=kv_lens,
                                page_indices=page_indices, cu_q_lens=cu, num_seqs=np.int32(len(seqs)))
-        return tokens, batch, logits_indices
+        return tokens, batch, logits_indices, rows
 
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput, token_masks: dict[str, np.ndarray] | None = None) -> RunnerOutput:
@@ -433,21 +450,23 @@ class ModelRunner:
             self._launch(copy, None)
             return RunnerOutput({}, {})
         t0 = time.perf_counter()
-        tokens, batch, logits_indices = self.pack(sched)
+        tokens, batch, logits_indices, rows = self.pack(sched)
         self.num_tokens_computed += sched.num_scheduled_tokens
         self.num_steps += 1
         reqs = [self._requests[s.req_id] for s in sched.scheduled]
         params = [r.params for r in reqs]
         mask = None
         if token_masks:
-            mask = np.full((len(reqs), self.token_mask_width), -1, np.int32)
-            for i, s in enumerate(sched.scheduled):
-                row = token_masks.get(s.req_id)
+            mask = np.full((len(rows), self.token_mask_width), -1, np.int32)
+            for k, (i, _) in enumerate(rows):
+                row = token_masks.get(sched.scheduled[i].req_id)
                 if row is not None:
-                    mask[i] = row
+                    mask[k] = row
+        # A proposal's row samples as plain decoding would at that output index (its own draw, its min_tokens).
         meta = self._sampling_metadata(
-            params, steps=[r.num_output_tokens for r in reqs], prompt_ids=[r.prompt_token_ids for r in reqs],
-            output_ids=[r.output_token_ids for r in reqs], pad_to=len(logits_indices), token_mask=mask)
+            [params[i] for i, _ in rows], steps=[reqs[i].num_output_tokens + j for i, j in rows],
+            prompt_ids=[reqs[i].prompt_token_ids for i, _ in rows],
+            output_ids=[reqs[i].output_token_ids for i, _ in rows], pad_to=len(logits_indices), token_mask=mask)
         want_plp = [p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
                     for p, s, r in zip(params, sched.scheduled, reqs)]
         # -1: no position has a target, and the step skips the prompt logprobs.
@@ -463,6 +482,9 @@ class ModelRunner:
             self.decode_steps += 1
             self.decode_device_seconds += t2 - t1
         result = RunnerOutput({}, {})
+        first_row = {}
+        for k, (i, j) in enumerate(rows):
+            first_row.setdefault(i, k)
         offset = 0
         for i, (s, r) in enumerate(zip(sched.scheduled, reqs)):
             n, offset = len(s.token_ids), offset + len(s.token_ids)
@@ -474,10 +496,13 @@ class ModelRunner:
                     t = offset - n + j
                     entries[pos + 1] = _sampled(int(next_tokens[t]), plp[0][t], plp[1][t], plp[2][t], k)
             if s.sample:
-                token = result.sampled[s.req_id] = _sampled(
-                    int(out.tokens[i]), out.logprobs[i], out.top_logprob_ids[i], out.top_logprobs[i],
-                    params[i].logprobs or 0)
-                r.token_ids.append(token.token_id)
+                k0, d = first_row[i], len(s.draft_token_ids)
+                drawn = [int(t) for t in out.tokens[k0: k0 + d + 1]]
+                keep = accepted(s.draft_token_ids, drawn) + 1
+                result.sampled[s.req_id] = [
+                    _sampled(drawn[j], out.logprobs[k0 + j], out.top_logprob_ids[k0 + j], out.top_logprobs[k0 + j],
+                             params[i].logprobs or 0) for j in range(keep)]
+                r.token_ids.extend(drawn[:keep])
         return result
 
     def _launch(self, copy: list[tuple] | None, step: tuple | None):
@@ -579,9 +604,10 @@ class ModelRunner:
             positions=np.zeros(tokens, np.int32), slot_mapping=np.full(tokens, -1, np.int32),
             kv_lens=np.zeros(sb, np.int32), page_indices=np.zeros((sb, pages), np.int32),
             cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
-        meta = self._sampling_metadata([SamplingParams(temperature=0.0)], pad_to=sb)
+        rows = max(self.sample_rows(tokens), sb)
+        meta = self._sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
         return (self.state, self.matmul_weights, self.k_cache, self.v_cache, np.zeros(tokens, np.int32), batch,
-                np.zeros(sb, np.int32), meta, _no_targets(tokens))
+                np.zeros(rows, np.int32), meta, _no_targets(tokens))
 
     def lower_step(self, tokens: int, pages: int, decode_only: bool = False):
         """The step of one bucket lowered on abstract arguments (``.compile()`` then gives the partitioned HLO and

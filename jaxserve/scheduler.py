@@ -18,6 +18,7 @@ from typing import Any
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
 from jaxserve.request import FINISH_STATUS, Request, RequestStatus, check_prompt_length, max_computed_tokens
+from jaxserve.speculative import propose_ngram, speculates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,10 @@ class ScheduledRequest:
     pages_from: int
     new_page_ids: list[int]
     new: NewRequestData | None = None  # the runner has no state for the request: start it from this
+    # Speculative decoding: proposed tokens, the last entries of ``token_ids`` (after the request's next token).
+    # The runner samples after each of the chunk's last 1 + len(draft_token_ids) positions and returns the
+    # tokens they confirm (``jaxserve.speculative``).
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +79,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up at admission
     prefix_cache_hits: int  # tokens found cached
     prefix_cache_hit_rate: float
+    spec_draft_tokens: int = 0  # speculative decoding: tokens proposed (total since start)
+    spec_accepted_tokens: int = 0  # of them, accepted
 
 
 def _priority(request: Request) -> tuple:
@@ -101,6 +108,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # fcfs: arrival order, preempted in front; priority: sorted
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding
         self._finished_ids: list[str] = []
         self._known: set[str] = set()  # requests the runner holds state for (sent since admission / resume)
 
@@ -224,6 +232,7 @@ class Scheduler:
         """Picks this step's requests and chunks, allocating (or preempting for) their pages."""
         bm, budget = self.block_manager, self.config.max_num_batched_tokens
         chunks: dict[str, tuple[Request, int, int, list[tuple[int, int]]]] = {}  # id -> (req, start, n, copies)
+        drafts: dict[str, list[int]] = {}
         preempted: list[str] = []
 
         order = self.running if self.policy == "fcfs" else sorted(self.running, key=_priority)
@@ -235,6 +244,8 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            proposed = self._propose(request, budget) if n == 1 else []
+            n += len(proposed)
             while (copies := bm.allocate(request, n)) is None:
                 victim = self.running[-1] if self.policy == "fcfs" else max(self.running, key=_priority)
                 # Victims come after `request` in `order`, so none holds a chunk of this step yet.
@@ -245,6 +256,8 @@ class Scheduler:
                     break
             if request.status is RequestStatus.RUNNING:
                 chunks[request.request_id] = (request, request.num_computed_tokens, n, copies)
+                if proposed:
+                    drafts[request.request_id] = proposed
                 budget -= n
 
         # Admit waiting requests, unless memory was so tight that someone was just preempted.
@@ -277,9 +290,12 @@ class Scheduler:
             # Entries before the page holding `start` never change while the request runs (copy-on-write only
             # replaces pages this step writes); the rest is re-sent: new pages, and at most one replaced.
             pages_from = 0 if new else start // bm.page_size
+            proposed = drafts.get(rid, ())
+            known = n - len(proposed)
             scheduled.append(ScheduledRequest(
-                req_id=rid, token_ids=req.token_slice(start, start + n), start_pos=start,
-                sample=start + n == req.num_tokens, pages_from=pages_from, new_page_ids=table[pages_from:], new=new))
+                req_id=rid, token_ids=req.token_slice(start, start + known) + list(proposed), start_pos=start,
+                sample=start + known == req.num_tokens, pages_from=pages_from, new_page_ids=table[pages_from:],
+                new=new, draft_token_ids=tuple(proposed)))
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -288,6 +304,19 @@ class Scheduler:
             preempted_req_ids=preempted,
             num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
         )
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Speculative decoding: n-gram proposals for a decoding request, as many as fit its budget, its
+        ``max_tokens`` and the model length (none when it is off or the request's parameters rule it out)."""
+        spec = self.config.speculative
+        if spec is None or not speculates(request.sampling_params):
+            return []
+        k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens,
+                request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        tokens = request.prompt_token_ids + request.output_token_ids
+        return propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
@@ -314,16 +343,24 @@ class Scheduler:
             live.append((s, request))
         finished = []
         for s, request in live:
-            request.num_computed_tokens = s.start_pos + len(s.token_ids)
+            # With proposals, only the positions up to the next token are computed for sure; the accepted
+            # proposals' positions count once they are appended (their KV is already written).
+            request.num_computed_tokens = s.start_pos + len(s.token_ids) - len(s.draft_token_ids)
             self.block_manager.commit(request)
             if not s.sample:
                 continue
-            for token in sampled_token_ids[s.req_id]:
+            tokens = sampled_token_ids[s.req_id]
+            for token in tokens:
                 request.output_token_ids.append(token)
                 reason = request.stop_reason(token, self.config.max_model_len)
                 if reason is not None:
                     finished.append(self.finish_request(request.request_id, reason))
                     break
+            if s.draft_token_ids and request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens += len(tokens) - 1  # the accepted proposals
+                self.block_manager.commit(request)
+                self.num_draft_tokens += len(s.draft_token_ids)
+                self.num_accepted_tokens += len(tokens) - 1
         return finished
 
     # ------------------------------------------------------------------ stats
@@ -339,4 +376,6 @@ class Scheduler:
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             prefix_cache_hit_rate=bm.prefix_hit_rate,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )

@@ -235,10 +235,10 @@ def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
     engine.add_requests([(f"q{i}", p, GREEDY) for i, p in enumerate(prompts)])
     real_append = engine._append
 
-    def append(tracked, seq, tok):
+    def append(tracked, seq, tok, **kw):
         if tracked.request_id == "q1":
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
-        real_append(tracked, seq, tok)
+        return real_append(tracked, seq, tok, **kw)
 
     monkeypatch.setattr(engine, "_append", append)
     with pytest.raises(StepFailed) as err:

@@ -63,6 +63,10 @@ class _EngineCollector:
                       s.get("prefix_cache_hits", 0))
         yield gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.",
                     s.get("prefix_cache_hit_rate", 0.0))
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.",
+                      s.get("spec_draft_tokens", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.",
+                      s.get("spec_accepted_tokens", 0))
         yield counter("num_compilations", "Traces of the jitted step.", s.get("num_compilations", 0))
         yield counter("engine_steps", "Engine steps run.", s.get("num_steps", 0))
 
