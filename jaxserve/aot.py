@@ -242,7 +242,7 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         raise ValueError(f"quantization='fp8' needs fp8 arithmetic, which a {chip.name} does not have")
     dtype = config.dtype or "bfloat16"
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    sched_cfg = config.scheduler_config(max_model_len)
+    sched_cfg = config.scheduler_config(max_model_len, "tpu" if chip.tpu else "gpu", chip.hbm_bytes)
     seq_len = seq_len or max_model_len
     compile = compile and chip.tpu
     mesh = make_mesh(tp, topology_devices(topology)[:tp]) if compile else None

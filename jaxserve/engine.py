@@ -44,6 +44,15 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def device_memory() -> int | None:
+    """Bytes of memory of one device (None where JAX does not say, as on the CPU)."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        return None
+    return (stats or {}).get("bytes_limit")
+
+
 class StepFailed(RuntimeError):
     """Part of a step failed. ``request_ids`` (the requests it held) were aborted and their pages freed;
     ``outputs`` are the step's outputs of every other request, to deliver as usual; every other request
@@ -157,7 +166,7 @@ class LLMEngine:
         if max_model_len > loaded.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{loaded.config.max_position_embeddings}")
-        self.scheduler_config = config.scheduler_config(max_model_len)
+        self.scheduler_config = config.scheduler_config(max_model_len, jax.default_backend(), device_memory())
         self.replicas: list[Replica] = []
         for mesh in meshes:
             runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,

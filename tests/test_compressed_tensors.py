@@ -182,7 +182,8 @@ def test_a_compressed_tensors_llama_matches_hf_on_the_decompressed_weights(schem
 
 
 @pytest.mark.parametrize("qcfg, words", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "GEMM layout"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "nvfp4-pack-quantized"),
 ])
 def test_unsupported_quantization_is_named(tmp_path, qcfg, words):
@@ -213,3 +214,76 @@ def test_the_engine_serves_a_compressed_directory_quantized(tmp_path, default_lo
         logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float().numpy()
     chosen = logits[np.arange(len(tokens)), tokens]
     np.testing.assert_array_less(logits.max(-1) - chosen, 1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ AutoAWQ (GEMM)
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: nibble i of each int32 holds column AWQ_ORDER[i]
+
+
+def _awq_pack(v: np.ndarray) -> np.ndarray:
+    """[rows, cols] values in [0, 15] -> AutoAWQ GEMM int32 [rows, cols / 8], written from its packing rule."""
+    rows, cols = v.shape
+    out = np.zeros((rows, cols // 8), np.uint32)
+    for i, col in enumerate(AWQ_ORDER):
+        out |= v[:, col::8].astype(np.uint32) << np.uint32(4 * i)
+    return out.view(np.int32)
+
+
+def _awq_module(out: int, cols: int, group: int, seed: int) -> dict:
+    """Random AWQ tensors of a [out, in=cols] linear layer (AWQ stores them [in, ...])."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (cols, out))
+    z = rng.integers(0, 16, (cols // group, out))
+    scales = (rng.random((cols // group, out)) * 0.02 + 0.001).astype(np.float16)
+    return {"qweight": torch.from_numpy(_awq_pack(q)), "qzeros": torch.from_numpy(_awq_pack(z)),
+            "scales": torch.from_numpy(scales)}
+
+
+def _awq_reference(module: dict, group: int) -> torch.Tensor:
+    """The float weight [out, in] by compressed-tensors: its AutoAWQ converter, then its own decompression."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    converted = AutoAWQConverter(group_size=group).process({f"m.{k}": v for k, v in module.items()})
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, symmetric=False, strategy="group", group_size=group))
+    parts = {k.removeprefix("m."): v.float() if k.endswith("scale") else v for k, v in converted.items()}
+    return PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
+
+
+def test_awq_weights_equal_the_converters_decompression():
+    module = _awq_module(48, 256, 64, seed=4)
+    ref = _awq_reference(module, 64)
+    qcfg = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
+    [(name, q)] = list(quantized_tensors([(f"m.{k}", v.numpy()) for k, v in module.items()], qcfg))
+    qa = _stack_quantized({None: _quantized_parts(q, transpose=True)})
+    assert name == "m.weight" and qa.bits == 4 and qa.q.dtype == np.uint8
+    np.testing.assert_allclose(np.asarray(quant.dequantize(qa)).T, ref.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_an_awq_llama_matches_hf_on_the_decompressed_weights(tmp_path):
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(**COMMON)
+    config._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(config).eval()
+    tensors, decompressed = {}, {}
+    for i, (name, p) in enumerate(hf.state_dict().items()):
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and ".layers." in name and "norm" not in name:
+            parts = _awq_module(p.shape[0], p.shape[1], 32, seed=i)
+            tensors.update({f"{module}.{k}": v for k, v in parts.items()})
+            decompressed[name] = _awq_reference(parts, 32)
+        else:
+            tensors[name] = p.detach().contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf_cfg = json.loads(config.to_json_string())
+    hf_cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                     "version": "gemm"}
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    hf.load_state_dict({**hf.state_dict(), **decompressed})
+    loaded = load_model(tmp_path)
+    assert all(quant.is_quantized(loaded.params[n]) for n in ("wq", "wo", "w_gate", "w_down"))
+    tokens = np.random.default_rng(6).integers(0, COMMON["vocab_size"], 13)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)[None]).logits[0].float().numpy()
+    np.testing.assert_allclose(_logits(loaded.params, loaded.config, tokens), ref, atol=1e-4, rtol=0)

@@ -303,6 +303,29 @@ def test_kv_cache_memory_flag_parses_bytes_and_fractions():
     assert EngineConfig.from_cli_args(args).cache_config().kv_cache_memory == 512 << 20
 
 
+def test_batching_defaults_follow_the_platform_and_what_the_user_sets():
+    from jaxserve.config import EngineConfig, batching_defaults
+
+    gib = 1 << 30
+    assert batching_defaults("cpu", None) == (64, 512)
+    assert batching_defaults("tpu", 16 * gib) == (128, 2048)  # v5e
+    assert batching_defaults("tpu", 32 * gib) == (256, 4096)  # v6e
+    assert batching_defaults("gpu", 141 * gib) == (256, 8192)  # H200
+    assert batching_defaults("gpu", None) == (128, 2048)
+    cfg = EngineConfig().scheduler_config(1024, "gpu", 80 * gib)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (256, 8192)
+    cfg = EngineConfig(max_num_seqs=8).scheduler_config(1024, "gpu", 80 * gib)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (8, 8192)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
+def test_the_cpu_engine_takes_the_cpu_defaults(default_loaded):
+    llm = LLM(default_loaded, max_model_len=256, num_pages=64)
+    cfg = llm.engine.scheduler_config
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (64, 512)
+
+
 def test_engine_pool_from_kv_cache_memory(default_loaded):
     llm = LLM(default_loaded, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, kv_cache_memory=64 << 20)
     runner = llm.engine.runner

@@ -1,4 +1,4 @@
-"""Pre-quantized HF directories in the compressed-tensors format, served quantized (never dequantized to floats).
+"""Pre-quantized HF directories (compressed-tensors, AutoAWQ), served quantized (never dequantized to floats).
 
 llm-compressor writes this format (its W4A16, W8A16, W8A8 and FP8 schemes, and GPTQ / AWQ runs saved through it),
 vLLM serves it, and ``config.json`` names it: ``"quantization_config": {"quant_method": "compressed-tensors"}``.
@@ -19,6 +19,10 @@ with one scale per group of ``in`` (group), per output channel (``[out, 1]``) or
 a ``jaxserve.quant.QArray`` in the form ``(v - offset) * scale + zero``: 4-bit values stay 4-bit (two per byte),
 8-bit ones int8, fp8 ones fp8. int8 weights with dynamic per-token int8 activations run as ``w8a8``; other
 activation schemes (static input scales, fp8 activations) are served weight-only, with a warning saying so.
+
+AutoAWQ directories (``quant_method: awq``, its 4-bit GEMM layout) come the same way: ``qweight`` int32 [in, out / 8]
+and ``qzeros`` [in / group, out / 8] (eight 4-bit values a word, columns in AutoAWQ's order) and ``scales``
+[in / group, out], dequantized ``(q - z) * scale``.
 """
 
 from __future__ import annotations
@@ -53,9 +57,15 @@ def quantization_config(model_dir: str | Path) -> dict | None:
     if not q:
         return None
     method = q.get("quant_method", "compressed-tensors")
+    if method == "awq":
+        if q.get("bits", 4) != 4 or str(q.get("version", "gemm")).lower() != "gemm":
+            raise ValueError(f"{model_dir}: AWQ checkpoints are read in their 4-bit GEMM layout; this one has bits="
+                             f"{q.get('bits')}, version={q.get('version')!r}")
+        return q
     if method != "compressed-tensors":
         raise ValueError(f"{model_dir}: quantization_config.quant_method {method!r} is not supported; jaxserve reads "
-                         "compressed-tensors checkpoints (convert AWQ / GPTQ ones with llm-compressor) or GGUF files")
+                         "compressed-tensors and AutoAWQ (GEMM) checkpoints, and GGUF files (convert GPTQ ones to "
+                         "compressed-tensors with llm-compressor)")
     formats = {q.get("format")} | {g.get("format") for g in (q.get("config_groups") or {}).values()}
     unknown = sorted(str(f) for f in formats - {None, "pack-quantized", "int-quantized", "float-quantized",
                                                 "naive-quantized", "dense"})
@@ -155,9 +165,40 @@ def _split(hf_name: str) -> tuple[str, str]:
     return module, leaf
 
 
+_AWQ_PARTS = ("qweight", "qzeros", "scales")
+_AWQ_NIBBLE_COLUMN = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # AutoAWQ: nibble i of a word holds its column this[i]
+
+
+def _awq_unpack(packed: np.ndarray) -> np.ndarray:
+    """AutoAWQ GEMM int32 [rows, cols / 8] -> uint8 [rows, cols] (the 4-bit values in column order)."""
+    nibbles = (np.asarray(packed).astype("<u4")[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 15
+    return nibbles[:, :, np.argsort(_AWQ_NIBBLE_COLUMN)].reshape(packed.shape[0], -1).astype(np.uint8)
+
+
+def _awq_module(name: str, parts: dict, qcfg: dict) -> GGUFQuantized:
+    """An AutoAWQ GEMM module (qweight [in, out / 8], qzeros [groups, out / 8], scales [groups, out]):
+    ``w = (q - z) * scale`` per group of ``group_size`` inputs (without zero points: ``(q - 8) * scale``)."""
+    if "qweight" not in parts or "scales" not in parts:
+        raise ValueError(f"{name}: an AWQ module needs qweight and scales, got {sorted(parts)}")
+    q = _awq_unpack(parts["qweight"]).T  # [out, in]
+    scale = np.ascontiguousarray(np.asarray(parts["scales"], np.float32).T)  # [out, groups]
+    out, cols = q.shape
+    if scale.shape[0] != out or cols % scale.shape[1]:
+        raise ValueError(f"{name}.scales has shape {parts['scales'].shape}, which does not group a [{cols}, {out}] "
+                         "qweight")
+    if "qzeros" in parts and qcfg.get("zero_point", True):
+        zero = -_awq_unpack(parts["qzeros"]).T.astype(np.float32) * scale
+        return GGUFQuantized(np.ascontiguousarray(q), scale, zero, bits=4, offset=0, group=cols // scale.shape[1])
+    return GGUFQuantized(np.ascontiguousarray(q), scale, None, bits=4, offset=8, group=cols // scale.shape[1])
+
+
 def quantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], qcfg: dict) -> Iterator[tuple[str, object]]:
-    """HF-named tensors of a compressed-tensors directory, each quantized module's parts joined into one
-    ``x.weight`` (a ``GGUFQuantized``; ``act_quant`` set for dynamic int8 activations); other tensors as they are."""
+    """HF-named tensors of a compressed-tensors (or AutoAWQ) directory, each quantized module's parts joined into
+    one ``x.weight`` (a ``GGUFQuantized``; ``act_quant`` set for dynamic int8 activations); other tensors as they
+    are."""
+    if qcfg.get("quant_method") == "awq":
+        yield from _awq_tensors(tensors, qcfg)
+        return
     act_quant = _dynamic_int8_activations(qcfg)
     modules: dict[str, dict] = {}
     for hf_name, array in tensors:
@@ -175,3 +216,15 @@ def quantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], qcfg: dict) -> 
         q = _module(module, parts)
         q.act_quant = act_quant and q.values.dtype == np.int8 and q.zero is None and q.group == q.values.shape[1]
         yield f"{module}.weight", q
+
+
+def _awq_tensors(tensors: Iterable[tuple[str, np.ndarray]], qcfg: dict) -> Iterator[tuple[str, object]]:
+    modules: dict[str, dict] = {}
+    for hf_name, array in tensors:
+        module, leaf = _split(hf_name)
+        if leaf in _AWQ_PARTS:
+            modules.setdefault(module, {})[leaf] = array
+        else:
+            yield hf_name, array
+    for module, parts in modules.items():
+        yield f"{module}.weight", _awq_module(module, parts, qcfg)
