@@ -318,8 +318,9 @@ class SpeculativeConfig:
 
     ``ngram`` (prompt lookup) proposes, for a decoding sequence, the tokens that followed the latest earlier
     occurrence of its last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own prompt
-    and output; the step computes them with the sequence's next token, and keeps the longest run the model itself
-    would have produced (see ``jaxserve.speculative``).
+    and output; ``draft_model`` has a smaller model of the same vocabulary (``model``) propose them, greedily
+    (``jaxserve.draft``). The step computes them with the sequence's next token, and keeps the longest run the model
+    itself would have produced (see ``jaxserve.speculative``).
 
     Raises:
         ValueError: an unknown method or key, or a value out of range (naming it).
@@ -329,11 +330,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: Any = None  # draft_model: a path, preset or hub id, or a LoadedModel (same vocabulary as the target)
 
     def __post_init__(self):
-        if self.method != "ngram":
-            hint = " (a draft model is not supported yet)" if self.method in ("draft_model", "eagle", "eagle3") else ""
-            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}{hint}")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}")
+        if (self.model is None) == (self.method == "draft_model"):
+            raise ValueError("speculative_config.model names the draft model of method 'draft_model' (and only of "
+                             f"it); got method {self.method!r} with model {self.model!r}")
         for name, lo, hi in (("num_speculative_tokens", 1, 16), ("prompt_lookup_max", 1, 64),
                              ("prompt_lookup_min", 1, 64)):
             v = getattr(self, name)

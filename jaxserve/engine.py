@@ -22,6 +22,7 @@ from jaxserve import quant
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import StepChannel, multi_process
+from jaxserve.draft import DraftProposer
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -88,6 +89,7 @@ class Replica:
 
     runner: ModelRunner
     scheduler: Scheduler
+    drafter: DraftProposer | None = None  # speculative decoding with a draft model
 
     def load(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -167,12 +169,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{loaded.config.max_position_embeddings}")
         self.scheduler_config = config.scheduler_config(max_model_len, jax.default_backend(), device_memory())
+        draft = self._draft_model(self.scheduler_config.speculative, loaded, dtype, tp)
         self.replicas: list[Replica] = []
         for mesh in meshes:
             runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,
                                  config.attention_impl, config.matmul_dtype, mesh, quantization=config.quantization)
             block_manager = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
-            self.replicas.append(Replica(runner, Scheduler(self.scheduler_config, block_manager)))
+            drafter = draft and DraftProposer(ModelRunner, draft, runner.num_pages, config.page_size,
+                                              self.scheduler_config, mesh, config.attention_impl)
+            self.replicas.append(Replica(runner, Scheduler(self.scheduler_config, block_manager), drafter))
         if multi_process():
             self.runner.channel = StepChannel()
         self.load_seconds = time.perf_counter() - t0
@@ -430,13 +435,38 @@ class LLMEngine:
                              failures[0].cause) from failures[0].cause
         return outputs
 
+    @staticmethod
+    def _draft_model(spec, loaded: LoadedModel, dtype: str, tp: int) -> LoadedModel | None:
+        """The draft model of ``speculative_config`` (method draft_model), loaded; None otherwise.
+
+        Raises:
+            ValueError: its vocabulary differs from the target's, or several processes serve (not supported).
+        """
+        if spec is None or spec.method != "draft_model":
+            return None
+        if multi_process():
+            raise ValueError("speculative_config method 'draft_model' is not supported across several processes")
+        draft = spec.model
+        if isinstance(draft, LoadedModel):
+            draft = dataclasses.replace(draft, params=cast_params(draft.params, dtype))
+        else:
+            draft = load_model(draft, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp))
+        if draft.config.vocab_size != loaded.config.vocab_size:
+            raise ValueError(f"speculative_config.model has a vocabulary of {draft.config.vocab_size} tokens; the "
+                             f"target's has {loaded.config.vocab_size}: a draft model must share it")
+        return draft
+
     def _step_replica(self, replica: Replica) -> list[RequestOutput]:
         scheduler, runner = replica.scheduler, replica.runner
         sched = scheduler.schedule()
         try:
+            if replica.drafter is not None:
+                sched = replica.drafter.fill(sched, scheduler)
             result = runner.execute(sched, self._token_masks(sched))
         except Exception as e:
-            if runner.k_cache.is_deleted():  # the pool was donated to the failed step: nothing can go on
+            drafter = replica.drafter
+            if runner.k_cache.is_deleted() or (drafter is not None and drafter.runner.k_cache.is_deleted()):
+                # a pool was donated to the failed step: nothing can go on
                 raise
             failed = {self._seq_owner[s.req_id][0].request_id for s in sched.scheduled if s.req_id in self._seq_owner}
             self._abort_failed(failed)
@@ -448,7 +478,10 @@ class LLMEngine:
                 owner[0].prompt_logprobs.update(entries)
         before = {rid: len(owner[1].request.output_token_ids) for rid in sampled
                   if (owner := self._seq_owner.get(rid)) is not None}
-        scheduler.update_from_output(sched, {rid: [t.token_id for t in toks] for rid, toks in sampled.items()})
+        emitted = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
+        scheduler.update_from_output(sched, emitted)
+        if replica.drafter is not None:
+            replica.drafter.update(sched, emitted)
         touched: dict[str, _Tracked] = {}
         errors: dict[str, Exception] = {}
         for rid, toks in sampled.items():
@@ -606,4 +639,5 @@ class LLMEngine:
         stats["prefix_cache_hit_rate"] = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
         for name in ("num_compilations", "num_pages", "num_tokens_computed", "num_steps"):
             stats[name] = sum(getattr(r.runner, name) for r in self.replicas)
+        stats["num_compilations"] += sum(r.drafter.runner.num_compilations for r in self.replicas if r.drafter)
         return stats

@@ -18,7 +18,7 @@ from typing import Any
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
 from jaxserve.request import FINISH_STATUS, Request, RequestStatus, check_prompt_length, max_computed_tokens
-from jaxserve.speculative import propose_ngram, speculates
+from jaxserve.speculative import PLACEHOLDER, propose_ngram, speculates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +315,8 @@ class Scheduler:
                 request.sampling_params.max_tokens - request.num_output_tokens - 1)
         if k <= 0:
             return []
+        if spec.method == "draft_model":  # reserved now, proposed by the draft model before the step runs
+            return [PLACEHOLDER] * k
         tokens = request.prompt_token_ids + request.output_token_ids
         return propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
 

@@ -25,6 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 
 
+PLACEHOLDER = -1  # a token the scheduler reserves for a draft model's proposal, before it is made
+
+
 def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens of ``tokens``, for the
     longest n in ``[n_min, n_max]`` that occurred before; [] when none did."""

@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram prompt lookup): proposals, verification, and outputs identical to plain decoding.
+"""Speculative decoding (n-gram prompt lookup, draft model): proposals, verification, outputs identical to plain.
 
 The reference is jaxserve's own plain decoding, which the fidelity tests hold to HF transformers: with proposals,
 every request must produce the very same tokens, text, logprobs and finish reasons (greedy, and sampled with
@@ -61,7 +61,9 @@ def test_accepted_counts_the_confirmed_prefix():
 
 @pytest.mark.parametrize("value, words", [
     ({"method": "eagle"}, "method"),
-    ({"method": "draft_model", "model": "x"}, "unknown key"),
+    ({"method": "ngram", "draft": "x"}, "unknown key"),
+    ({"method": "draft_model"}, "speculative_config.model"),
+    ({"method": "ngram", "model": "x"}, "speculative_config.model"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ("{not json", "JSON"),
@@ -189,3 +191,66 @@ def test_no_recompiles_in_steady_state(engines):
     # The same traffic again (every step a different mix of proposal counts): nothing new to compile.
     spec.generate(prompts, params, use_tqdm=False)
     assert spec.engine.get_stats()["num_compilations"] == n
+
+
+# ------------------------------------------------------------------------------------------------ draft model
+def _tiny_draft(default_loaded):
+    """A random 2-layer Llama of the default model's vocabulary: a draft that is nearly always wrong."""
+    import dataclasses
+
+    import numpy as np
+
+    from jaxserve.loading.weights import param_shapes
+
+    cfg = dataclasses.replace(default_loaded.config, num_layers=2, hidden_size=64, intermediate_size=128,
+                              num_heads=4, num_kv_heads=2, head_dim=16)
+    rng = np.random.default_rng(0)
+    params = {name: (rng.standard_normal(shape) * 0.05 + (1.0 if "norm" in name else 0.0)).astype(np.float32)
+              for name, shape in param_shapes(cfg).items()}
+    return dataclasses.replace(default_loaded, name="tiny-draft", config=cfg, params=params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["itself", "tiny"])
+def test_draft_model_output_is_identical(default_loaded, engines, draft):
+    """The default model as its own draft proposes what it then samples (near-full acceptance); a tiny random
+    draft is mostly rejected. Both give plain decoding's outputs, and every page is freed."""
+    plain, _ = engines
+    model = default_loaded if draft == "itself" else _tiny_draft(default_loaded)
+    spec = LLM(default_loaded, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, num_pages=256,
+               speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    prompts = [_chat(plain, p) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)
+    _same(plain.generate(prompts, greedy, use_tqdm=False), spec.generate(prompts, greedy, use_tqdm=False))
+    stats = spec.engine.get_stats()
+    rate = stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
+    if draft == "itself":
+        assert rate > 0.9, rate  # the same greedy choices, up to float ties between the two step shapes
+    else:
+        assert rate < 0.2, rate
+    sampled = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, stop=["."]) for i in range(len(prompts))]
+    _same(plain.generate(prompts, sampled, use_tqdm=False), spec.generate(prompts, sampled, use_tqdm=False))
+    assert spec.engine.get_stats()["num_used_pages"] == 0
+
+
+@pytest.mark.slow
+def test_draft_model_under_a_small_budget_and_pool(default_loaded, engines):
+    """A 32-token budget (the draft catches up on each prompt in chunks) and a pool small enough to preempt."""
+    plain, _ = engines
+    spec = LLM(default_loaded, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=512, num_pages=20,
+               speculative_config={"method": "draft_model", "model": default_loaded, "num_speculative_tokens": 4})
+    prompts = [_chat(plain, p) for p in PROMPTS[:10]]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    b = spec.generate(prompts, params, use_tqdm=False)
+    stats = spec.engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_accepted_tokens"] > 0 and stats["num_used_pages"] == 0
+    _same(plain.generate(prompts, params, use_tqdm=False), b)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(default_loaded):
+    import dataclasses
+
+    other = dataclasses.replace(default_loaded, config=dataclasses.replace(default_loaded.config, vocab_size=1000))
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(default_loaded, max_model_len=128, num_pages=16,
+            speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2})
