@@ -254,3 +254,25 @@ def test_a_draft_of_another_vocabulary_is_refused(default_loaded):
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(default_loaded, max_model_len=128, num_pages=16,
             speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+def test_the_server_counts_proposals_in_metrics(default_loaded):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from jaxserve import LLMEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.launch import ServerThread
+    from jaxserve.server.metrics import parse_metrics
+
+    engine = LLMEngine(default_loaded, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256, num_pages=32,
+                       speculative_config=SPEC)
+    app = build_app(engine, shutdown_timeout=5)
+    with ServerThread(app) as thread:
+        r = httpx.post(thread.url + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 24,
+                                                             "temperature": 0}, timeout=300)
+        assert r.status_code == 200, r.text
+        metrics = parse_metrics(httpx.get(thread.url + "/metrics", timeout=60).text)
+    drafted = metrics["jaxserve:spec_decode_num_draft_tokens_total"]
+    accepted_ = metrics["jaxserve:spec_decode_num_accepted_tokens_total"]
+    assert drafted > 0 and 0 < accepted_ <= drafted, (drafted, accepted_)
