@@ -12,6 +12,7 @@ Runs, each engine in this process one after the other:
   2. throughput: 64 requests, prompts 64-512 tokens, 128 output tokens each, greedy, ignore_eos, bf16, per
      attention impl: run once to compile the shapes it meets, then timed; output tok/s, steps, the split of
      step time between host packing, device (dispatch to results on the host) and the rest of the host loop.
+  3. one stream: 4 requests one at a time, plain vs n-gram speculation (k=3), tok/s and ms per step.
 A table is printed last. Every engine here is the sharded path at TP 1: one SPMD program over a one-GPU mesh,
 weights placed by their logical axes, the kernels under shard_map, the logits gathered before sampling.
 
@@ -139,6 +140,42 @@ def throughput(loaded, impl: str, n: int, out_len: int) -> None:
                 f"{1e3 * runner.pack_seconds / steps:.2f}) |")
 
 
+def single_stream(loaded, impl: str, out_len: int, k: int = 3) -> None:
+    """One request at a time, plain vs n-gram speculation (k proposals), bf16. Random prompts and weights give few
+    proposals and fewer right ones: this measures what speculation costs per step where it does not pay (the
+    host's proposal search, the wider sampler), not a real workload's gain (bench/speculative.py, real model)."""
+    from jaxserve import LLM, SamplingParams
+
+    prompts = workload(4, 64, 256, loaded.config.vocab_size, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    rates = {}
+    for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k})):
+        try:
+            llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=256, max_num_seqs=4,
+                      max_num_batched_tokens=512, max_model_len=768, compilation_cache=False,
+                      speculative_config=spec)
+            llm.generate(prompts[:1], params, use_tqdm=False)  # compiles
+            before = llm.engine.get_stats()
+            t = time.perf_counter()
+            for p in prompts:
+                llm.generate([p], params, use_tqdm=False)
+            e = time.perf_counter() - t
+        except Exception as ex:  # noqa: BLE001
+            log(f"single stream {impl} {name}: ERROR {type(ex).__name__}: {str(ex)[:1500]}")
+            ROWS.append(f"| one stream bf16 {name} | {impl} | ERROR {type(ex).__name__} | |")
+            return
+        stats = llm.engine.get_stats()
+        steps = stats["num_steps"] - before["num_steps"]
+        drafted = stats["spec_draft_tokens"] - before["spec_draft_tokens"]
+        accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        rates[name] = len(prompts) * out_len / e
+        log(f"single stream {impl} {name}: {rates[name]:.0f} tok/s, {steps} steps, {1e3 * e / steps:.2f} ms/step, "
+            f"accepted {accepted}/{drafted}")
+        ROWS.append(f"| one stream bf16 {name} | {impl} | {rates[name]:.0f} tok/s, accepted {accepted}/{drafted} | "
+                    f"{1e3 * e / steps:.2f} ms/step |")
+    log(f"single stream {impl}: ngram / plain {rates['ngram'] / rates['plain']:.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=".gpu/tokenizer.gguf")
@@ -149,6 +186,7 @@ def main() -> int:
     ap.add_argument("--time-budget", type=float, default=240.0)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-agreement", action="store_true")
+    ap.add_argument("--skip-single-stream", action="store_true", help="skip one stream, plain vs n-gram speculation")
     ap.add_argument("--preset", default="smollm2-135m", help="model shapes for the throughput runs")
     ap.add_argument("--zeros-on-device", action="store_true", help="bf16 zero weights made on the device")
     a = ap.parse_args()
@@ -168,6 +206,8 @@ def main() -> int:
             ROWS.append(f"| throughput bf16 | {impl} | skipped (time budget) | |")
             continue
         throughput(loaded, impl, a.num_requests, a.output_len)
+    if not a.skip_single_stream and time.perf_counter() - t0 < a.time_budget:
+        single_stream(loaded, impls[0], a.output_len)
     log(f"\n{loaded.name}; {a.num_requests} requests, prompts 64-512, {a.output_len} out, "
         f"greedy, ignore_eos; {time.perf_counter() - t0:.0f}s in all")
     log("| check | impl | result | step time |\n|---|---|---|---|")
