@@ -510,7 +510,8 @@ class EngineConfig:
         """The scheduler's settings; budgets left at None take ``batching_defaults(platform, device_memory)``."""
         seqs, tokens = batching_defaults(platform, device_memory)
         return SchedulerConfig(self.max_num_seqs or seqs, self.max_num_batched_tokens or tokens, max_model_len,
-                               self.enable_prefix_caching, self.policy, SpeculativeConfig.parse(self.speculative_config))
+                               self.enable_prefix_caching, self.policy,
+                               SpeculativeConfig.parse(self.speculative_config))
 
     # ------------------------------------------------------------------ command line
     @classmethod

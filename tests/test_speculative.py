@@ -19,7 +19,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 # Prompts whose continuations repeat what they hold (lists, code, quotes: high acceptance) and free text (low).
 PROMPTS = [
     "Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries.",
-    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n# the same again:\ndef fib(n):",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+    "# the same again:\ndef fib(n):",
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
     "Tell me a story about a cat.",
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",

@@ -136,8 +136,9 @@ def params_from_hf_tensors(
 
 
 def _quantized_parts(q, transpose: bool) -> dict:
-    """A ``GGUFQuantized`` matrix (GGUF blocks or a compressed-tensors weight: [out, in], grouped along in) as ``QArray`` fields in our layout: linear
-    weights [in, out] grouped along axis -2, the embedding [V, D] grouped along axis -1; 4-bit values packed."""
+    """A ``GGUFQuantized`` matrix (GGUF blocks, or a compressed-tensors / AWQ weight: [out, in], grouped along in) as
+    ``QArray`` fields in our layout: linear weights [in, out] grouped along axis -2, the embedding [V, D] grouped
+    along axis -1; 4-bit values packed."""
     from jaxserve.quant import pack4_host
 
     axis = -2 if transpose else -1
