@@ -20,6 +20,7 @@ import dataclasses
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import NewRequestData, ScheduledRequest, Scheduler, SchedulerOutput
+
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 

@@ -482,10 +482,7 @@ class ModelRunner:
             self.decode_steps += 1
             self.decode_device_seconds += t2 - t1
         result = RunnerOutput({}, {})
-        first_row = {}
-        for k, (i, j) in enumerate(rows):
-            first_row.setdefault(i, k)
-        offset = 0
+        offset = k0 = 0  # k0: the sequence's first row (each has 1 + len(draft_token_ids) of them, in order)
         for i, (s, r) in enumerate(zip(sched.scheduled, reqs)):
             n, offset = len(s.token_ids), offset + len(s.token_ids)
             if want_plp[i]:  # positions of this chunk whose next token is still in the prompt
@@ -495,14 +492,15 @@ class ModelRunner:
                 for j, pos in enumerate(range(s.start_pos, last)):
                     t = offset - n + j
                     entries[pos + 1] = _sampled(int(next_tokens[t]), plp[0][t], plp[1][t], plp[2][t], k)
+            d = len(s.draft_token_ids)
             if s.sample:
-                k0, d = first_row[i], len(s.draft_token_ids)
                 drawn = [int(t) for t in out.tokens[k0: k0 + d + 1]]
                 keep = accepted(s.draft_token_ids, drawn) + 1
                 result.sampled[s.req_id] = [
                     _sampled(drawn[j], out.logprobs[k0 + j], out.top_logprob_ids[k0 + j], out.top_logprobs[k0 + j],
                              params[i].logprobs or 0) for j in range(keep)]
                 r.token_ids.extend(drawn[:keep])
+            k0 += 1 + d
         return result
 
     def _launch(self, copy: list[tuple] | None, step: tuple | None):

@@ -352,6 +352,9 @@ class Scheduler:
             if not s.sample:
                 continue
             tokens = sampled_token_ids[s.req_id]
+            if s.draft_token_ids:
+                self.num_draft_tokens += len(s.draft_token_ids)
+                self.num_accepted_tokens += len(tokens) - 1
             for token in tokens:
                 request.output_token_ids.append(token)
                 reason = request.stop_reason(token, self.config.max_model_len)
@@ -361,8 +364,6 @@ class Scheduler:
             if s.draft_token_ids and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += len(tokens) - 1  # the accepted proposals
                 self.block_manager.commit(request)
-                self.num_draft_tokens += len(s.draft_token_ids)
-                self.num_accepted_tokens += len(tokens) - 1
         return finished
 
     # ------------------------------------------------------------------ stats

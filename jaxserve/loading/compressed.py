@@ -125,10 +125,9 @@ def _module(name: str, parts: dict) -> GGUFQuantized:
         packed = np.asarray(parts["weight_packed"])
         if packed.dtype != np.int32 or packed.ndim != 2 or "weight_scale" not in parts:
             raise ValueError(f"{name}: weight_packed must be a 2-D int32 tensor with a weight_scale")
-        out, cols = (int(x) for x in np.asarray(parts["weight_shape"]).reshape(-1)) if "weight_shape" in parts \
-            else (packed.shape[0], None)
-        if cols is None:
+        if "weight_shape" not in parts:
             raise ValueError(f"{name}: a packed weight needs its weight_shape")
+        out, cols = (int(x) for x in np.asarray(parts["weight_shape"]).reshape(-1))
         bits = _packed_bits(name, packed.shape[1], cols)
         stored = _unpack(packed, bits, cols)  # q + 2^(bits-1)
         scale, group = _group_scale(name, parts["weight_scale"], out, cols)

@@ -363,13 +363,12 @@ class AsyncEngine:
         if self._step_failures >= MAX_STEP_FAILURES:
             raise e
         cause = getattr(e, "cause", None) or e.__cause__ or e
-        if not isinstance(cause, ConstraintUnsatisfiable):
-            logger.error("an engine step failed for %d request(s); the engine serves on", len(failed), exc_info=cause)
-        live.difference_update(failed)
         if isinstance(cause, ConstraintUnsatisfiable):  # the request asked for what cannot be generated: a 400
             err = APIError(400, str(cause), param="structured_outputs", code="invalid_request")
         else:
+            logger.error("an engine step failed for %d request(s); the engine serves on", len(failed), exc_info=cause)
             err = EngineStepError(f"the engine step failed: {type(cause).__name__}: {cause}")
+        live.difference_update(failed)
         self._call(self._fail, list(failed), err)
         return outputs
 
