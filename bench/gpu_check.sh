@@ -4,7 +4,7 @@
 # `jaxserve` package whose only content is a link to kernels/, so `import jaxserve.kernels` needs nothing
 # but jax and numpy. Runs, compiled on the GPU:
 #   1. correctness of the Triton kernels (attention, KV write) vs the reference, on NaN-poisoned edge-case
-#      batches, float32 and bfloat16;
+#      batches, float32 and bfloat16, bfloat16 queries over fp8 and int8 pages;
 #   2. decode timings, Llama-3-8B heads (32 q, 8 kv, head_dim 128, bf16, page 16), batch 1/32/128 x
 #      context 512/2048/8192, ours vs the jnp reference, as bytes/s of K/V against the measured copy
 #      bandwidth; then batch 64 x 2048 with JAX's own pallas.ops.gpu.paged_attention for comparison.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+from operator import itemgetter
 import sys
 import time
 import traceback
@@ -32,6 +33,7 @@ from jax import lax
 
 from jaxserve import kernels
 from jaxserve.kernels import reference
+from jaxserve.kernels._common import quantize_rows
 
 ROWS: list[dict] = []
 
@@ -128,6 +130,37 @@ def fp8_pages(b: dict, kv) -> dict:
     return {**b, "k_cache": b["k_cache"].astype(kv), "v_cache": b["v_cache"].astype(kv)}
 
 
+def int8_pages(b: dict) -> dict:
+    """kv_cache_dtype="int8": the batch's pools as Int8Pages; NaN rows (poison) keep int8 values and a NaN scale."""
+    def quantize(cache):
+        x = cache.astype(jnp.float32)
+        values, scales = quantize_rows(jnp.nan_to_num(x))
+        return kernels.Int8Pages(values, jnp.where(jnp.isnan(x).any(-1), jnp.nan, scales))
+
+    return {**b, "k_cache": quantize(b["k_cache"]), "v_cache": quantize(b["v_cache"])}
+
+
+def check_write(label, backend, pools) -> bool:
+    """The compiled K/V write vs the reference's, bit for bit (NaN == NaN), for ``pools(batch)`` -> (k, v)."""
+    try:
+        b = edge_batch([1] * 4, [5, 16, 17, 33], hq=8, hk=2, d=128, dtype=jnp.bfloat16)
+        new = jax.random.normal(jax.random.key(3), (6, 2, 128), jnp.float32).astype(jnp.bfloat16)
+        slots = jnp.array([3, -1, 40, 17, 63, -1], jnp.int32)
+        args = (*pools(b), jnp.int32(1), new, -new, slots)
+        exp = reference.write_kv_ref(*args)
+        got = jax.jit(functools.partial(kernels.write_kv, impl="pallas", backend=backend))(*args)
+        ok = all(np.array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32), equal_nan=True)
+                 for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(exp), strict=True))
+        log(f"{label}: {'OK' if ok else 'FAIL'}")
+        ROWS.append(dict(case=label, impl="pallas", result="OK" if ok else "FAIL"))
+        return ok
+    except Exception as e:  # noqa: BLE001
+        log(f"{label}: ERROR {type(e).__name__}: {e}")
+        traceback.print_exc()
+        ROWS.append(dict(case=label, impl="pallas", result=f"ERROR {type(e).__name__}"))
+        return False
+
+
 def run_checks(backend):
     """Compiled kernel vs the reference (float32 reference matmuls at full precision)."""
     failures = 0
@@ -141,24 +174,12 @@ def run_checks(backend):
                                       dtype=jnp.bfloat16)
             make = lambda kv=kv, batch=batch: fp8_pages(batch(), kv)  # noqa: E731
             failures += not check_case(f"check fp8 pages {jnp.dtype(kv).name}", make, backend, 2e-2, {})
-        label = "check write_kv bf16"
-        try:
-            b = edge_batch([1] * 4, [5, 16, 17, 33], hq=8, hk=2, d=128, dtype=jnp.bfloat16)
-            new = jax.random.normal(jax.random.key(3), (6, 2, 128), jnp.float32).astype(jnp.bfloat16)
-            slots = jnp.array([3, -1, 40, 17, 63, -1], jnp.int32)
-            args = (b["k_cache"], b["v_cache"], jnp.int32(1), new, -new, slots)
-            exp = reference.write_kv_ref(*args)
-            got = jax.jit(functools.partial(kernels.write_kv, impl="pallas", backend=backend))(*args)
-            ok = all(np.array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32), equal_nan=True)
-                     for g, e in zip(got, exp))
-            failures += not ok
-            log(f"{label}: {'OK' if ok else 'FAIL'}")
-            ROWS.append(dict(case=label, impl="pallas", result="OK" if ok else "FAIL"))
-        except Exception as e:  # noqa: BLE001
-            failures += 1
-            log(f"{label}: ERROR {type(e).__name__}: {e}")
-            traceback.print_exc()
-            ROWS.append(dict(case=label, impl="pallas", result=f"ERROR {type(e).__name__}"))
+        batch = functools.partial(edge_batch, [17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128,
+                                  dtype=jnp.bfloat16)  # kv_cache_dtype="int8": Int8Pages under bf16 queries
+        failures += not check_case("check int8 pages", lambda: int8_pages(batch()), backend, 2e-2, {})
+        failures += not check_write("check write_kv bf16", backend, lambda b: (b["k_cache"], b["v_cache"]))
+        failures += not check_write("check write_kv int8 pages", backend,
+                                    lambda b: itemgetter("k_cache", "v_cache")(int8_pages(b)))
     return failures
 
 

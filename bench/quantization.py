@@ -1,7 +1,7 @@
 """Quantized weights and KV pages on the default model: memory, fidelity and speed of each mode, in one invocation.
 
 For float32, bfloat16 matmuls, int8, w8a8, int4 and gguf (the file's own Q4_1/Q8_0 blocks) weights, and float32
-weights over bfloat16 / fp8 (e4m3, e5m2) KV pages:
+weights over bfloat16 / fp8 (e4m3, e5m2) / int8 (a float32 scale per token and KV head) KV pages:
 - device bytes of the weights (live arrays) and of a KV page against float32;
 - perplexity on a fixed English text (Python's ``pydoc_data.topics``, teacher-forced in 512-token chunks) and the
   share of positions whose most likely next token agrees with float32's;
@@ -37,6 +37,7 @@ MODES = {
     "kv-bf16": {"kv_cache_dtype": "bfloat16"},
     "kv-fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
     "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
+    "kv-int8": {"kv_cache_dtype": "int8"},
 }
 
 
@@ -61,7 +62,7 @@ def main() -> None:
                   max_num_batched_tokens=512, num_pages=800, **MODES[mode])
         llm.engine.warmup()
         nbytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.state))
-        page = llm.engine.runner.k_cache.nbytes // llm.engine.runner.num_pages
+        page = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.k_cache)) // llm.engine.runner.num_pages
         ids = llm.tokenizer.encode(text)
         chunks = [ids[i:i + 512] for i in range(0, 6 * 512, 512)]
         ppl, top = score(llm, chunks)

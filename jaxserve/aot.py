@@ -252,8 +252,9 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         return ModelRunner(cfg, _abstract_params(cfg, dtype), cache, sched_cfg, "pallas", config.matmul_dtype, mesh,
                            platform="tpu", quantization=config.quantization)
 
-    kv_itemsize = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype)).itemsize
-    page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * cfg.head_dim * kv_itemsize
+    kv = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype))
+    row_bytes = cfg.head_dim * kv.itemsize + (4 if kv == np.int8 else 0)  # int8 rows carry a float32 scale
+    page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * row_bytes
     compiled: list[Variant] = []
     if compile:
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))

@@ -47,8 +47,8 @@ from jaxserve.models.llama import OUTPUT_AXES, AttentionBatch, Llama, ParamSpec,
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
-from jaxserve.sharding import (KV_POOL_SPEC, VOCAB_SPEC, fit_sharding, kv_heads_for, make_mesh, param_shardings,
-                               replicate_kv_heads, shard_kernels)
+from jaxserve.sharding import (KV_POOL_SPEC, KV_SCALES_SPEC, VOCAB_SPEC, fit_sharding, kv_heads_for, make_mesh,
+                               param_shardings, replicate_kv_heads, shard_kernels)
 from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
 from jaxserve.utils import cdiv, next_pow2
@@ -179,11 +179,6 @@ class ModelRunner:
         self.cfg = model_cfg
         self.page_size = cache_cfg.page_size
         self.replicated = NamedSharding(self.mesh, P())
-        self.kv_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
-        # The pool row-major, as the kernels read it, from allocation on: left to itself XLA:TPU gives a pool with
-        # small trailing dims another layout and copies the whole pool in and out of every step (AOT showed
-        # 2.8x the pool in temporaries for SmolLM2 and Llama-3-8B shapes).
-        self.kv_format = Format(Layout(tuple(range(5))), self.kv_sharding)
         schema = param_schema(model_cfg)
         self.param_shardings = param_shardings(schema, self.mesh)
         # Tensor by tensor, each device receiving only its shard (every leaf of a quantized one alike).
@@ -203,18 +198,35 @@ class ModelRunner:
             self.matmul_weights = (jax.tree.map(_place, jax.eval_shape(make, self.state), mm_shardings)
                                    if self.abstract else jax.jit(make, out_shardings=mm_shardings)(self.state))
         self.kv_dtype = kv_dtype(cache_cfg.dtype, dtype)  # default: the weights' dtype
+        # int8 pages travel as kernels.Int8Pages: the values and one float32 scale per token and KV head.
+        self.kv_int8 = self.kv_dtype == jnp.int8
+        self.kv_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
+        # The pool row-major, as the kernels read it, from allocation on: left to itself XLA:TPU gives a pool with
+        # small trailing dims another layout and copies the whole pool in and out of every step (AOT showed
+        # 2.8x the pool in temporaries for SmolLM2 and Llama-3-8B shapes).
+        self.kv_format = Format(Layout(tuple(range(5))), self.kv_sharding)
+        if self.kv_int8:
+            scales = Format(Layout(tuple(range(4))), NamedSharding(self.mesh, KV_SCALES_SPEC))
+            self.kv_format = kernels.Int8Pages(self.kv_format, scales)
         cpp = attention_impl in ("auto", "xla") and cpu_ffi.serves(self.kv_dtype) and cpu_ffi.available()
         on_cpu = (platform or jax.default_backend()) == "cpu"
         if self.kv_dtype != jnp.float32 and on_cpu and attention_impl != "pallas" and not cpp:
             warnings.warn(f"a {self.kv_dtype} KV cache on the CPU is slow without the C++ attention: XLA:CPU converts "
                           "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "
                           "kv_cache_dtype='float32' is the CPU default", RuntimeWarning, stacklevel=3)
+        if self.kv_int8 and (platform or jax.default_backend()) == "tpu":
+            warnings.warn("int8 KV pages take more HBM per page than bfloat16 on a TPU: the pool's two minor dims "
+                          "(KV heads, head_dim) and the scales' (page_size, KV heads) are padded to the TPU's tiles "
+                          "(`jaxserve plan` measures it); bfloat16 or fp8 pages are the better choice there today",
+                          RuntimeWarning, stacklevel=3)
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         if jax.process_count() > 1:  # every process must allocate the same pool: the smallest any can hold
             self.num_pages = int(np.min(multihost_utils.process_allgather(np.int32(self.num_pages))))
         shape = self._pool_shape(self.num_pages)
         if self.abstract:
-            self.k_cache = self.v_cache = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.kv_sharding)
+            self.k_cache = self.v_cache = jax.tree.map(
+                lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f.sharding),
+                jax.eval_shape(self._pool_zeros(self.num_pages)), self.kv_format)
         else:
             zeros = self._pool_zeros(self.num_pages)
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
@@ -273,15 +285,23 @@ class ModelRunner:
     # ------------------------------------------------------------------ sizing
     def _page_bytes(self) -> int:
         c = self.cfg
-        return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
+        row = c.head_dim * self.kv_dtype.itemsize + (4 if self.kv_int8 else 0)  # + an int8 row's float32 scale
+        return 2 * c.num_layers * self.page_size * c.num_kv_heads * row
 
     def _pool_shape(self, num_pages: int) -> tuple[int, ...]:
         c = self.cfg
         return c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.head_dim
 
     def _pool_zeros(self, num_pages: int):
-        """A jitted allocation of one (K or V) pool, split over KV heads and laid out row-major."""
-        return jax.jit(lambda: jnp.zeros(self._pool_shape(num_pages), self.kv_dtype), out_shardings=self.kv_format)
+        """A jitted allocation of one (K or V) pool, split over KV heads and laid out row-major (int8: an
+        ``Int8Pages`` of zero values and scales)."""
+        shape = self._pool_shape(num_pages)
+
+        def zeros():
+            values = jnp.zeros(shape, self.kv_dtype)
+            return kernels.Int8Pages(values, jnp.zeros(shape[:4], jnp.float32)) if self.kv_int8 else values
+
+        return jax.jit(zeros, out_shardings=self.kv_format)
 
     def device_page_bytes(self) -> int:
         """What one page of the K and V pools takes on each device, as the compiler lays it out: a TPU pads the
@@ -668,5 +688,6 @@ def _attention_fns(impl: str, decode_only: bool, platform: str | None = None):
 
 
 def _copy_pages(k_cache, v_cache, src, dst):
-    """Copy-on-write: pages ``src`` -> ``dst`` in every layer."""
-    return k_cache.at[:, dst].set(k_cache[:, src]), v_cache.at[:, dst].set(v_cache[:, src])
+    """Copy-on-write: pages ``src`` -> ``dst`` in every layer (an int8 pool's scales with its values)."""
+    copy = lambda x: x.at[:, dst].set(x[:, src])  # noqa: E731
+    return jax.tree.map(copy, k_cache), jax.tree.map(copy, v_cache)

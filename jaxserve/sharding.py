@@ -44,6 +44,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 
 # The KV pool [layers, pages, page_size, kv_heads, head_dim] and a step's heads [tokens, heads, head_dim].
 KV_POOL_SPEC = P(None, None, None, "model", None)
+KV_SCALES_SPEC = P(None, None, None, "model")  # an int8 pool's scales [layers, pages, page_size, kv_heads]
 HEADS_SPEC = P(None, "model", None)
 VOCAB_SPEC = P(None, "model")  # [rows, vocab] logits
 
@@ -172,28 +173,37 @@ def param_shardings(schema: Mapping, mesh: Mesh, rules: Mapping[str, str | None]
             for name, spec in schema.items()}
 
 
+def pool_spec(cache):
+    """The partition spec of a K or V pool: ``KV_POOL_SPEC``, or for an ``Int8Pages`` one per leaf."""
+    from jaxserve.kernels import Int8Pages
+
+    return Int8Pages(KV_POOL_SPEC, KV_SCALES_SPEC) if isinstance(cache, Int8Pages) else KV_POOL_SPEC
+
+
 def shard_kernels(attention, write_kv, mesh: Mesh):
     """Wraps the model's (attention, write_kv) so each device runs them on its own heads of q, K/V and the pool.
 
-    Both take and return arrays laid out as ``HEADS_SPEC`` / ``KV_POOL_SPEC``; the batch description is
+    Both take and return arrays laid out as ``HEADS_SPEC`` / ``pool_spec``; the batch description is
     replicated. With one device this is a plain call of the kernel.
     """
     rep = P()
 
     def sharded_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                           sliding_window=0, soft_cap=None):
+        kv = pool_spec(k_cache)
+
         def local(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window):
             return attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
                              sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(HEADS_SPEC, KV_POOL_SPEC, KV_POOL_SPEC) + (rep,) * 6,
+        return jax.shard_map(local, mesh=mesh, in_specs=(HEADS_SPEC, kv, kv) + (rep,) * 6,
                              out_specs=HEADS_SPEC, check_vma=False)(
             q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window)
 
     def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping):
-        return jax.shard_map(write_kv, mesh=mesh,
-                             in_specs=(KV_POOL_SPEC, KV_POOL_SPEC, rep, HEADS_SPEC, HEADS_SPEC, rep),
-                             out_specs=(KV_POOL_SPEC, KV_POOL_SPEC), check_vma=False)(
+        kv = pool_spec(k_cache)
+        return jax.shard_map(write_kv, mesh=mesh, in_specs=(kv, kv, rep, HEADS_SPEC, HEADS_SPEC, rep),
+                             out_specs=(kv, kv), check_vma=False)(
             k_cache, v_cache, layer, new_k, new_v, slot_mapping)
 
     return sharded_attention, sharded_write_kv

@@ -7,7 +7,8 @@ Imported as ``jaxserve.kernels``. The two entry points the model uses:
         -> [T, num_q_heads, head_dim]
     write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, impl="auto") -> (k_cache, v_cache)
 
-Layouts and semantics are defined once, in ``reference.py``.
+Layouts and semantics are defined once, in ``reference.py``. A pool is an array, or an ``Int8Pages`` (int8 values
+and one float32 scale per token and KV head) that every implementation below reads and writes.
 
 ``impl``:
   "auto"       Pallas kernel compiled for the platform on GPU / TPU; "xla" on anything else (the CPU).
@@ -15,7 +16,7 @@ Layouts and semantics are defined once, in ``reference.py``.
                mode. ``backend="gpu"|"tpu"`` picks which kernel (default: the platform's, GPU-style on CPU).
   "xla"        the CPU path. Attention and the K/V write go to C++ kernels called through XLA FFI
                (``cpu_paged_attention.cc``, built on first use by ``cpu_ffi.py``) when a C++ compiler is there
-               (attention: for float32, bfloat16 or fp8 caches); else attention runs in jnp/lax blocks
+               (attention: for float32, bfloat16, fp8 or int8 caches); else attention runs in jnp/lax blocks
                (``ragged_paged_attention_xla.py``) and K/V is written with the reference scatter.
   "reference"  the jnp reference, anywhere.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import jax
 
 from jaxserve.kernels import cpu_ffi
-from jaxserve.kernels._common import is_fp8, validate_attention_inputs
+from jaxserve.kernels._common import Int8Pages, is_fp8, is_int8_pages, validate_attention_inputs
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
@@ -33,6 +34,7 @@ from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
 from jaxserve.kernels.write_kv import write_kv_gpu, write_kv_tpu
 
 __all__ = [
+    "Int8Pages",
     "ragged_paged_attention",
     "write_kv",
     "ragged_paged_attention_ref",
@@ -90,7 +92,7 @@ def ragged_paged_attention(
 
     Args:
       q: [T, num_q_heads, head_dim], the step's query tokens, sequences back to back.
-      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool.
+      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool (or ``Int8Pages``).
       layer: int32 scalar (may be traced), which layer of the pool to read.
       kv_lens: [S] context length of each sequence including this step's tokens.
       page_indices: [S, pages_per_seq] page table.
@@ -121,8 +123,9 @@ def ragged_paged_attention(
     if kernel == "xla":
         return ragged_paged_attention_xla(*args, **kw, max_q_len=max_q_len, **kernel_options)
     fn = ragged_paged_attention_gpu if kernel == "gpu" else ragged_paged_attention_tpu
-    # The kernels' products take one element type: q in the cache's (as vLLM does); fp8 pages are widened to q's.
-    if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):
+    # The kernels' products take one element type: q in the cache's (as vLLM does); fp8 pages are widened to q's,
+    # int8 pages (Int8Pages) dequantized to it.
+    if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype) and not is_int8_pages(k_cache):
         out = fn(q.astype(k_cache.dtype), *args[1:], **kw, **kernel_options, interpret=interp)
         return out.astype(q.dtype)
     return fn(*args, **kw, **kernel_options, interpret=interp)
@@ -143,9 +146,9 @@ def write_kv(
     """Writes the step's new K/V into one layer of the pool.
 
     Args:
-      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool.
+      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool (or ``Int8Pages``).
       layer: int32 scalar (may be traced), the layer to write.
-      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype.
+      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype (``Int8Pages``: quantized per row).
       slot_mapping: [T] int32, ``page * page_size + offset`` of token t; negative slots (padding) write nothing.
       impl, backend, interpret: see the module docstring ("xla" on the CPU: the C++ in-place write when it is
         available, else the reference scatter).

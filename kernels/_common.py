@@ -6,6 +6,8 @@ metadata arrays (block maps); none of it touches the K/V cache.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,14 @@ def validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_l
         raise ValueError(
             f"k_cache and v_cache differ: {k_cache.shape} {k_cache.dtype} vs {v_cache.shape} {v_cache.dtype}"
         )
+    if is_int8_pages(k_cache) != is_int8_pages(v_cache):
+        raise ValueError("k_cache and v_cache must both be Int8Pages or both plain arrays")
+    if is_int8_pages(k_cache):
+        if k_cache.dtype != jnp.int8 or k_cache.scales.shape != k_cache.shape[:4]:
+            raise ValueError(f"Int8Pages needs int8 values and scales of shape {k_cache.shape[:4]}, got "
+                             f"{k_cache.dtype} values and scales {k_cache.scales.shape}")
+    elif jnp.issubdtype(k_cache.dtype, jnp.integer):
+        raise ValueError(f"an {k_cache.dtype} pool needs its scales: pass Int8Pages(values, scales)")
     _, num_q_heads, head_dim = q.shape
     _, _, _, num_kv_heads, kv_head_dim = k_cache.shape
     if kv_head_dim != head_dim:
@@ -102,6 +112,65 @@ def is_fp8(dtype) -> bool:
 def widen_fp8(x: jax.Array, dtype) -> jax.Array:
     """``x`` in ``dtype`` when it is fp8 (K/V read from an fp8 pool), else unchanged."""
     return x.astype(dtype) if is_fp8(x.dtype) else x
+
+
+INT8_MAX = 127.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Pages:
+    """An int8 K (or V) pool with one float32 scale per token and KV head: row ``x[l, p, s, h, :]`` is
+    ``values[l, p, s, h, :] * scales[l, p, s, h]``.
+
+    It travels wherever a pool array does (a pytree: jit, donation, scan carries, shard_map), and reports the
+    values' shape and dtype, so shape checks read it as a pool. Every attention path and every K/V write accepts it;
+    ``quantize_rows`` defines the rounding (symmetric, per row: scale = max|x| / 127).
+    """
+
+    values: jax.Array  # [L, pages, page_size, kv_heads, head_dim] int8
+    scales: jax.Array  # [L, pages, page_size, kv_heads] float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    def is_deleted(self) -> bool:
+        return self.values.is_deleted() or self.scales.is_deleted()
+
+
+def is_int8_pages(cache) -> bool:
+    return isinstance(cache, Int8Pages)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., D] -> (int8 [..., D], float32 scales [...]): symmetric, one scale per row, max|x| -> 127.
+
+    An all-zero row gets scale 1 (and zeros); non-finite inputs are not expected (K/V of a finite model).
+    """
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    q = jnp.clip(jnp.round(x / scale[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize_rows(values: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``values * scales[..., None]`` in ``dtype`` (the product in float32)."""
+    return (values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+def split_pool(cache):
+    """(values, scales or None) of a pool: an ``Int8Pages`` or a plain array."""
+    return (cache.values, cache.scales) if is_int8_pages(cache) else (cache, None)
 
 
 def settle_tpu_interpret(out, interpret: bool):

@@ -3,7 +3,9 @@ XLA FFI.
 
 ``paged_attention`` computes every sequence's query tokens (prefill chunks and decode tokens alike) with the
 contract of ``reference.ragged_paged_attention_ref``; ``ragged_paged_attention_xla`` hands its whole call to it on
-the CPU when the caches are float32, bfloat16 or fp8. ``write_kv`` writes new K/V rows into the pool in place.
+the CPU when the caches are float32, bfloat16 or fp8 arrays, or ``Int8Pages`` (int8 values and one float32 scale per
+token and KV head: a second target that also takes the scales). ``write_kv`` writes new K/V rows into the pool in
+place (into an ``Int8Pages`` pool: the rows quantized with ``quantize_rows``, values and scales each in place).
 
 The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
 ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
@@ -31,12 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels._common import FP8_DTYPES
+from jaxserve.kernels._common import FP8_DTYPES, Int8Pages, is_int8_pages, quantize_rows
 
 TARGET = "jaxserve_paged_attention"
+INT8_TARGET = "jaxserve_paged_attention_int8"
 WRITE_TARGET = "jaxserve_write_kv"
-# What the C++ attention reads: float32, bfloat16, and fp8 pools (stored without scales).
+# What the C++ attention reads as plain arrays: float32, bfloat16, and fp8 pools (stored without scales).
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) + FP8_DTYPES
+# And as ``Int8Pages`` only (int8 values with their scales): a plain int8 array is refused.
+INT8 = jnp.dtype(jnp.int8)
 _SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-pthread"]
 _error: str | None = None
@@ -104,6 +109,7 @@ def _load() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttentionInt8), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKV), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
@@ -124,34 +130,70 @@ def unavailable_reason() -> str | None:
 
 def serves(dtype) -> bool:
     """Whether the C++ kernels apply to a pool of this dtype on the current backend (built or not: see
-    ``available``)."""
-    return jnp.dtype(dtype) in CACHE_DTYPES and jax.default_backend() == "cpu"
+    ``available``). int8 means an ``Int8Pages`` pool (its values' dtype)."""
+    dtype = jnp.dtype(dtype)
+    return (dtype in CACHE_DTYPES or dtype == INT8) and jax.default_backend() == "cpu"
+
+
+def _pool_kind(k_cache, v_cache, what: str) -> bool:
+    """True for two ``Int8Pages`` pools, False for two plain arrays of one dtype; raises ValueError otherwise (a
+    plain int8 array has no scales to read it with)."""
+    int8 = is_int8_pages(k_cache), is_int8_pages(v_cache)
+    if int8[0] != int8[1]:
+        raise ValueError(f"{what}: k_cache and v_cache must both be Int8Pages or both arrays, got "
+                         f"{type(k_cache).__name__}/{type(v_cache).__name__}")
+    if not int8[0] and INT8 in (k_cache.dtype, v_cache.dtype):
+        raise ValueError(f"{what}: an int8 pool needs its scales: pass Int8Pages(values, scales), not a plain int8 "
+                         "array")
+    return int8[0]
 
 
 def paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
                     sm_scale: float, soft_cap: float | None) -> jax.Array:
     """[T, Nq, H] float32 ragged paged attention (``reference.ragged_paged_attention_ref``'s contract): every
-    sequence's query tokens, zeros for padding tokens. float32, bfloat16 or fp8 caches (one dtype for both;
-    products and softmax in float32); ``window`` <= 0 means no window."""
+    sequence's query tokens, zeros for padding tokens. float32, bfloat16 or fp8 caches (one dtype for both), or two
+    ``Int8Pages`` (each row widened times its scale); products and softmax in float32; ``window`` <= 0 means no
+    window."""
     if not _load():
         raise RuntimeError(f"the C++ paged attention is unavailable: {_error}")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"the C++ paged attention needs float32, bfloat16 or fp8 caches, got {k_cache.dtype}/"
-                         f"{v_cache.dtype}")
+    int8 = _pool_kind(k_cache, v_cache, "the C++ paged attention")
+    if not int8 and (k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_DTYPES):
+        raise ValueError(f"the C++ paged attention needs float32, bfloat16 or fp8 caches (or Int8Pages), got "
+                         f"{k_cache.dtype}/{v_cache.dtype}")
+    if int8 and (k_cache.scales.dtype != jnp.float32 or v_cache.scales.dtype != jnp.float32):
+        raise ValueError(f"Int8Pages scales must be float32, got {k_cache.scales.dtype}/{v_cache.scales.dtype}")
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-    return call(q.astype(jnp.float32), k_cache, v_cache, i32(layer), i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    caches = (k_cache.values, v_cache.values, k_cache.scales, v_cache.scales) if int8 else (k_cache, v_cache)
+    call = jax.ffi.ffi_call(INT8_TARGET if int8 else TARGET, out, vmap_method="sequential")
+    return call(q.astype(jnp.float32), *caches, i32(layer), i32(kv_lens), i32(page_indices), i32(cu_q_lens),
                 i32(num_seqs), i32(window), sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
 
 
-def write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple[jax.Array, jax.Array]:
+def write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple:
     """``reference.write_kv_ref`` in place: the caches are aliased to the outputs, so inside a jit that donates
-    them only the new rows are written (without donation XLA copies the pool first, as for any aliased call)."""
+    them only the new rows are written (without donation XLA copies the pool first, as for any aliased call).
+
+    ``Int8Pages`` caches give ``Int8Pages``: the new rows are quantized (``quantize_rows``, T rows in jnp), then the
+    values and the scales are each written in place by the same byte-copying target (the scales as [T, K] rows
+    into [L, P, S, K])."""
     if not _load():
         raise RuntimeError(f"the C++ K/V write is unavailable: {_error}")
     if new_k.shape != new_v.shape or new_k.shape[1:] != k_cache.shape[3:] or k_cache.shape != v_cache.shape:
         raise ValueError(f"write_kv: new rows {new_k.shape}/{new_v.shape} do not fit caches {k_cache.shape}")
+    if _pool_kind(k_cache, v_cache, "write_kv"):
+        kq, ks = quantize_rows(new_k)
+        vq, vs = quantize_rows(new_v)
+        values = _write_rows(k_cache.values, v_cache.values, layer, kq, vq, slot_mapping)
+        scales = _write_rows(k_cache.scales, v_cache.scales, layer, ks, vs, slot_mapping)
+        return Int8Pages(values[0], scales[0]), Int8Pages(values[1], scales[1])
+    return _write_rows(k_cache, v_cache, layer, new_k, new_v, slot_mapping)
+
+
+def _write_rows(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple[jax.Array, jax.Array]:
+    """The C++ write of [T, K, H] rows into two [L, P, S, K, H] arrays, or [T, K] into [L, P, S, K] (any 1-, 2- or
+    4-byte dtype), aliased."""
     out = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     call = jax.ffi.ffi_call(WRITE_TARGET, out, input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
     return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32), new_k.astype(k_cache.dtype),

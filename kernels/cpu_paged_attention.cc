@@ -10,12 +10,14 @@
 // per 16 keys, float32 throughout: few rows (decodes: AttendBlockT) get the scores of each (token, query head) row
 // as one 16-lane vector over the keys (one accumulator per key, reduced by a shuffle tree); 16 rows or more
 // (prefill chunks: AttendRowsT) put the rows in the lanes instead. Then the causal / window mask and one
-// online-softmax update (max, rescale, exp, P.V). bfloat16 pools are widened to float32 once per 16-key group.
+// online-softmax update (max, rescale, exp, P.V). bfloat16, fp8 and int8 pools are widened to float32 once per
+// 16-key group (int8 rows times their scale: Int8Pages, one float32 scale per token and KV head).
 // Items are claimed, most expensive first, through an atomic counter by the calling thread and by helpers
 // scheduled on XLA's own intra-op thread pool: no thread is created per call, no more threads run than XLA's pool
 // has, and uneven context lengths balance themselves. The step's new K/V rows are written in place by a second
 // target (WriteKV).
-// Layouts (see reference.py): q [T, Nq, H]; caches [L, P, S, K, H]; page_indices [Sb, PB]; cu_q_lens [Sb + 1].
+// Layouts (see reference.py): q [T, Nq, H]; caches [L, P, S, K, H]; page_indices [Sb, PB]; cu_q_lens [Sb + 1];
+// int8 caches' scales [L, P, S, K] (a second target, PagedAttentionInt8, takes them).
 
 #include <algorithm>
 #include <atomic>
@@ -124,6 +126,22 @@ inline V16 LoadFp8x16(const F8* p) {
 
 inline V16 LoadKV16(const E4M3* p) { return LoadFp8x16(p); }
 inline V16 LoadKV16(const E5M2* p) { return LoadFp8x16(p); }
+
+// int8 K/V elements (Int8Pages pools): converted to float32 16 at a time; WidenScaled then multiplies each row by
+// its scale. The sign extension goes int8 -> int16 -> int32 one step at a time: GCC 12 turns a direct int8 -> int32
+// (or -> float) conversion of the vector into 16 scalar ones (decode attention then took 2.4x bfloat16's time; this
+// way about the same).
+typedef int8_t I8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int16_t I16x16 __attribute__((vector_size(32), aligned(2)));
+typedef int32_t I32x16 __attribute__((vector_size(64), aligned(4)));
+
+inline V16 LoadKV16(const int8_t* p) {
+  I8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, I16x16), I32x16), V16);
+}
+
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
 
 typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
 
@@ -276,6 +294,18 @@ inline void Widen(const T* src, int64_t stride, int64_t n, int64_t H, float* dst
   }
 }
 
+// Widen for int8 rows: row c times its scale scales[c * sstride], one float32 product per element (as
+// reference.py's dequantize_rows, so the widened rows are bit for bit the reference's).
+inline void WidenScaled(const int8_t* src, int64_t stride, const float* scales, int64_t sstride, int64_t n, int64_t H,
+                        float* dst) {
+  const int64_t hw = H - H % kWide;
+  for (int64_t c = 0; c < n; ++c) {
+    const float s = scales[c * sstride];
+    for (int64_t j = 0; j < hw; j += kWide) Store16(dst + c * H + j, LoadKV16(src + c * stride + j) * s);
+    for (int64_t j = hw; j < H; ++j) dst[c * H + j] = ToFloat(src[c * stride + j]) * s;
+  }
+}
+
 struct Geometry {
   int64_t num_tokens, num_q_heads, head_dim;
   int64_t num_pages, page_size, kv_heads;
@@ -283,6 +313,10 @@ struct Geometry {
   int64_t layer;
   int32_t window;
   float sm_scale, soft_cap;
+  // int8 pools only (T = int8_t): the K and V scales [L, P, S, K]; the scale of row (page, slot, KV head) of the
+  // layer is at ((layer * num_pages + page) * page_size + slot) * kv_heads + head.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
 
   // The first key a query token at ``pos`` sees: 0, or the start of its sliding window.
   int64_t FirstVisible(int64_t pos) const { return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0; }
@@ -317,6 +351,7 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
     const int64_t page = pages[first / S];
     const T* kp = k_cache + (layer_base + page) * S * stride;
     const T* vp = v_cache + (layer_base + page) * S * stride;
+    const int64_t scale_base = (layer_base + page) * S * K;  // int8: the page's first scale
     // Fetch the page kPrefetchPages ahead into L2, one slice per (KV head, query head) row of this page's work, so
     // the requests spread over it: a 64-sequence decode from a pool in DRAM, one thread, took 132 ms with one burst
     // per KV head two pages ahead, 116 with a slice per row, 92-106 with a slice per row one page ahead.
@@ -326,18 +361,32 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
       const int64_t next = pages[ahead / S];
       kn = reinterpret_cast<const char*>(k_cache + (layer_base + next) * S * stride);
       vn = reinterpret_cast<const char*>(v_cache + (layer_base + next) * S * stride);
+      if constexpr (std::is_same_v<T, int8_t>) {  // the next page's scales (S * K floats) in one burst
+        const char* ks = reinterpret_cast<const char*>(g.k_scales + (layer_base + next) * S * K);
+        const char* vs = reinterpret_cast<const char*>(g.v_scales + (layer_base + next) * S * K);
+        for (int64_t b = 0; b < S * K * static_cast<int64_t>(sizeof(float)); b += 64) {
+          __builtin_prefetch(ks + b, 0, 1);
+          __builtin_prefetch(vs + b, 0, 1);
+        }
+      }
     }
     for (int64_t kh = 0; kh < K; ++kh) {
       for (int64_t c0 = std::max(first, start); c0 < std::min(first + S, last + 1); c0 += kWide) {
         const int64_t nb = std::min<int64_t>({kWide, first + S - c0, last + 1 - c0});  // keys of this group
         const T* kg = kp + (c0 - first) * stride + kh * H;
         const T* vg = vp + (c0 - first) * stride + kh * H;
-        // float32 rows of this group's keys and values: in place, or (bfloat16) widened once into kbuf / vbuf for all
-        // the rows that read them (widening on every load made a prefill chunk 1.9x slower than from float32).
+        // float32 rows of this group's keys and values: in place, or (bfloat16, fp8, int8) widened once into kbuf /
+        // vbuf for all the rows that read them (widening on every load made a prefill chunk 1.9x slower than from
+        // float32).
         const float *kf, *vf;
         int64_t fs;
         if constexpr (std::is_same_v<T, float>) {
           kf = kg, vf = vg, fs = stride;
+        } else if constexpr (std::is_same_v<T, int8_t>) {
+          const int64_t si = scale_base + (c0 - first) * K + kh;  // the group's first key's scale; then every K
+          WidenScaled(kg, stride, g.k_scales + si, K, nb, H, kbuf);
+          WidenScaled(vg, stride, g.v_scales + si, K, nb, H, vbuf);
+          kf = kbuf, vf = vbuf, fs = H;
         } else {
           Widen(kg, stride, nb, H, kbuf);
           Widen(vg, stride, nb, H, vbuf);
@@ -438,14 +487,21 @@ void AttendRowsT(const Geometry& g, const float* q, const T* k_cache, const T* v
   for (int64_t first = (start / S) * S; first <= last; first += S) {
     const T* kp = k_cache + (layer_base + pages[first / S]) * S * stride;
     const T* vp = v_cache + (layer_base + pages[first / S]) * S * stride;
+    const int64_t scale_base = (layer_base + pages[first / S]) * S * K;  // int8: the page's first scale
     for (int64_t kh = 0; kh < K; ++kh) {
       for (int64_t c0 = std::max(first, start); c0 < std::min(first + S, last + 1); c0 += kWide) {
         const int64_t nb = std::min<int64_t>({kWide, first + S - c0, last + 1 - c0});
         // rows past nb repeat the last key: finite data, masked out of the scores, zero weight in P.V
         for (int64_t c = 0; c < kWide; ++c) {
           const int64_t cc = std::min(c, nb - 1);
-          Widen(kp + (c0 - first + cc) * stride + kh * HD, stride, 1, HD, kbuf + c * HD);
-          Widen(vp + (c0 - first + cc) * stride + kh * HD, stride, 1, HD, vbuf + c * HD);
+          if constexpr (std::is_same_v<T, int8_t>) {
+            const int64_t si = scale_base + (c0 - first + cc) * K + kh;
+            WidenScaled(kp + (c0 - first + cc) * stride + kh * HD, stride, g.k_scales + si, K, 1, HD, kbuf + c * HD);
+            WidenScaled(vp + (c0 - first + cc) * stride + kh * HD, stride, g.v_scales + si, K, 1, HD, vbuf + c * HD);
+          } else {
+            Widen(kp + (c0 - first + cc) * stride + kh * HD, stride, 1, HD, kbuf + c * HD);
+            Widen(vp + (c0 - first + cc) * stride + kh * HD, stride, 1, HD, vbuf + c * HD);
+          }
         }
         for (int64_t lg = 0; lg < lanes; ++lg) {
           float* qT = scratch.data() + (kh * lanes + lg) * per;
@@ -531,19 +587,21 @@ struct WorkItem {
   int64_t seq, tok0, ntok, pos0, cost;
 };
 
+// k_scales, v_scales: the [L, P, S, K] scales of int8 caches (T = int8_t, shapes checked by the caller), else null.
 template <typename T>
 ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                               ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float sm_scale,
-                              float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+                              float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out,
+                              const float* k_scales = nullptr, const float* v_scales = nullptr) {
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
   auto pd = page_indices.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || pd.size() != 2) {
     return ffi::Error::InvalidArgument("paged attention: q must be rank 3, caches rank 5, page_indices rank 2");
   }
-  Geometry g{qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], pd[1], 0, 0, sm_scale, soft_cap};
+  Geometry g{qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], pd[1], 0, 0, sm_scale, soft_cap, k_scales, v_scales};
   if (cd[4] != g.head_dim || g.num_q_heads % g.kv_heads != 0) {
     return ffi::Error::InvalidArgument("paged attention: head_dim or head counts do not match");
   }
@@ -620,16 +678,20 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
 // (input_output_aliases), so with a donated pool only the T new rows move. XLA:CPU's scatter into the pool took
 // ~1 ms per layer for 64 rows (57 ms of a 64-sequence decode step). Token t goes to slot_mapping[t] =
 // page * page_size + offset; a negative slot, or one past the pool (as the reference's mode="drop"), writes nothing.
+// Also [T, K] rows into [L, P, S, K]: an Int8Pages pool's scales, written in place beside its values (passing them
+// as [L, P, S, K, 1] made XLA copy the whole scales pool on every call).
 template <typename T>
 ffi::Error WriteKVImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer new_k, ffi::AnyBuffer new_v,
                        ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer k_out, ffi::AnyBuffer v_out) {
   auto cd = k_out.dimensions();
   auto nd = new_k.dimensions();
-  if (cd.size() != 5 || nd.size() != 3 || nd[1] != cd[3] || nd[2] != cd[4] ||
+  const bool rank5 = cd.size() == 5 && nd.size() == 3 && nd[2] == cd[4];
+  if (!(rank5 || (cd.size() == 4 && nd.size() == 2)) || nd[1] != cd[3] ||
       slots.element_count() != static_cast<size_t>(nd[0])) {
-    return ffi::Error::InvalidArgument("write_kv: shapes do not match ([T, K, H] rows into [L, P, S, K, H])");
+    return ffi::Error::InvalidArgument(
+        "write_kv: shapes do not match ([T, K, H] rows into [L, P, S, K, H], or [T, K] into [L, P, S, K])");
   }
-  const int64_t l = layer.typed_data()[0], pool = cd[1] * cd[2], row = cd[3] * cd[4];
+  const int64_t l = layer.typed_data()[0], pool = cd[1] * cd[2], row = cd[3] * (rank5 ? cd[4] : 1);
   if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("write_kv: layer out of range");
   const T* nk = reinterpret_cast<const T*>(new_k.untyped_data());
   const T* nv = reinterpret_cast<const T*>(new_v.untyped_data());
@@ -684,27 +746,64 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::
   return ffi::Error::InvalidArgument("paged attention: caches must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
 }
 
+// PagedAttention over int8 caches (Int8Pages): the values [L, P, S, K, H] and their float32 scales [L, P, S, K].
+ffi::Error PagedAttentionInt8(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                              ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                              ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float sm_scale,
+                              float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+  if (k_cache.element_type() != ffi::DataType::S8 || v_cache.element_type() != ffi::DataType::S8) {
+    return ffi::Error::InvalidArgument("paged attention (int8): caches must be int8");
+  }
+  auto cd = k_cache.dimensions(), vd = v_cache.dimensions();
+  auto ks = k_scales.dimensions(), vs = v_scales.dimensions();
+  if (cd.size() != 5 || vd.size() != 5 || ks.size() != 4 || vs.size() != 4) {
+    return ffi::Error::InvalidArgument("paged attention (int8): caches must be rank 5, scales rank 4");
+  }
+  for (int i = 0; i < 5; ++i) {
+    if (vd[i] != cd[i] || (i < 4 && (ks[i] != cd[i] || vs[i] != cd[i]))) {
+      return ffi::Error::InvalidArgument("paged attention (int8): scales must be [L, P, S, K], caches [L, P, S, K, H]");
+    }
+  }
+  return PagedAttentionImpl<int8_t>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window,
+                                    sm_scale, soft_cap, pool, out, k_scales.typed_data(), v_scales.typed_data());
+}
+
 }  // namespace
 
+// What both attention targets take after their caches: the batch description, the attributes, the output.
+template <typename Binding>
+auto BindBatch(Binding b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .template Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+      .template Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+      .template Arg<ffi::Buffer<ffi::S32>>()  // window
+      .template Attr<float>("sm_scale")
+      .template Attr<float>("soft_cap")
+      .template Ctx<ffi::ThreadPool>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32, bfloat16 or fp8
-                                  .Arg<ffi::AnyBuffer>()  // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
-                                  .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap")
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              BindBatch(ffi::Ffi::Bind()
+                                            .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                            .Arg<ffi::AnyBuffer>()  // k_cache: float32, bfloat16 or fp8
+                                            .Arg<ffi::AnyBuffer>()));  // v_cache
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionInt8, PagedAttentionInt8,
+                              BindBatch(ffi::Ffi::Bind()
+                                            .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                            .Arg<ffi::AnyBuffer>()  // k_cache: int8 values [L, P, S, K, H]
+                                            .Arg<ffi::AnyBuffer>()  // v_cache
+                                            .Arg<ffi::Buffer<ffi::F32>>()  // k_scales [L, P, S, K]
+                                            .Arg<ffi::Buffer<ffi::F32>>()));  // v_scales
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKV, WriteKV,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // k_cache (aliased to the first output)
+                                  .Arg<ffi::AnyBuffer>()  // k_cache (aliased to the first output), or scales
                                   .Arg<ffi::AnyBuffer>()  // v_cache (aliased to the second)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::AnyBuffer>()  // new_k

@@ -15,7 +15,8 @@ log-sum-exp, and the wrapper combines them (flash-decoding). With one split the 
 output directly.
 
 Numerics: scores and the softmax are float32; QK^T and PV run on the tensor cores in the cache dtype
-(bf16) with float32 accumulation, or in full float32 (IEEE, not TF32) for float32 caches.
+(bf16) with float32 accumulation, or in full float32 (IEEE, not TF32) for float32 caches. fp8 rows are widened
+to the queries' dtype; int8 rows (``Int8Pages``) are multiplied by their scales in float32 and then cast to it.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels._common import (num_seq_q_blocks, seq_q_blocks, valid_token_mask, validate_attention_inputs,
-                                      widen_fp8)
+from jaxserve.kernels._common import (num_seq_q_blocks, seq_q_blocks, split_pool, valid_token_mask,
+                                      validate_attention_inputs, widen_fp8)
 from jaxserve.utils import cdiv, next_pow2
 
 # Enough programs to fill an H100-class GPU (132 SMs) about twice over before splitting contexts further.
@@ -46,8 +47,10 @@ def _kernel(
     q_ref,  # [T, num_q_heads, head_dim]
     k_ref,  # [L, num_pages, page_size, num_kv_heads, head_dim]
     v_ref,  # [L, num_pages, page_size, num_kv_heads, head_dim]
-    o_ref,  # [T, num_q_heads, head_dim] (one split) or [num_splits, T, num_q_heads, head_dim] float32
-    *lse_refs,  # () or ([num_splits, T, num_q_heads] float32,)
+    *refs,  # int8 pools: k_scales, v_scales [L, num_pages, page_size, num_kv_heads]; then o_ref, *lse_refs:
+    # o_ref [T, num_q_heads, head_dim] (one split) or [num_splits, T, num_q_heads, head_dim] float32
+    # lse_refs () or ([num_splits, T, num_q_heads] float32,)
+    quantized: bool,
     sm_scale: float,
     soft_cap: float | None,
     block_q: int,
@@ -58,6 +61,7 @@ def _kernel(
 ):
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = blk_seq_ref[b]
+    scale_refs, (o_ref, *lse_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
 
     @pl.when(seq >= 0)
     def _():
@@ -105,6 +109,11 @@ def _kernel(
             kv_mask = jnp.broadcast_to(kv_ok[:, None], (block_kv, head_dim))
             k = plgpu.load(k_ref.at[layer, page, off, kv_head, dims], mask=kv_mask, other=0)  # [BK, D]
             v = plgpu.load(v_ref.at[layer, page, off, kv_head, dims], mask=kv_mask, other=0)
+            if quantized:  # int8 rows times their scales, in float32, then the queries' dtype
+                k, v = (x.astype(jnp.float32) * plgpu.load(sr.at[layer, page[:, 0], off[:, 0], kv_head],
+                                                           mask=kv_ok, other=0)[:, None]
+                        for x, sr in ((k, scale_refs[0]), (v, scale_refs[1])))
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
             k, v = widen_fp8(k, q.dtype), widen_fp8(v, q.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * sm_scale  # [BM, BK]
@@ -228,6 +237,8 @@ def _rpa_gpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
     num_tokens, num_q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[3]
     group = num_q_heads // kv_heads
+    (k_values, k_scales), (v_values, v_scales) = split_pool(k_cache), split_pool(v_cache)
+    quantized = k_scales is not None
     num_blocks = num_seq_q_blocks(num_tokens, page_indices.shape[0], block_q)
     blk_seq, blk_tok0 = seq_q_blocks(cu_q_lens, num_seqs, block_q, num_blocks)
     scalars = jnp.stack([layer.reshape(()), sliding_window.reshape(())])
@@ -239,9 +250,10 @@ def _rpa_gpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
             jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads), jnp.float32),
         ]
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, group=group,
+        _kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, group=group,
         group_pad=next_pow2(group), block_kv=block_kv, num_splits=num_splits,
     )
+    scales = (k_scales, v_scales) if quantized else ()
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -249,7 +261,7 @@ def _rpa_gpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_gpu_bq{block_q}_bkv{block_kv}_s{num_splits}",
-    )(blk_seq, blk_tok0, cu_q_lens, kv_lens, page_indices, scalars, q, k_cache, v_cache)
+    )(blk_seq, blk_tok0, cu_q_lens, kv_lens, page_indices, scalars, q, k_values, v_values, *scales)
     out = outs[0] if num_splits == 1 else _combine_splits(*outs)
     valid = valid_token_mask(cu_q_lens, num_seqs, num_tokens)
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

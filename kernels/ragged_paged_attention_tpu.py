@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.kernels._common import is_fp8, settle_tpu_interpret, validate_attention_inputs, widen_fp8
+from jaxserve.kernels._common import (is_fp8, is_int8_pages, settle_tpu_interpret, split_pool,
+                                      validate_attention_inputs, widen_fp8)
 from jaxserve.utils import cdiv
 
 _LANES = 128
@@ -47,16 +48,18 @@ def _kernel(
     q_ref,  # [kv_heads_per_block, block_q * group, head_dim] (VMEM block)
     k_hbm,  # [L, num_pages, page_size, num_kv_heads, head_dim] (HBM)
     v_hbm,
+    *refs,
+    # int8 pools only: k_scales_hbm, v_scales_hbm [L, num_pages, page_size, num_kv_heads] f32 (HBM)
     # output
-    o_ref,  # [kv_heads_per_block, block_q * group, head_dim]
+    #   o_ref [kv_heads_per_block, block_q * group, head_dim]
     # scratch
-    k_buf,  # [2, pages_per_block * page_size, kv_heads_per_block, head_dim]
-    v_buf,
-    sems,  # DMA semaphores [2 (k, v), 2 (slot)]
-    m_ref,  # [kv_heads_per_block, block_q * group, 128] f32, lane-replicated running max
-    l_ref,  # [kv_heads_per_block, block_q * group, 128] f32, running denominator
-    acc_ref,  # [kv_heads_per_block, block_q * group, head_dim] f32
-    *,
+    #   k_buf, v_buf [2, pages_per_block * page_size, kv_heads_per_block, head_dim]
+    #   int8 pools only: ks_buf, vs_buf [2, pages_per_block * page_size, kv_heads_per_block] f32
+    #   sems: DMA semaphores [2 or 4 (k, v, k scales, v scales), 2 (slot)]
+    #   m_ref [kv_heads_per_block, block_q * group, 128] f32, lane-replicated running max
+    #   l_ref [kv_heads_per_block, block_q * group, 128] f32, running denominator
+    #   acc_ref [kv_heads_per_block, block_q * group, head_dim] f32
+    quantized: bool,
     sm_scale: float,
     soft_cap: float | None,
     block_q: int,
@@ -64,6 +67,12 @@ def _kernel(
     pages_per_seq: int,
     pages_per_block: int,
 ):
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+        pools = ((k_hbm, k_buf), (v_hbm, v_buf), (ks_hbm, ks_buf), (vs_hbm, vs_buf))
+    else:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+        pools = ((k_hbm, k_buf), (v_hbm, v_buf))
     head_blk, q_blk = pl.program_id(0), pl.program_id(1)
     kv_heads_blk, rows, head_dim = q_ref.shape
     page_size = k_hbm.shape[2]
@@ -97,7 +106,7 @@ def _kernel(
             page = info["page_lo"] + j * pages_per_block + i
             page_id = page_indices_ref[s * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
             page_id = jnp.clip(page_id, 0, num_pages - 1)  # entries past the sequence's pages may be junk
-            for which, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+            for which, (hbm, buf) in enumerate(pools):
                 src = hbm.at[layer, page_id]
                 if kv_heads_blk != num_kv_heads:
                     src = src.at[:, pl.ds(head_blk * kv_heads_blk, kv_heads_blk)]
@@ -125,13 +134,18 @@ def _kernel(
         ok &= (window <= 0) | (kv_tok > pos - window)  # [R, C]
         # fp32 products only for f32 caches: Mosaic rejects a bf16 x bf16 matmul asking for fp32 contraction
         # ("Bad lhs type"), and the MXU's bf16 x bf16 -> f32 product is already exact.
-        # fp8 pages are widened to the queries' dtype block by block (the pool stays fp8 in HBM and in the buffers).
-        compute = q_ref.dtype if is_fp8(k_buf.dtype) else k_buf.dtype
+        # fp8 pages are widened to the queries' dtype block by block (the pool stays fp8 in HBM and in the buffers);
+        # int8 pages are multiplied by their per-row scales in float32, then cast to the queries' dtype.
+        compute = q_ref.dtype if is_fp8(k_buf.dtype) or quantized else k_buf.dtype
         prec = lax.Precision.HIGHEST if compute == jnp.float32 else lax.Precision.DEFAULT
         for h in range(kv_heads_blk):
             q = q_ref[h]  # [R, D]
-            k = widen_fp8(k_buf[slot, :, h, :], compute)  # [C, D]
-            v = widen_fp8(v_buf[slot, :, h, :], compute)
+            if quantized:
+                k = (k_buf[slot, :, h, :].astype(jnp.float32) * ks_buf[slot][:, h:h + 1]).astype(compute)
+                v = (v_buf[slot, :, h, :].astype(jnp.float32) * vs_buf[slot][:, h:h + 1]).astype(compute)
+            else:
+                k = widen_fp8(k_buf[slot, :, h, :], compute)  # [C, D]
+                v = widen_fp8(v_buf[slot, :, h, :], compute)
             # Rows of the buffer outside [lo, hi) are stale or never written: zero V so 0 * garbage can't leak.
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
             s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=prec,
@@ -205,11 +219,12 @@ def _padded(n: int, m: int) -> int:
     return cdiv(n, m) * m
 
 
-def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype) -> int:
-    """Estimated VMEM of one program: q/out blocks (double-buffered), K/V double buffers, softmax state.
+def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized=False) -> int:
+    """Estimated VMEM of one program: q/out blocks (double-buffered), K/V double buffers, softmax state, and for
+    int8 pools the scale buffers.
 
     Arrays are tiled (sublanes, 128) on their last two dims; the K/V buffers' are (heads, head_dim), so
-    their heads round up to 8 (f32) / 16 (bf16) sublanes.
+    their heads round up to 8 (f32) / 16 (bf16) / 32 (8-bit) sublanes; the scale buffers' (tokens, heads).
     """
     qb, kb = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
     d = _padded(head_dim, _LANES)
@@ -217,13 +232,16 @@ def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype
     q_out = 2 * 2 * kv_heads_per_block * q_rows * d * qb
     kv = 2 * 2 * blk_tokens * _padded(kv_heads_per_block, 8 * (4 // kb)) * d * kb
     state = kv_heads_per_block * _padded(rows, 8) * (2 * _LANES + d) * 4
-    return q_out + kv + state
+    scales = 2 * 2 * _padded(blk_tokens, 8) * _padded(kv_heads_per_block, _LANES) * 4 if quantized else 0
+    return q_out + kv + state + scales
 
 
-def default_kv_heads_per_block(num_kv_heads, rows, head_dim, blk_tokens, q_dtype, kv_dtype, budget=_VMEM_BUDGET):
+def default_kv_heads_per_block(num_kv_heads, rows, head_dim, blk_tokens, q_dtype, kv_dtype, budget=_VMEM_BUDGET,
+                               quantized=False):
     """The most KV heads per program (a divisor of num_kv_heads) whose estimated VMEM fits ``budget``."""
     for h in range(num_kv_heads, 0, -1):
-        if num_kv_heads % h == 0 and vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype) <= budget:
+        if num_kv_heads % h == 0 and vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype,
+                                                quantized) <= budget:
             return h
     return 1
 
@@ -273,7 +291,8 @@ def ragged_paged_attention_tpu(
     block_q, pages_per_block = block_q or dq, pages_per_block or dp
     budget = _VMEM_BUDGET if vmem_limit_bytes is None else vmem_limit_bytes * 5 // 8  # same headroom
     kv_heads_per_block = kv_heads_per_block or default_kv_heads_per_block(
-        num_kv_heads, block_q * group, q.shape[2], pages_per_block * page_size, q.dtype, k_cache.dtype, budget)
+        num_kv_heads, block_q * group, q.shape[2], pages_per_block * page_size, q.dtype, k_cache.dtype, budget,
+        is_int8_pages(k_cache))
     if num_kv_heads % kv_heads_per_block:
         raise ValueError(f"kv_heads_per_block ({kv_heads_per_block}) must divide num_kv_heads ({num_kv_heads})")
     out = _rpa_tpu(
@@ -315,10 +334,15 @@ def _rpa_tpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
 
     rows = block_q * group
     qo_spec = pl.BlockSpec((kv_heads_per_block, rows, head_dim), lambda hb, qb, *_: (hb, qb, 0))
-    buf = pltpu.VMEM((2, pages_per_block * page_size, kv_heads_per_block, head_dim), k_cache.dtype)
+    (k_values, k_scales), (v_values, v_scales) = split_pool(k_cache), split_pool(v_cache)
+    quantized = k_scales is not None
+    blk_tokens = pages_per_block * page_size
+    buf = pltpu.VMEM((2, blk_tokens, kv_heads_per_block, head_dim), k_values.dtype)
+    scale_bufs = [pltpu.VMEM((2, blk_tokens, kv_heads_per_block), jnp.float32)] * 2 if quantized else []
+    pools = (k_values, v_values, k_scales, v_scales) if quantized else (k_values, v_values)
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, group=group, pages_per_seq=pages_per_seq,
-        pages_per_block=pages_per_block,
+        _kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, group=group,
+        pages_per_seq=pages_per_seq, pages_per_block=pages_per_block,
     )
     if interpret:
         interpret = pltpu.InterpretParams(uninitialized_memory="nan")  # unwritten VMEM reads as NaN
@@ -328,12 +352,13 @@ def _rpa_tpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_kv_heads // kv_heads_per_block, num_q_blocks),
-            in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[qo_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
             out_specs=qo_spec,
             scratch_shapes=[
                 buf,
                 buf,
-                pltpu.SemaphoreType.DMA((2, 2)),
+                *scale_bufs,
+                pltpu.SemaphoreType.DMA((len(pools), 2)),
                 pltpu.VMEM((kv_heads_per_block, rows, _LANES), jnp.float32),
                 pltpu.VMEM((kv_heads_per_block, rows, _LANES), jnp.float32),
                 pltpu.VMEM((kv_heads_per_block, rows, head_dim), jnp.float32),
@@ -344,6 +369,6 @@ def _rpa_tpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
         ),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(scalars, kv_lens, page_indices.reshape(-1), cu_q_lens, blk_seq_lo, blk_seq_hi, qt, k_cache, v_cache)
+    )(scalars, kv_lens, page_indices.reshape(-1), cu_q_lens, blk_seq_lo, blk_seq_hi, qt, *pools)
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]  # padding rows: l == 0 -> zeros

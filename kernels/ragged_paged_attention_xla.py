@@ -27,6 +27,9 @@ Slots past a sequence's ``kv_len`` may hold anything (stale data, NaN): context 
 valid slot before the gather, so every K/V row that reaches a matmul is real data and masked probabilities are
 exact zeros. Rows of a block past its sequence's last token compute garbage that is never written. Row indices into
 the flattened pool are int32: the pool must have fewer than 2**31 (layer, page, slot, kv head) rows.
+
+K/V are read in float32 whatever the pool holds: bfloat16 and fp8 rows are widened, and an ``Int8Pages`` pool's
+rows are gathered with their scales (the same flat row index) and multiplied, as ``reference.py`` dequantizes them.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.kernels import cpu_ffi
-from jaxserve.kernels._common import valid_token_mask, validate_attention_inputs
+from jaxserve.kernels._common import is_int8_pages, valid_token_mask, validate_attention_inputs
 from jaxserve.utils import cdiv, next_pow2
 
 # Heuristics measured with bench/attention_cpu.py (an AVX-512 CPU). One block costs about one context
@@ -89,16 +92,18 @@ def ragged_paged_attention_xla(
       block_q: query tokens per block for sequences with more than one query token (overrides the hint).
       ctx_chunk, decode_chunk: context tokens per online-softmax step for those blocks and for 1-token
         sequences (override the defaults).
-      impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32, bfloat16 or fp8 caches on the CPU),
-        "xla" the blocks here, "auto" the C++ kernel where it applies and could be built, else the blocks. (This
-        is the lower-level choice; the public ``jaxserve.kernels.ragged_paged_attention`` always passes "auto".)
+      impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32, bfloat16 or fp8 caches, or
+        ``Int8Pages``, on the CPU), "xla" the blocks here, "auto" the C++ kernel where it applies and could be built,
+        else the blocks. (This is the lower-level choice; the public ``jaxserve.kernels.ragged_paged_attention``
+        always passes "auto".)
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
 
     Raises:
       ValueError: inconsistent shapes or head counts, a bad hint, block size or ``impl``, ``impl="ffi"`` on caches
-        it cannot read, or a page table too short for a concrete kv_lens.
+        it cannot read, an int8 pool that is not ``Int8Pages`` (or only one of the two caches is), or a page table
+        too short for a concrete kv_lens.
       RuntimeError: ``impl="ffi"`` and the C++ kernel could not be built (naming why).
     """
     validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
@@ -118,7 +123,7 @@ def ragged_paged_attention_xla(
     fits = k_cache.dtype == v_cache.dtype and cpu_ffi.serves(k_cache.dtype)
     if impl == "ffi":
         if not fits:
-            raise ValueError("impl='ffi' needs float32, bfloat16 or fp8 caches on the CPU backend, got "
+            raise ValueError("impl='ffi' needs float32, bfloat16 or fp8 caches (or Int8Pages) on the CPU backend, got "
                              f"{k_cache.dtype} on {jax.default_backend()}")
         if not cpu_ffi.available():
             raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: "
@@ -199,8 +204,7 @@ def _attend_blocks(qs, k_cache, v_cache, layer, kv_lens, page_indices, window, o
     rows = block_q * group  # matmul rows per kv head: [block_q tokens x group heads], token-major
     num_chunks = cdiv(page_indices.shape[1] * page_size, ctx_chunk)
     # Flat row views of the whole pool (free reshapes): row = ((layer * pages + page) * page_size + slot) * K + head.
-    k_rows = k_cache.reshape(-1, head_dim)
-    v_rows = v_cache.reshape(-1, head_dim)
+    k_rows, v_rows = _flat_rows(k_cache, head_dim), _flat_rows(v_cache, head_dim)
     heads = jnp.arange(kv_heads, dtype=jnp.int32)[:, None]
     row_tok = jnp.arange(rows, dtype=jnp.int32) // group  # [R] token offset of each matmul row
 
@@ -217,8 +221,8 @@ def _attend_blocks(qs, k_cache, v_cache, layer, kv_lens, page_indices, window, o
             c = jnp.clip(ctx, 0, jnp.maximum(kv_len - 1, 0))  # past kv_len: re-read the last real slot
             slot = (layer * num_pages + pages[c // page_size]) * page_size + c % page_size
             idx = slot[None, :] * kv_heads + heads  # [K, C']
-            k = k_rows.at[idx].get(mode="promise_in_bounds").astype(jnp.float32)  # [K, C', H]
-            v = v_rows.at[idx].get(mode="promise_in_bounds").astype(jnp.float32)
+            k = _gather_rows(k_rows, idx)  # [K, C', H] float32
+            v = _gather_rows(v_rows, idx)
             s = jnp.einsum("krh,kch->krc", qb, k)  # [K, R, C']
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -250,3 +254,19 @@ def _attend_blocks(qs, k_cache, v_cache, layer, kv_lens, page_indices, window, o
         return lax.dynamic_update_slice_in_dim(out, o, tok0, 0)
 
     return lax.fori_loop(0, count, block, out)
+
+
+def _flat_rows(cache, head_dim: int):
+    """(rows [N, H], scales [N] or None): a pool as flat rows (free reshapes), an ``Int8Pages`` with its scales."""
+    if is_int8_pages(cache):
+        return cache.values.reshape(-1, head_dim), cache.scales.reshape(-1)
+    return cache.reshape(-1, head_dim), None
+
+
+def _gather_rows(flat, idx):
+    """float32 rows ``idx`` (any shape) of ``_flat_rows``' view: widened, or int8 times each row's scale."""
+    rows, scales = flat
+    out = rows.at[idx].get(mode="promise_in_bounds").astype(jnp.float32)
+    if scales is None:
+        return out
+    return out * scales.at[idx].get(mode="promise_in_bounds")[..., None]

@@ -6,7 +6,8 @@ the C++ kernel or the XLA blocks, and writes K/V with ``write_kv_ref`` only when
 Layout conventions shared by every implementation:
 
     q            [T, num_q_heads, head_dim]         the step's query tokens, sequences back to back
-    k_cache      [L, num_pages, page_size, num_kv_heads, head_dim]   (v_cache the same)
+    k_cache      [L, num_pages, page_size, num_kv_heads, head_dim]   (v_cache the same), or an ``Int8Pages``:
+                 int8 values of that shape and float32 scales [L, num_pages, page_size, num_kv_heads]
     layer        int32 scalar                       which layer of the cache to read
     kv_lens      [S] int32   context length of each sequence INCLUDING this step's tokens
     page_indices [S, pages_per_seq] int32           page table of each sequence
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.kernels._common import Int8Pages, dequantize_rows, is_int8_pages, quantize_rows
 
 # Below this many sequences in a step, attend densely over every sequence's gathered context and mask;
 # above it, gather each token's own context. Both are exact; the switch is only about cost on the CPU.
@@ -83,8 +86,8 @@ def ragged_paged_attention_ref(
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
     if num_seqs_padded <= _DENSE_MAX_SEQS:
         # [S, C, K, H]: each sequence's context once; scores for every (token, sequence) pair, then keep own.
-        k = k_cache[layer, page_indices].reshape(num_seqs_padded, max_ctx, num_kv_heads, head_dim)
-        v = v_cache[layer, page_indices].reshape(num_seqs_padded, max_ctx, num_kv_heads, head_dim)
+        k = _gather(k_cache, layer, page_indices).reshape(num_seqs_padded, max_ctx, num_kv_heads, head_dim)
+        v = _gather(v_cache, layer, page_indices).reshape(num_seqs_padded, max_ctx, num_kv_heads, head_dim)
         # Slots past a sequence's length may hold anything (stale or NaN): 0 * NaN would leak through.
         v = jnp.where((ctx[None, :] < kv_lens[:, None])[:, :, None, None], v, 0)
         scores = jnp.einsum("tkgh,sckh->tkgsc", qg, k.astype(jnp.float32))
@@ -98,8 +101,8 @@ def ragged_paged_attention_ref(
     else:
         # [T, C, K, H]: each token's own context.
         pages = page_indices[seq_c]  # [T, P]
-        k = k_cache[layer, pages].reshape(num_tokens, max_ctx, num_kv_heads, head_dim)
-        v = v_cache[layer, pages].reshape(num_tokens, max_ctx, num_kv_heads, head_dim)
+        k = _gather(k_cache, layer, pages).reshape(num_tokens, max_ctx, num_kv_heads, head_dim)
+        v = _gather(v_cache, layer, pages).reshape(num_tokens, max_ctx, num_kv_heads, head_dim)
         v = jnp.where(allowed[:, :, None, None], v, 0)
         scores = jnp.einsum("tkgh,tckh->tkgc", qg, k.astype(jnp.float32))
         scores = _cap(scores, soft_cap)
@@ -107,6 +110,13 @@ def ragged_paged_attention_ref(
         out = jnp.einsum("tkgc,tckh->tkgh", _safe_softmax(scores), v.astype(jnp.float32))
     out = jnp.where(valid_tok[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _gather(cache, layer, pages: jax.Array) -> jax.Array:
+    """Rows of ``pages`` (any index shape) of one layer; an ``Int8Pages`` pool dequantized to float32."""
+    if is_int8_pages(cache):
+        return dequantize_rows(cache.values[layer, pages], cache.scales[layer, pages])
+    return cache[layer, pages]
 
 
 def _cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
@@ -133,7 +143,8 @@ def write_kv_ref(
     """Scatters the step's new K/V into the pages of one layer (out of place: XLA's scatter).
 
     Args:
-      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim].
+      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], or ``Int8Pages`` (each new row is
+        quantized with ``quantize_rows``: its own scale per token and KV head).
       layer: int32 scalar (may be traced).
       new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype.
       slot_mapping: [T], ``page * page_size + offset`` for token t; a negative slot (padding) writes nothing.
@@ -144,6 +155,11 @@ def write_kv_ref(
     num_pages, page_size = k_cache.shape[1:3]
     page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
     offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
-    k_cache = k_cache.at[layer, page, offset].set(new_k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, page, offset].set(new_v.astype(v_cache.dtype), mode="drop")
-    return k_cache, v_cache
+
+    def put(cache, rows):
+        if is_int8_pages(cache):
+            values, scales = quantize_rows(rows)
+            return Int8Pages(put(cache.values, values), put(cache.scales, scales))
+        return cache.at[layer, page, offset].set(rows.astype(cache.dtype), mode="drop")
+
+    return put(k_cache, new_k), put(v_cache, new_v)

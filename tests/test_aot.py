@@ -138,3 +138,16 @@ def test_fp8_plans_only_where_the_chip_has_fp8():
         plan("smollm2-135m", "v5e:2x4", 1, quantization="fp8", compile=False)
     p = plan("llama-3-8b", "h100:8", 8, quantization="fp8", max_model_len=2048)
     assert p.weight_bytes_per_chip == pytest.approx(_weight_bytes("llama-3-8b", 1) / 8, rel=0.02)
+
+
+def test_int8_kv_pages_plan_and_compile_for_v5e():
+    """kv_cache_dtype="int8": on a GPU the page is int8 values plus a float32 scale per token and KV head; on a v5e
+    the whole step (Mosaic attention and write over Int8Pages, under TP 3) compiles, its pool measured as laid out,
+    and the engine warns that the tile padding makes those pages larger than bfloat16's there."""
+    p = plan("llama-3-8b", "h100:8", 8, kv_cache_dtype="int8", max_model_len=2048)
+    assert p.page_bytes_per_chip == 2 * 32 * 16 * 1 * (128 + 4)  # 8 KV heads over 8 GPUs: one each
+    settings = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, num_pages=64, variants="corners")
+    with pytest.warns(RuntimeWarning, match="more HBM per page than bfloat16 on a TPU"):
+        q = plan("smollm2-135m", "v5e:2x4", 3, kv_cache_dtype="int8", **settings)
+    assert {v.decode_only for v in q.variants} == {True, False} and all(v.flops > 0 for v in q.variants)
+    assert q.page_bytes_per_chip > 2 * 30 * 16 * 64  # at least the values; the TPU pads the minor dims to tiles

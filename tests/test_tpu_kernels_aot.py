@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.kernels import ragged_paged_attention_tpu, write_kv_tpu
+from jaxserve.kernels import Int8Pages, ragged_paged_attention_tpu, write_kv_tpu
 from jaxserve.kernels.ragged_paged_attention_tpu import (
     _VMEM_BUDGET,
     default_block_sizes,
@@ -61,6 +61,13 @@ def _abstract(mesh, shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
 
 
+def _pool(mesh, shape, dtype):
+    """An abstract pool: an array, or for int8 an Int8Pages (values and a float32 scale per token and KV head)."""
+    if jnp.dtype(dtype) == jnp.int8:
+        return Int8Pages(_abstract(mesh, shape, jnp.int8), _abstract(mesh, shape[:4], jnp.float32))
+    return _abstract(mesh, shape, dtype)
+
+
 def _check_tpu_kernel(compiled, name: str) -> None:
     """The executable holds the Mosaic kernel (a tpu_custom_call), not an interpreted or XLA fallback."""
     hlo = compiled.as_text()
@@ -75,7 +82,7 @@ def compile_attention(topology, dtype, num_q_heads, num_kv_heads, head_dim, page
     ``dtype``); returns the compiled executable."""
     mesh = _mesh(topology)
     a = functools.partial(_abstract, mesh)
-    cache = a((LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
+    cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     i32 = lambda *shape: a(shape, jnp.int32)  # noqa: E731
     args = (a((num_tokens, num_q_heads, head_dim), dtype), cache, cache, i32(), i32(num_seqs),
             i32(num_seqs, MAX_CTX // page_size), i32(num_seqs + 1), i32(), i32())
@@ -96,7 +103,7 @@ def compile_attention(topology, dtype, num_q_heads, num_kv_heads, head_dim, page
 def compile_write_kv(topology, dtype, num_kv_heads, head_dim, page_size, num_tokens, kv_dtype=None):
     mesh = _mesh(topology)
     a = functools.partial(_abstract, mesh)
-    cache = a((LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
+    cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     new = a((num_tokens, num_kv_heads, head_dim), dtype)
     with jax.set_mesh(mesh):
         compiled = jax.jit(write_kv_tpu, donate_argnums=(0, 1)).lower(
@@ -141,6 +148,18 @@ def test_fp8_pages_compile_for_tpu(topology, kv_dtype):
     compile_attention(topology, BF16, 32, 8, 128, 16, *DECODE, kv_dtype=kv_dtype)
     compile_attention(topology, BF16, 14, 2, 128, 32, *MIXED, kv_dtype=kv_dtype)
     compile_write_kv(topology, BF16, 8, 128, 16, 256, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_int8_pages_compile_for_tpu(topology):
+    """Int8Pages (kv_cache_dtype="int8"): the attention DMAs each page's scales beside its values and dequantizes in
+    VMEM; the write DMAs the quantized rows and their scales. Llama-3-8B decode, a mixed step with an odd group and
+    float32 queries with one KV head; bfloat16 and float32 rows written."""
+    compile_attention(topology, BF16, 32, 8, 128, 16, *DECODE, kv_dtype=jnp.int8)
+    compile_attention(topology, BF16, 14, 2, 128, 32, *MIXED, kv_dtype=jnp.int8)
+    compile_attention(topology, F32, 8, 1, 64, 64, *MIXED, kv_dtype=jnp.int8)
+    compile_write_kv(topology, BF16, 8, 128, 16, 256, kv_dtype=jnp.int8)
+    compile_write_kv(topology, F32, 1, 64, 64, 32, kv_dtype=jnp.int8)
 
 
 @pytest.mark.parametrize("num_tokens,num_seqs", [DECODE, MIXED], ids=["decode", "mixed"])
