@@ -2,8 +2,8 @@
 invocation.
 
 Workload: N requests (default 64), prompts of 64-512 tokens, 128 output tokens each, greedy, ignore_eos; then the
-first prompt alone (one request's decode: ``--single-len`` tokens after its prefill). Prints output tokens/s, total
-tokens/s, the ratios, the machine's float32 matmul roofline, and where jaxserve's step time goes (host vs device).
+first prompt alone (one request: ``--single-len`` tokens after its prefill; the median of 3 runs). Prints output
+tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and where jaxserve's step time goes (host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
                                [--jaxserve-configs exact bf16 bf16kv] [--vllm [--vllm-dtypes float32 bfloat16]]
@@ -62,6 +62,8 @@ def matmul_roofline(dtype: str = "float32") -> float:
 
 
 # name in the table, LLM keyword arguments, the dtype of the products (for the roofline)
+SINGLE_RUNS = 3  # one request is timed this many times, the median kept (here and in vllm_worker.py)
+
 JAXSERVE_CONFIGS = {
     "exact": ("jaxserve", {}, "float32"),
     "bf16": ("jaxserve (bf16 matmuls)", {"matmul_dtype": "bfloat16"}, "bfloat16"),
@@ -93,10 +95,18 @@ def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_k
     if single_len:  # one request alone, after an untimed run of the same shape (as the peers get)
         one = SamplingParams(temperature=0.0, max_tokens=single_len, ignore_eos=True)
         llm.generate(prompts[:1], one, use_tqdm=False)
-        t = time.perf_counter()
-        llm.generate(prompts[:1], one, use_tqdm=False)
-        result["single_s"] = time.perf_counter() - t
+        result["single_s"] = median_seconds(lambda: llm.generate(prompts[:1], one, use_tqdm=False))
     return result
+
+
+def median_seconds(fn, runs: int = SINGLE_RUNS) -> float:
+    """The median wall time of ``runs`` calls of ``fn`` (one request's timing swings with the neighbours' load)."""
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def run_hf(prompts, output_len: int, batch_size: int) -> dict:

@@ -80,6 +80,14 @@ def _buckets(lo: int, hi: int) -> list[int]:
     return out + [next_pow2(hi)]
 
 
+def _min_token_bucket(platform: str) -> int:
+    """The smallest token bucket: 1 on the CPU, where a step's dense products cost about their rows (SmolLM2's 30
+    layers and LM head, float32: 15 ms for 1 row, 17 for 2 or 4, 19 for 8; one request decodes 1.45x faster than in
+    a bucket of 8), 8 on accelerators, whose matrix units pad rows to 8 (or more) anyway: buckets below 8 would only
+    add compilations."""
+    return 1 if platform == "cpu" else 8
+
+
 def _pick(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -230,7 +238,8 @@ class ModelRunner:
         else:
             zeros = self._pool_zeros(self.num_pages)
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
-        self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
+        self.token_buckets = _buckets(_min_token_bucket(platform or jax.default_backend()),
+                                      sched_cfg.max_num_batched_tokens)
         self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
         self.page_buckets = _buckets(min(8, cdiv(sched_cfg.max_model_len, self.page_size)),
@@ -363,15 +372,17 @@ class ModelRunner:
             return self._steps[key]
         attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only, self.platform), self.mesh)
         graphdef, gathered = self.graphdef, self.replicated
+        rows_fn = self._bf16_rows_fn()
 
         def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
-            per_shard = jax.lax.with_sharding_constraint(model.logits(hidden, mm), NamedSharding(self.mesh, VOCAB_SPEC))
+            per_shard = jax.lax.with_sharding_constraint(model.logits(hidden, mm, rows_fn),
+                                                         NamedSharding(self.mesh, VOCAB_SPEC))
             return jax.lax.with_sharding_constraint(per_shard, gathered)
 
         def step(state, mm, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens):
             self.num_compilations += 1  # runs once per trace
             model = nnx.merge(graphdef, state)
-            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, mm)
+            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, mm, rows_fn)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
             plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)
@@ -382,6 +393,13 @@ class ModelRunner:
                      in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 5)
         self._steps[key] = fn
         return fn
+
+    def _bf16_rows_fn(self):
+        """The C++ product for steps of fewer than 8 rows on bfloat16 matmul weights (XLA:CPU's own is ~15x slower
+        than float32 there, so without it such steps keep the float32 weights): on one CPU device, when built."""
+        ok = (self.matmul_weights is not None and (self.platform or jax.default_backend()) == "cpu"
+              and self.mesh.size == 1 and cpu_ffi.available())
+        return cpu_ffi.matmul_bf16_rows if ok else None
 
     # ------------------------------------------------------------------ packing
     def update_states(self, sched: SchedulerOutput) -> None:

@@ -38,6 +38,8 @@ from jaxserve.kernels._common import FP8_DTYPES, Int8Pages, is_int8_pages, quant
 TARGET = "jaxserve_paged_attention"
 INT8_TARGET = "jaxserve_paged_attention_int8"
 WRITE_TARGET = "jaxserve_write_kv"
+MATMUL_TARGET = "jaxserve_matmul_bf16_rows"
+MATMUL_MAX_ROWS = 8  # the C++ product's limit (kMaxRows)
 # What the C++ attention reads as plain arrays: float32, bfloat16, and fp8 pools (stored without scales).
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) + FP8_DTYPES
 # And as ``Int8Pages`` only (int8 values with their scales): a plain int8 array is refused.
@@ -111,6 +113,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttentionInt8), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKV), platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulBf16Rows), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
         warnings.warn(f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
@@ -198,3 +201,20 @@ def _write_rows(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple[ja
     call = jax.ffi.ffi_call(WRITE_TARGET, out, input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
     return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32), new_k.astype(k_cache.dtype),
                 new_v.astype(v_cache.dtype), jnp.asarray(slot_mapping, jnp.int32))
+
+
+def matmul_bf16_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] (M <= 8) times a bfloat16 matrix w [K, N] (or [K, N / 2] uint32 pairs of bfloat16, as
+    ``models.llama.pack_bf16`` stores it) -> [M, N] float32, accumulated in float32 (C++: XLA:CPU's own bfloat16
+    products with fewer than 8 rows read the weights at a fifteenth of the float32 rate)."""
+    if not _load():
+        raise RuntimeError(f"the C++ bfloat16 product is unavailable: {_error}")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or x.shape[0] > MATMUL_MAX_ROWS:
+        raise ValueError(f"matmul_bf16_rows: x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N], got {x.shape} and "
+                         f"{w.shape}")
+    if w.dtype not in (jnp.bfloat16, jnp.uint32):
+        raise ValueError(f"matmul_bf16_rows: w must be bfloat16 or uint32 pairs of it, got {w.dtype}")
+    n = w.shape[1] * (2 if w.dtype == jnp.uint32 else 1)
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), w)

@@ -770,6 +770,86 @@ ffi::Error PagedAttentionInt8(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
                                     sm_scale, soft_cap, pool, out, k_scales.typed_data(), v_scales.typed_data());
 }
 
+// A product of a few float32 rows by a bfloat16 matrix: out [M, N] = x [M, K] . w [K, N] (w row-major, as bfloat16
+// or as uint32 pairs of it, which is the same memory), float32 accumulation, M <= kMaxRows. XLA:CPU's own products on
+// bfloat16 weights are pathological below 8 rows (a [1, 576] x [576, 3072] product reads its weights at ~2 GB/s,
+// against ~30 for float32 weights); this one reads each weight once. Columns are cut into chunks claimed by the
+// calling thread and helpers on XLA's pool; a chunk runs down all K rows once per strip of B x 16 columns, the
+// strip's M x B accumulators in registers.
+constexpr int64_t kMaxRows = 8, kChunk = 512;
+
+template <int M, int B>
+void RowsTimesBf16(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  int64_t j = n0;
+  for (; j + B * kWide <= n1; j += B * kWide) {
+    V16 acc[M][B] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const uint16_t* row = w + k * N + j;
+      V16 wv[B];
+      for (int b = 0; b < B; ++b) wv[b] = LoadKV16(row + b * kWide);
+      for (int m = 0; m < M; ++m) {
+        const float xv = x[m * K + k];
+        for (int b = 0; b < B; ++b) acc[m][b] += xv * wv[b];
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int b = 0; b < B; ++b) Store16(out + m * N + j + b * kWide, acc[m][b]);
+    }
+  }
+  for (; j < n1; ++j) {  // the last N % (B * 16) columns
+    float acc[M] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float wf = ToFloat(w[k * N + j]);
+      for (int m = 0; m < M; ++m) acc[m] += x[m * K + k] * wf;
+    }
+    for (int m = 0; m < M; ++m) out[m * N + j] = acc[m];
+  }
+}
+
+// Strips of 4 x 16 columns for up to 4 rows (16 accumulators), of 2 x 16 for up to 8.
+template <int M>
+void RowsTimesBf16(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  RowsTimesBf16<M, (M <= 4 ? 4 : 2)>(x, w, K, N, n0, n1, out);
+}
+
+ffi::Error MatmulBf16Rows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ThreadPool pool,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  const bool packed = w.element_type() == ffi::DataType::U32;
+  if (!packed && w.element_type() != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("matmul_bf16_rows: w must be bfloat16 or uint32 pairs of bfloat16");
+  }
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || xd[0] > kMaxRows) {
+    return ffi::Error::InvalidArgument("matmul_bf16_rows: x must be [M <= 8, K] and w [K, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[1] * (packed ? 2 : 1);
+  const float* xp = x.typed_data();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  float* op = out->typed_data();
+  const int64_t chunks = M > 0 ? (N + kChunk - 1) / kChunk : 0;
+  using Fn = void (*)(const float*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float*);
+  constexpr Fn kFns[kMaxRows] = {RowsTimesBf16<1>, RowsTimesBf16<2>, RowsTimesBf16<3>, RowsTimesBf16<4>,
+                                 RowsTimesBf16<5>, RowsTimesBf16<6>, RowsTimesBf16<7>, RowsTimesBf16<8>};
+  const Fn fn = M > 0 ? kFns[M - 1] : nullptr;
+  auto run = [=](int64_t c) { fn(xp, wp, K, N, c * kChunk, std::min(N, (c + 1) * kChunk), op); };
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto claim = [=](Shared& st) {
+    for (int64_t c = st.next.fetch_add(1); c < chunks; c = st.next.fetch_add(1)) {
+      run(c);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, chunks / 4);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared, claim]() { claim(*shared); });
+  claim(*shared);
+  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // What both attention targets take after their caches: the batch description, the attributes, the output.
@@ -811,3 +891,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKV, WriteKV,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16Rows, MatmulBf16Rows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()  // w [K, N] bfloat16, or [K, N / 2] uint32 pairs
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -14,6 +14,7 @@ V vocabulary, L layers, S sequences.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -78,8 +79,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 # Below this many rows XLA:CPU's bfloat16 products are slower than float32 ones (a [1, 576] x [576, 49152]
-# product: 1 against 15 GFLOP/s), so such products keep the full-precision weights.
+# product: 1 against 15 GFLOP/s), so such products keep the full-precision weights, or go to a ``RowsFn``.
 MATMUL_WEIGHTS_MIN_ROWS = 8
+# rows_fn(x [M < 8, K] float32, w [K, N] bfloat16 or [K, N / 2] uint32 pairs) -> [M, N] float32
+RowsFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def pack_bf16(w: jax.Array) -> jax.Array:
@@ -95,15 +98,19 @@ def pack_bf16(w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint32)
 
 
-def matmul(x: jax.Array, w: jax.Array | quant.QArray) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | quant.QArray, rows_fn: RowsFn | None = None) -> jax.Array:
     """x @ w in w's dtype (uint32: bfloat16 pairs from :func:`pack_bf16`; a ``QArray``: quantized, see
     ``jaxserve.quant.matmul``), accumulated in x's dtype.
 
     With float32 activations and bfloat16 weights (``matmul_dtype="bfloat16"`` on the CPU) the product runs
-    on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more.
+    on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more; with fewer
+    rows, ``rows_fn`` (the C++ product, float32 rows times the bfloat16 weights) when given.
     """
     if isinstance(w, quant.QArray):
         return quant.matmul(x, w)
+    if (rows_fn is not None and w.dtype in (jnp.uint32, jnp.bfloat16) and x.ndim == 2
+            and x.shape[0] < MATMUL_WEIGHTS_MIN_ROWS):
+        return rows_fn(x, w).astype(x.dtype)
     if w.dtype == jnp.uint32:
         w = jax.lax.bitcast_convert_type(w, jnp.bfloat16).reshape(*w.shape[:-1], 2 * w.shape[-1])
     if w.dtype == x.dtype:
@@ -210,11 +217,12 @@ class Llama(nnx.Module):
         attention_fn: AttentionFn,
         write_kv_fn: WriteKVFn,
         matmul_weights: dict[str, jax.Array] | None = None,
+        rows_fn: RowsFn | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the decoder over the step's tokens. Returns (hidden [T, D] after the final norm, k, v caches).
 
         ``matmul_weights`` (from :meth:`matmul_weights`) replaces the weights of the matrix products when the
-        step has at least ``MATMUL_WEIGHTS_MIN_ROWS`` tokens.
+        step has at least ``MATMUL_WEIGHTS_MIN_ROWS`` tokens, or, given ``rows_fn`` (see :func:`matmul`), always.
         """
         cfg = self.cfg
         T = tokens.shape[0]
@@ -231,15 +239,16 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
 
         layer_params = {n: getattr(self, n).get_value() for n in self._LAYER_PARAMS if hasattr(self, n)}
-        if matmul_weights is not None and T >= MATMUL_WEIGHTS_MIN_ROWS:
+        if matmul_weights is not None and (T >= MATMUL_WEIGHTS_MIN_ROWS or rows_fn is not None):
             layer_params.update({n: matmul_weights[n] for n in self.MATMUL_PARAMS})
+        mul = functools.partial(matmul, rows_fn=rows_fn)
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             p, layer_idx, window = xs
             h = rms_norm(x, p["attn_norm"], eps, off)
-            q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
+            q, k, v = mul(h, p["wq"]), mul(h, p["wk"]), mul(h, p["wv"])
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
@@ -251,14 +260,14 @@ class Llama(nnx.Module):
                 q, k_cache, v_cache, layer_idx, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
                 batch.num_seqs, sm_scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
             )  # [T, N, H]
-            o = matmul(attn.reshape(T, N * H), p["wo"])
+            o = mul(attn.reshape(T, N * H), p["wo"])
             if cfg.sandwich_norms:
                 o = rms_norm(o, p["post_attn_norm"], eps, off)
             x = x + o
             h = rms_norm(x, p["mlp_norm"], eps, off)
-            gate = matmul(h, p["w_gate"])
+            gate = mul(h, p["w_gate"])
             act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-            m = matmul(act * matmul(h, p["w_up"]), p["w_down"])
+            m = mul(act * mul(h, p["w_up"]), p["w_down"])
             if cfg.sandwich_norms:
                 m = rms_norm(m, p["post_mlp_norm"], eps, off)
             return (x + m, k_cache, v_cache), None
@@ -267,16 +276,18 @@ class Llama(nnx.Module):
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
         return rms_norm(x, self.final_norm[...], eps, off), k_cache, v_cache
 
-    def logits(self, hidden: jax.Array, matmul_weights: dict[str, jax.Array] | None = None) -> jax.Array:
-        """[..., D] -> [..., V] float32 logits (with Gemma-2's final soft cap)."""
-        if matmul_weights is not None and math.prod(hidden.shape[:-1]) >= MATMUL_WEIGHTS_MIN_ROWS:
+    def logits(self, hidden: jax.Array, matmul_weights: dict[str, jax.Array] | None = None,
+               rows_fn: RowsFn | None = None) -> jax.Array:
+        """[..., D] -> [..., V] float32 logits (with Gemma-2's final soft cap); ``matmul_weights`` and ``rows_fn``
+        as in ``__call__``."""
+        if matmul_weights is not None and (math.prod(hidden.shape[:-1]) >= MATMUL_WEIGHTS_MIN_ROWS or rows_fn):
             w = matmul_weights["output"]
         elif self.cfg.tie_word_embeddings:
             w = self.embed.get_value()  # quantized: [V, D] grouped along D, and matmul transposes it
             w = w if isinstance(w, quant.QArray) else w.T
         else:
             w = self.lm_head.get_value()
-        logits = matmul(hidden, w).astype(jnp.float32)
+        logits = matmul(hidden, w, rows_fn).astype(jnp.float32)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
