@@ -6,6 +6,8 @@ contract of ``reference.ragged_paged_attention_ref``; ``ragged_paged_attention_x
 the CPU when the caches are float32, bfloat16 or fp8 arrays, or ``Int8Pages`` (int8 values and one float32 scale per
 token and KV head: a second target that also takes the scales). ``write_kv`` writes new K/V rows into the pool in
 place (into an ``Int8Pages`` pool: the rows quantized with ``quantize_rows``, values and scales each in place).
+``matmul_bf16_rows`` is the one product that is not attention: a few float32 rows times bfloat16 weights
+(``matmul_dtype="bfloat16"`` steps of fewer than 8 tokens, where XLA:CPU's own product is pathologically slow).
 
 The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
 ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
