@@ -81,11 +81,12 @@ def _buckets(lo: int, hi: int) -> list[int]:
 
 
 def _min_token_bucket(platform: str) -> int:
-    """The smallest token bucket: 1 on the CPU, where a step's dense products cost about their rows (SmolLM2's 30
-    layers and LM head, float32: 15 ms for 1 row, 17 for 2 or 4, 19 for 8; one request decodes 1.45x faster than in
-    a bucket of 8), 8 on accelerators, whose matrix units pad rows to 8 (or more) anyway: buckets below 8 would only
-    add compilations."""
-    return 1 if platform == "cpu" else 8
+    """The smallest token bucket: 8. On the CPU a bucket of 1 made one request decode ~1.45x faster (SmolLM2's dense
+    part: 15.3 ms at 1 row against 19.4 at 8), but in the full test suite the data-parallel warm-up then crashed
+    inside XLA:CPU (a segfault compiling, an abort reading the persistent compilation cache) twice in a row; until
+    that is understood every platform starts at 8."""
+    del platform
+    return 8
 
 
 def _pick(buckets: list[int], n: int) -> int:
