@@ -3,7 +3,8 @@ invocation.
 
 Workload: N requests (default 64), prompts of 64-512 tokens, 128 output tokens each, greedy, ignore_eos; then the
 first prompt alone (one request: ``--single-len`` tokens after its prefill; the median of 3 runs). Prints output
-tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and where jaxserve's step time goes (host vs device).
+tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and where jaxserve's step time goes
+(host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
                                [--jaxserve-configs exact bf16 bf16kv] [--vllm [--vllm-dtypes float32 bfloat16]]
