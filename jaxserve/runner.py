@@ -80,15 +80,6 @@ def _buckets(lo: int, hi: int) -> list[int]:
     return out + [next_pow2(hi)]
 
 
-def _min_token_bucket(platform: str) -> int:
-    """The smallest token bucket: 8. On the CPU a bucket of 1 made one request decode ~1.45x faster (SmolLM2's dense
-    part: 15.3 ms at 1 row against 19.4 at 8), but in the full test suite the data-parallel warm-up then crashed
-    inside XLA:CPU (a segfault compiling, an abort reading the persistent compilation cache) twice in a row; until
-    that is understood every platform starts at 8."""
-    del platform
-    return 8
-
-
 def _pick(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -239,8 +230,10 @@ class ModelRunner:
         else:
             zeros = self._pool_zeros(self.num_pages)
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
-        self.token_buckets = _buckets(_min_token_bucket(platform or jax.default_backend()),
-                                      sched_cfg.max_num_batched_tokens)
+        # From 8 rows. On the CPU buckets from 1 made one request decode ~1.45x faster (SmolLM2's dense part: 15.3 ms
+        # at 1 row against 19.4 at 8), but the whole test suite's data-parallel warm-up then crashed inside XLA:CPU
+        # (a segfault compiling, an abort reading the persistent compilation cache) twice in a row.
+        self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
         self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
         self.page_buckets = _buckets(min(8, cdiv(sched_cfg.max_model_len, self.page_size)),
