@@ -230,10 +230,11 @@ class ModelRunner:
         else:
             zeros = self._pool_zeros(self.num_pages)
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
-        # From 8 rows. On the CPU buckets from 1 made one request decode ~1.45x faster (SmolLM2's dense part: 15.3 ms
-        # at 1 row against 19.4 at 8), but the whole test suite's data-parallel warm-up then crashed inside XLA:CPU
-        # (a segfault compiling, an abort reading the persistent compilation cache) twice in a row.
-        self.token_buckets = _buckets(8, sched_cfg.max_num_batched_tokens)
+        # From 1 row on one CPU device (a one-request decode step costs its rows there: SmolLM2's dense part 15.3 ms
+        # at 1 row against 19.4 at 8, so one request decodes ~1.45x faster), else from 8: matrix units pad rows to 8
+        # anyway. Meshes of several CPU devices start at 8 too: with buckets from 1 the whole suite's data-parallel
+        # warm-up crashed inside XLA:CPU (a segfault compiling, an abort reading the compilation cache).
+        self.token_buckets = _buckets(1 if on_cpu and self.mesh.size == 1 else 8, sched_cfg.max_num_batched_tokens)
         self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
         self.page_buckets = _buckets(min(8, cdiv(sched_cfg.max_model_len, self.page_size)),

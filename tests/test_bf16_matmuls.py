@@ -106,3 +106,28 @@ def test_cpp_rows_product_equals_float64(m, n):
     assert np.array_equal(routed, got) == (m < 8)
     with pytest.raises(ValueError, match="M <= 8"):
         cpu_ffi.matmul_bf16_rows(jnp.zeros((9, 96), jnp.float32), packed)
+
+
+@pytest.mark.slow
+def test_bf16_one_request_decode_tracks_hf(default_loaded, hf_default):
+    """One request decoding alone runs 1-row steps: with bfloat16 matmul weights those go to the C++ product. Its
+    greedy tokens' logprobs against HF float32 teacher-forced on the same tokens, as the test above."""
+    import torch
+
+    llm = LLM(default_loaded, matmul_dtype="bfloat16", max_num_seqs=4, num_pages=64, max_model_len=256)
+    runner = llm.engine.runner
+    assert runner._bf16_rows_fn() is not None and runner.token_buckets[0] == 1
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    out = llm.generate([TEXT[:120]], sp, use_tqdm=False)[0]
+    assert runner.decode_steps >= 39  # one token a step, the 1-token bucket
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    n0 = len(out.prompt_token_ids)
+    diffs = np.asarray([abs(lp[tok].logprob - ref[n0 + i - 1, tok])
+                        for i, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs))])
+    hf_greedy = sum(int(np.argmax(ref[n0 + i - 1])) == tok for i, tok in enumerate(out.outputs[0].token_ids))
+    print(f"one request bf16: max {diffs.max():.4f} mean {diffs.mean():.4f} HF greedy {hf_greedy}/{len(diffs)}")
+    assert diffs.max() < 0.25 and diffs.mean() < 0.05, (diffs.max(), diffs.mean())
+    assert hf_greedy >= 0.95 * len(diffs)
+    assert diffs.max() > 1e-4  # bfloat16 weights really ran (float32 is within ~1e-5 of HF)
