@@ -121,7 +121,9 @@ class BlockManager:
             return
         table = self.page_tables[request.request_id]
         start = self._num_committed[request.request_id]
-        end = min(request.num_computed_tokens // self.page_size, len(table))
+        # Async scheduling: pending tokens (PENDING_TOKEN) are not hashed until their values are known.
+        known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
+        end = min(known // self.page_size, len(table))
         if end <= start:
             return
         for i, h in enumerate(self._hashes(request, end)[start:end], start):

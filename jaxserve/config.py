@@ -300,6 +300,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
     speculative: SpeculativeConfig | None = None
+    # Steps scheduled while the previous one runs: each sampled token is a PENDING_TOKEN until its step's results
+    # are read (``Scheduler.update_from_output``), and the runner feeds it from the device.
+    async_scheduling: bool = False
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -472,6 +475,10 @@ class EngineConfig:
     speculative_config: dict | None = _setting(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'
               ' "prompt_lookup_min": 1} (default: off)', type=SpeculativeConfig.parse)
+    async_scheduling: bool = _setting(
+        True, "schedule and pack each step while the previous one runs, its sampled tokens fed on the device (off "
+              "for speculative decoding and several processes; steps wait for the previous one's results when a "
+              "running request has penalties or a grammar)", flag="--no-async-scheduling", action="store_false")
     seed: int = _setting(0, "seeds the per-request seeds of requests that give none", flag="--engine-seed",
                          type=int)
     compilation_cache: bool = _setting(True, "JAX's persistent compilation cache (~/.cache/jaxserve/xla)",
@@ -511,9 +518,10 @@ class EngineConfig:
                          device_memory: int | None = None) -> SchedulerConfig:
         """The scheduler's settings; budgets left at None take ``batching_defaults(platform, device_memory)``."""
         seqs, tokens = batching_defaults(platform, device_memory)
+        spec = SpeculativeConfig.parse(self.speculative_config)
         return SchedulerConfig(self.max_num_seqs or seqs, self.max_num_batched_tokens or tokens, max_model_len,
-                               self.enable_prefix_caching, self.policy,
-                               SpeculativeConfig.parse(self.speculative_config))
+                               self.enable_prefix_caching, self.policy, spec,
+                               async_scheduling=self.async_scheduling and spec is None)
 
     # ------------------------------------------------------------------ command line
     @classmethod

@@ -90,6 +90,7 @@ class Replica:
     runner: ModelRunner
     scheduler: Scheduler
     drafter: DraftProposer | None = None  # speculative decoding with a draft model
+    in_flight: tuple | None = None  # async scheduling: (SchedulerOutput, runner InFlight) of the step running now
 
     def load(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -169,11 +170,14 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{loaded.config.max_position_embeddings}")
         self.scheduler_config = config.scheduler_config(max_model_len, jax.default_backend(), device_memory())
+        if multi_process():  # every process runs each step the leader publishes, in order, and waits for it
+            self.scheduler_config = dataclasses.replace(self.scheduler_config, async_scheduling=False)
         draft = self._draft_model(self.scheduler_config.speculative, loaded, dtype, tp)
         self.replicas: list[Replica] = []
         for mesh in meshes:
             runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,
-                                 config.attention_impl, config.matmul_dtype, mesh, quantization=config.quantization)
+                                 config.attention_impl, config.matmul_dtype, mesh, quantization=config.quantization,
+                                 one_token_buckets=False if dp > 1 else None)
             block_manager = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
             drafter = draft and DraftProposer(ModelRunner, draft, runner.num_pages, config.page_size,
                                               self.scheduler_config, mesh, config.attention_impl)
@@ -407,8 +411,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while some added request has not finished (``step()`` has work)."""
-        return bool(self._tracked)
+        """True while some added request has not finished, or a step is in flight (``step()`` has work)."""
+        return bool(self._tracked) or any(r.in_flight is not None for r in self.replicas)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
@@ -457,26 +461,71 @@ class LLMEngine:
         return draft
 
     def _step_replica(self, replica: Replica) -> list[RequestOutput]:
+        """One step of a replica. With async scheduling the step is scheduled and launched while the previous one
+        runs, and the outputs returned are the previous step's; otherwise this step's, after it ran."""
+        if not replica.scheduler.config.async_scheduling:
+            return self._finish(replica, *self._launch(replica))
+        outputs: list[RequestOutput] = []
+        previous, replica.in_flight = replica.in_flight, None
+        if previous is not None and self._must_wait(replica):
+            outputs, previous = self._finish(replica, *previous), None
+        try:
+            launched = self._launch(replica)
+            replica.in_flight = launched if launched[1] is not None else None  # None: nothing scheduled
+        except StepFailed as e:
+            if previous is not None:
+                e.outputs.extend(self._finish(replica, *previous))
+            raise
+        if previous is not None:
+            outputs += self._finish(replica, *previous)
+        return outputs
+
+    def _must_wait(self, replica: Replica) -> bool:
+        """Whether the next step needs the step in flight's tokens on the host: a request with a pending token
+        has penalties (the sampler reads its token history) or a grammar (its next allowed tokens)."""
+        for request in replica.scheduler.running:
+            if request.num_pending:
+                if request.sampling_params.penalized:
+                    return True
+                owner = self._seq_owner.get(request.request_id)
+                if owner is not None and owner[1].matcher is not None:
+                    return True
+        return False
+
+    def _launch(self, replica: Replica) -> tuple:
+        """Schedules a step and hands it to the device; (SchedulerOutput, the runner's InFlight)."""
         scheduler, runner = replica.scheduler, replica.runner
         sched = scheduler.schedule()
         try:
             if replica.drafter is not None:
                 sched = replica.drafter.fill(sched, scheduler)
-            result = runner.execute(sched, self._token_masks(sched))
+            return sched, runner.launch(sched, self._token_masks(sched))
         except Exception as e:
-            drafter = replica.drafter
-            if runner.k_cache.is_deleted() or (drafter is not None and drafter.runner.k_cache.is_deleted()):
-                # a pool was donated to the failed step: nothing can go on
-                raise
-            failed = {self._seq_owner[s.req_id][0].request_id for s in sched.scheduled if s.req_id in self._seq_owner}
-            self._abort_failed(failed)
-            raise StepFailed(sorted(failed), [], e) from e
+            self._fail(replica, sched, e)
+
+    def _fail(self, replica: Replica, sched, e: Exception):
+        drafter, runner = replica.drafter, replica.runner
+        if runner.k_cache.is_deleted() or (drafter is not None and drafter.runner.k_cache.is_deleted()):
+            # a pool was donated to the failed step: nothing can go on
+            raise e
+        failed = {self._seq_owner[s.req_id][0].request_id for s in sched.scheduled if s.req_id in self._seq_owner}
+        self._abort_failed(failed)
+        raise StepFailed(sorted(failed), [], e) from e
+
+    def _finish(self, replica: Replica, sched, flight) -> list[RequestOutput]:
+        """Reads a launched step's results and turns them into the requests' outputs."""
+        scheduler = replica.scheduler
+        try:
+            result = replica.runner.collect(flight)
+        except Exception as e:
+            self._fail(replica, sched, e)
         sampled = result.sampled
         for rid, entries in result.prompt_logprobs.items():
             owner = self._seq_owner.get(rid)
             if owner is not None and owner[1].index == 0:  # the request's prompt logprobs are its first sequence's
                 owner[0].prompt_logprobs.update(entries)
-        before = {rid: len(owner[1].request.output_token_ids) for rid in sampled
+        # Confirmed tokens before and after the scheduler takes this step's (tokens of steps in flight are pending).
+        before = {rid: len(owner[1].request.confirmed_output_token_ids) for rid in sampled
                   if (owner := self._seq_owner.get(rid)) is not None}
         emitted = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
         scheduler.update_from_output(sched, emitted)
@@ -490,7 +539,10 @@ class LLMEngine:
                 continue
             tracked, seq = owner
             out_ids = seq.request.output_token_ids
-            kept = toks[: len(out_ids) - before[rid]]  # the scheduler stops at the first stop token
+            # The scheduler stops at the first stop token, and keeps none of a request finished before this step.
+            kept = toks[: len(seq.request.confirmed_output_token_ids) - before[rid]]
+            if not kept:
+                continue
             try:
                 for j, tok in enumerate(kept):
                     if self._append(tracked, seq, tok, last=j == len(kept) - 1):  # a stop string or the grammar
@@ -598,7 +650,7 @@ class LLMEngine:
             if not req.is_finished and hold:
                 text = text[: max(0, len(text) - hold)]  # a stop string may still be forming
             outs.append(CompletionOutput(
-                seq.index, text, list(req.output_token_ids),
+                seq.index, text, list(req.confirmed_output_token_ids),
                 seq.cumulative_logprob if seq.logprobs is not None else None, seq.logprobs,
                 req.finish_reason, seq.stop_reason,
             ))

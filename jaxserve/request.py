@@ -12,6 +12,11 @@ import itertools
 import time
 from typing import Any
 
+# Async scheduling: an output token an in-flight step samples, before the host knows its value. The scheduler
+# appends one per sampling chunk it schedules and replaces it when the step's result arrives; the runner feeds the
+# real token from the device into the next step.
+PENDING_TOKEN = -2
+
 # Tie-breaker for requests that arrive in the same clock tick.
 _ARRIVAL_SEQ = itertools.count()
 
@@ -69,6 +74,8 @@ class Request:
         self.arrival_seq = next(_ARRIVAL_SEQ)
         self.priority = priority
         self.output_token_ids: list[int] = []
+        # Async scheduling: the last ``num_pending`` output tokens are PENDING_TOKEN (sampled by steps in flight).
+        self.num_pending = 0
         # KV of positions [0, num_computed_tokens) is in the page pool.
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission, in tokens
@@ -90,6 +97,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def confirmed_output_token_ids(self) -> list[int]:
+        """The output tokens whose values are known (all but the pending ones of steps in flight)."""
+        out = self.output_token_ids
+        return out[: len(out) - self.num_pending] if self.num_pending else out
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens ``[start, stop)`` of prompt + output, without concatenating the two lists."""
         p = len(self.prompt_token_ids)
@@ -109,15 +122,17 @@ class Request:
         """"stop", "length", "abort", or None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 
-    def stop_reason(self, token: int, max_model_len: int) -> str | None:
+    def stop_reason(self, token: int, max_model_len: int, num_output_tokens: int | None = None) -> str | None:
         """Why generation ends after ``token`` was appended: "stop" (a stop token, or EOS unless
         ``ignore_eos``; neither before ``min_tokens`` outputs), "length" (``max_tokens`` or
-        ``max_model_len`` reached), or None to go on."""
+        ``max_model_len`` reached), or None to go on. ``num_output_tokens``: the outputs up to and including
+        ``token`` when later ones are pending (default: all of them)."""
         sp = self.sampling_params
-        if self.num_output_tokens >= sp.min_tokens:
+        n = self.num_output_tokens if num_output_tokens is None else num_output_tokens
+        if n >= sp.min_tokens:
             if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
                 return "stop"
-        if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= max_model_len:
+        if n >= sp.max_tokens or self.num_prompt_tokens + n >= max_model_len:
             return "length"
         return None
 

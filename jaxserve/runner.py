@@ -46,6 +46,7 @@ from jaxserve.kernels import cpu_ffi
 from jaxserve.models.llama import OUTPUT_AXES, AttentionBatch, Llama, ParamSpec, model_from_params, param_schema
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.request import PENDING_TOKEN
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import (KV_POOL_SPEC, KV_SCALES_SPEC, VOCAB_SPEC, fit_sharding, kv_heads_for, make_mesh,
                                param_shardings, replicate_kv_heads, shard_kernels)
@@ -96,6 +97,7 @@ class _CachedRequest:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    pending: int = 0  # async scheduling: tokens sampled by steps in flight, not yet in token_ids
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -128,6 +130,21 @@ class RunnerOutput:
     prompt_logprobs: dict[str, dict[int, SampledToken]]
 
 
+@dataclasses.dataclass
+class InFlight:
+    """A launched step whose results the host has not read yet (``ModelRunner.launch`` -> ``collect``)."""
+
+    sched: SchedulerOutput
+    reqs: list[_CachedRequest]
+    rows: list[tuple[int, int]]  # (sequence index, index among its sampled positions) of each sampled row
+    want_plp: list[bool]
+    next_tokens: np.ndarray
+    decode_only: bool
+    out: object  # the sampler's output, on the device
+    plp: object  # prompt logprobs, on the device (None when no position wanted them)
+    started: float  # perf_counter() when the step was handed to the device
+
+
 def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
@@ -150,6 +167,8 @@ class ModelRunner:
             running them (``jaxserve.aot``; then ``params`` may be ``jax.ShapeDtypeStruct``s).
         quantization: None, or "int8" / "int4" / "w8a8" / "fp8" to quantize the float weights on their devices,
             or "gguf" for weights that came quantized (``jaxserve.quant``).
+        one_token_buckets: token buckets from 1 instead of 8 (default: on the CPU, when the mesh is one device);
+            the engine turns them off for data-parallel replicas.
 
     Raises:
         ValueError: a quantization the backend cannot run, or a KV pool that does not fit the memory.
@@ -166,6 +185,7 @@ class ModelRunner:
         mesh: Mesh | None = None,
         platform: str | None = None,
         quantization: str | None = None,
+        one_token_buckets: bool | None = None,
     ):
         self.mesh = mesh or make_mesh(1)
         self.platform = platform  # None: the one JAX runs on; "tpu" / "gpu": compile for it (jaxserve.aot)
@@ -232,11 +252,20 @@ class ModelRunner:
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
         # From 1 row on one CPU device (a one-request decode step costs its rows there: SmolLM2's dense part 15.3 ms
         # at 1 row against 19.4 at 8, so one request decodes ~1.45x faster), else from 8: matrix units pad rows to 8
-        # anyway. Meshes of several CPU devices start at 8 too: with buckets from 1 the whole suite's data-parallel
-        # warm-up crashed inside XLA:CPU (a segfault compiling, an abort reading the compilation cache).
-        self.token_buckets = _buckets(1 if on_cpu and self.mesh.size == 1 else 8, sched_cfg.max_num_batched_tokens)
+        # anyway. Data-parallel replicas start at 8 too: with buckets from 1 the whole test suite's data-parallel
+        # warm-up crashed inside XLA:CPU (a segfault compiling, once an abort reading the compilation cache), three
+        # times out of three, though that test passes alone.
+        if one_token_buckets is None:
+            one_token_buckets = on_cpu and self.mesh.size == 1
+        self.token_buckets = _buckets(1 if one_token_buckets else 8, sched_cfg.max_num_batched_tokens)
         self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
+        # The last step's sampled tokens, kept on the device at a fixed width (every bucket samples at most this
+        # many rows): async scheduling feeds them into the next step before the host has read them.
+        fed = jax.ShapeDtypeStruct((self.max_seqs * (1 + self.num_speculative_tokens),), jnp.int32,
+                                   sharding=self.replicated)
+        self._fed = fed if self.abstract else jax.device_put(np.zeros(fed.shape, np.int32), self.replicated)
+        self._fed_rows: dict[str, int] = {}  # request id -> its row in ``_fed``
         self.page_buckets = _buckets(min(8, cdiv(sched_cfg.max_model_len, self.page_size)),
                                      cdiv(sched_cfg.max_model_len, self.page_size))
         self.attention_impl = attention_impl
@@ -374,18 +403,22 @@ class ModelRunner:
                                                          NamedSharding(self.mesh, VOCAB_SPEC))
             return jax.lax.with_sharding_constraint(per_shard, gathered)
 
-        def step(state, mm, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens):
+        def step(state, mm, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens, fed):
             self.num_compilations += 1  # runs once per trace
+            # Async scheduling: a token -(r + 1) is row r of the previous step's samples (``fed``), still on the
+            # device when this step was packed.
+            tokens = jnp.where(tokens < 0, fed[jnp.clip(-tokens - 1, 0, fed.shape[0] - 1)], tokens)
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, mm, rows_fn)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
             plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)
-            return out, plp, k_cache, v_cache
+            feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
+            return out, plp, feed, k_cache, v_cache
 
         kv, placed = self.kv_format, lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-        fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(gathered, gathered, kv, kv),
-                     in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 5)
+        fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(gathered, gathered, gathered, kv, kv),
+                     in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 6)
         self._steps[key] = fn
         return fn
 
@@ -446,16 +479,23 @@ class ModelRunner:
         positions = np.zeros(tb, np.int32)
         slots = np.full(tb, -1, np.int32)
         cu = np.zeros(sb + 1, np.int32)
-        t = 0
+        t = fed = 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
             tokens[t: t + n] = s.token_ids
+            if s.token_ids[0] == PENDING_TOKEN:  # sampled by the step in flight: read on the device (see step)
+                if s.req_id not in self._fed_rows:
+                    raise ValueError(f"request {s.req_id!r} has a pending token the previous step did not sample")
+                tokens[t] = -1 - self._fed_rows[s.req_id]
+                fed += 1
             positions[t: t + n] = pos
             slots[t: t + n] = page_indices[i, pos // self.page_size] * self.page_size + pos % self.page_size
             t += n
             cu[i + 1] = t
         cu[len(seqs) + 1:] = t
+        if (tokens < 0).sum() != fed:  # e.g. a draft model's PLACEHOLDER proposal left unfilled
+            raise ValueError(f"a scheduled token id is negative: {sorted(set(tokens[tokens < 0].tolist()))}")
         logits_indices = np.zeros(max(self.sample_rows(tb), sb), np.int32)
         rows = []
         for i, s in enumerate(seqs):
@@ -477,11 +517,19 @@ class ModelRunner:
             token_masks: structured outputs: request id -> packed allowed-token row ([W] int32, see
                 ``jaxserve.structured``) for the sampling requests under a grammar; the others are unconstrained.
         """
+        return self.collect(self.launch(sched, token_masks))
+
+    def launch(self, sched: SchedulerOutput, token_masks: dict[str, np.ndarray] | None = None) -> InFlight | None:
+        """Hands one step to the device and returns without waiting for it (``collect`` reads its results).
+
+        A scheduled token ``PENDING_TOKEN`` is the one the previous launched step sampled for that request: the
+        step reads it on the device (async scheduling), so this may run before the previous step's ``collect``.
+        """
         self.update_states(sched)
         copy = self._copy_chunks(sched.copy_ops)
         if not sched.scheduled:
             self._launch(copy, None)
-            return RunnerOutput({}, {})
+            return None
         t0 = time.perf_counter()
         tokens, batch, logits_indices, rows = self.pack(sched)
         self.num_tokens_computed += sched.num_scheduled_tokens
@@ -495,9 +543,13 @@ class ModelRunner:
                 row = token_masks.get(sched.scheduled[i].req_id)
                 if row is not None:
                     mask[k] = row
+        for i, _ in rows:
+            if reqs[i].pending and params[i].penalized:
+                raise ValueError(f"request {sched.scheduled[i].req_id!r} has penalties, which need its latest token "
+                                 "on the host: it cannot be scheduled before the previous step's results are read")
         # A proposal's row samples as plain decoding would at that output index (its own draw, its min_tokens).
         meta = self._sampling_metadata(
-            [params[i] for i, _ in rows], steps=[reqs[i].num_output_tokens + j for i, j in rows],
+            [params[i] for i, _ in rows], steps=[reqs[i].num_output_tokens + reqs[i].pending + j for i, j in rows],
             prompt_ids=[reqs[i].prompt_token_ids for i, _ in rows],
             output_ids=[reqs[i].output_token_ids for i, _ in rows], pad_to=len(logits_indices), token_mask=mask)
         want_plp = [p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
@@ -507,19 +559,32 @@ class ModelRunner:
         t1 = time.perf_counter()
         decode_only = all(len(s.token_ids) == 1 for s in sched.scheduled)
         out, plp = self._launch(copy, (decode_only, tokens, batch, logits_indices, meta, next_tokens))
-        out, plp = _fetch((out, plp if any(want_plp) else None))
-        t2 = time.perf_counter()
         self.pack_seconds += t1 - t0
-        self.device_seconds += t2 - t1
-        if decode_only:
-            self.decode_steps += 1
-            self.decode_device_seconds += t2 - t1
+        self._fed_rows = {}  # where each request's sample of this step is in the step's fed-forward tokens
+        for k, (i, j) in enumerate(rows):
+            if j == 0 and sched.scheduled[i].sample:
+                reqs[i].pending += 1
+                self._fed_rows[sched.scheduled[i].req_id] = k
+        return InFlight(sched, reqs, rows, want_plp, next_tokens, decode_only, out,
+                        plp if any(want_plp) else None, t1)
+
+    def collect(self, flight: InFlight | None) -> RunnerOutput:
+        """Waits for a launched step and reads its results (``launch``)."""
         result = RunnerOutput({}, {})
+        if flight is None:
+            return result
+        out, plp = _fetch((flight.out, flight.plp))
+        t2 = time.perf_counter()
+        self.device_seconds += t2 - flight.started
+        if flight.decode_only:
+            self.decode_steps += 1
+            self.decode_device_seconds += t2 - flight.started
+        sched, reqs, next_tokens = flight.sched, flight.reqs, flight.next_tokens
         offset = k0 = 0  # k0: the sequence's first row (each has 1 + len(draft_token_ids) of them, in order)
         for i, (s, r) in enumerate(zip(sched.scheduled, reqs)):
             n, offset = len(s.token_ids), offset + len(s.token_ids)
-            if want_plp[i]:  # positions of this chunk whose next token is still in the prompt
-                k = params[i].prompt_logprobs
+            if flight.want_plp[i]:  # positions of this chunk whose next token is still in the prompt
+                k = r.params.prompt_logprobs
                 last = min(s.start_pos + n, r.num_prompt_tokens - 1)
                 entries = result.prompt_logprobs.setdefault(s.req_id, {})
                 for j, pos in enumerate(range(s.start_pos, last)):
@@ -531,7 +596,8 @@ class ModelRunner:
                 keep = accepted(s.draft_token_ids, drawn) + 1
                 result.sampled[s.req_id] = [
                     _sampled(drawn[j], out.logprobs[k0 + j], out.top_logprob_ids[k0 + j], out.top_logprobs[k0 + j],
-                             params[i].logprobs or 0) for j in range(keep)]
+                             r.params.logprobs or 0) for j in range(keep)]
+                r.pending -= 1
                 r.token_ids.extend(drawn[:keep])
             k0 += 1 + d
         return result
@@ -549,8 +615,8 @@ class ModelRunner:
         if step is None:
             return None
         decode_only, *inputs = step
-        out, plp, self.k_cache, self.v_cache = self._step_fn(decode_only)(
-            self.state, self.matmul_weights, self.k_cache, self.v_cache, *inputs)
+        out, plp, self._fed, self.k_cache, self.v_cache = self._step_fn(decode_only)(
+            self.state, self.matmul_weights, self.k_cache, self.v_cache, *inputs, self._fed)
         return out, plp
 
     def follow(self):
@@ -638,7 +704,7 @@ class ModelRunner:
         rows = max(self.sample_rows(tokens), sb)
         meta = self._sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
         return (self.state, self.matmul_weights, self.k_cache, self.v_cache, np.zeros(tokens, np.int32), batch,
-                np.zeros(rows, np.int32), meta, _no_targets(tokens))
+                np.zeros(rows, np.int32), meta, _no_targets(tokens), self._fed)
 
     def lower_step(self, tokens: int, pages: int, decode_only: bool = False):
         """The step of one bucket lowered on abstract arguments (``.compile()`` then gives the partitioned HLO and

@@ -170,8 +170,7 @@ class SamplingMetadata:
             if p.repetition_penalty != 1.0 and prompt_ids is not None:
                 prompts[i] = prompt_ids[i]
                 num_prompt[i] = len(prompts[i])
-            penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            if penalized and output_ids is not None:
+            if p.penalized and output_ids is not None:
                 outputs[i] = output_ids[i]
 
         nb = _width("bias", max(map(len, biases)), bias_width, min_bias)

@@ -150,6 +150,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | dict | None = None
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is on (the sampler then reads the token history)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def __post_init__(self):
         def fail(name: str, why: str):
             got = repr(getattr(self, name))

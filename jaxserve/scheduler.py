@@ -17,7 +17,8 @@ from typing import Any
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
-from jaxserve.request import FINISH_STATUS, Request, RequestStatus, check_prompt_length, max_computed_tokens
+from jaxserve.request import (FINISH_STATUS, PENDING_TOKEN, Request, RequestStatus, check_prompt_length,
+                              max_computed_tokens)
 from jaxserve.speculative import PLACEHOLDER, propose_ngram, speculates
 
 
@@ -191,6 +192,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request.num_pending:  # tokens of steps in flight: never confirmed now, never shown
+            del request.output_token_ids[-request.num_pending:]
+            request.num_pending = 0
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -236,10 +240,14 @@ class Scheduler:
         preempted: list[str] = []
 
         order = self.running if self.policy == "fcfs" else sorted(self.running, key=_priority)
+        ending = 0  # running requests whose pending token is their last: they take no sequence slot any more
         for request in list(order):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if request.num_pending and self._at_limit(request):  # its pending token is its last
+                ending += 1
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
@@ -261,8 +269,10 @@ class Scheduler:
                 budget -= n
 
         # Admit waiting requests, unless memory was so tight that someone was just preempted.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and len(self.running) - ending < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending:  # preempted with a token in flight: resumed once that token is known
+                break
             # prompt_logprobs need every prompt position computed, so such requests skip the prefix cache.
             wants_prompt_logprobs = getattr(request.sampling_params, "prompt_logprobs", None) is not None
             cached = [] if wants_prompt_logprobs else bm.get_cached_prefix(request)
@@ -296,6 +306,8 @@ class Scheduler:
                 req_id=rid, token_ids=req.token_slice(start, start + known) + list(proposed), start_pos=start,
                 sample=start + known == req.num_tokens, pages_from=pages_from, new_page_ids=table[pages_from:],
                 new=new, draft_token_ids=tuple(proposed)))
+        if self.config.async_scheduling:
+            self._advance(scheduled)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -304,6 +316,23 @@ class Scheduler:
             preempted_req_ids=preempted,
             num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
         )
+
+    def _at_limit(self, request: Request) -> bool:
+        """Its tokens (pending ones included) reach ``max_tokens`` or the model length: no step may follow."""
+        return (request.num_output_tokens >= request.sampling_params.max_tokens
+                or request.num_tokens >= self.config.max_model_len)
+
+    def _advance(self, scheduled: list[ScheduledRequest]) -> None:
+        """Async scheduling: counts a step's chunks as computed as soon as they are scheduled, and gives each
+        sampling chunk a PENDING_TOKEN output, so the next step can be scheduled before this one's results."""
+        for s in scheduled:
+            request = self.requests[s.req_id]
+            if s.draft_token_ids:
+                raise ValueError("async scheduling does not schedule speculative proposals")
+            request.num_computed_tokens = s.start_pos + len(s.token_ids)
+            if s.sample:
+                request.output_token_ids.append(PENDING_TOKEN)
+                request.num_pending += 1
 
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Speculative decoding: n-gram proposals for a decoding request, as many as fit its budget, its
@@ -335,6 +364,8 @@ class Scheduler:
         Raises:
             ValueError: a request that was due a sample has none.
         """
+        if self.config.async_scheduling:
+            return self._confirm(scheduler_output, sampled_token_ids)
         live = []
         for s in scheduler_output.scheduled:
             request = self.requests.get(s.req_id)
@@ -363,6 +394,30 @@ class Scheduler:
                     break
             if s.draft_token_ids and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += len(tokens) - 1  # the accepted proposals
+                self.block_manager.commit(request)
+        return finished
+
+    def _confirm(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Async scheduling's ``update_from_output``: each sampled token replaces its request's oldest pending
+        one; a stop finishes the request, and its tokens after the stop (a step in flight) are dropped."""
+        finished = []
+        for s in scheduler_output.scheduled:
+            request = self.requests.get(s.req_id)
+            if request is None:
+                continue  # finished or aborted since schedule(): its token is dropped
+            if s.sample:
+                tokens = sampled_token_ids.get(s.req_id)
+                if not tokens or not request.num_pending:
+                    raise ValueError(f"update_from_output: no sampled token for request {s.req_id!r}"
+                                     if not tokens else f"request {s.req_id!r} has no pending token to confirm")
+                i = request.num_output_tokens - request.num_pending
+                request.output_token_ids[i] = tokens[0]
+                request.num_pending -= 1
+                reason = request.stop_reason(tokens[0], self.config.max_model_len, i + 1)
+                if reason is not None:
+                    finished.append(self.finish_request(request.request_id, reason))
+                    continue
+            if request.status is RequestStatus.RUNNING:
                 self.block_manager.commit(request)
         return finished
 

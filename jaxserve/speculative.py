@@ -55,5 +55,4 @@ def accepted(proposed: Sequence[int], sampled: Sequence[int]) -> int:
 
 def speculates(params) -> bool:
     """Whether a request's sampling parameters allow proposals (see the module docstring)."""
-    return (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.structured_outputs is None)
+    return not params.penalized and params.structured_outputs is None

@@ -31,14 +31,14 @@ def llm(default_loaded):
 
 
 def _run(engine, ids=None):
-    """Steps until every request finishes; returns {request_id: final output} and the number of steps."""
-    done, steps = {}, 0
+    """Steps until every request finishes; returns {request_id: final output} and the number of device steps run
+    (with async scheduling the last ``step()`` only reads the last device step's results)."""
+    done, steps = {}, engine.runner.num_steps
     while engine.has_unfinished_requests():
-        steps += 1
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    return done, steps
+    return done, engine.runner.num_steps - steps
 
 
 def _idle(engine):
@@ -220,17 +220,17 @@ def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
     engine.add_requests([(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[:2])])
     engine.step()  # r0 and r1 are running
     engine.add_requests([(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[2:], 2)])
-    real = engine.runner.execute
+    real = engine.runner.launch
 
     def broken(sched, token_masks=None):
         raise RuntimeError("device fault")
 
-    monkeypatch.setattr(engine.runner, "execute", broken)
+    monkeypatch.setattr(engine.runner, "launch", broken)
     with pytest.raises(StepFailed, match="device fault") as err:
         engine.step()  # holds r0, r1 (decoding) and r2, r3 (admitted this step)
     assert err.value.request_ids == ["r0", "r1", "r2", "r3"] and err.value.outputs == []
     assert isinstance(err.value.__cause__, RuntimeError) and _idle(engine)
-    monkeypatch.setattr(engine.runner, "execute", real)
+    monkeypatch.setattr(engine.runner, "launch", real)
     # A host-side failure of one request: the others' outputs of the step come with the exception.
     engine.add_requests([(f"q{i}", p, GREEDY) for i, p in enumerate(prompts)])
     real_append = engine._append
@@ -242,7 +242,8 @@ def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
 
     monkeypatch.setattr(engine, "_append", append)
     with pytest.raises(StepFailed) as err:
-        engine.step()
+        for _ in range(2):  # with async scheduling the first step() only launches the prefill
+            engine.step()
     assert err.value.request_ids == ["q1"] and sorted(o.request_id for o in err.value.outputs) == ["q0", "q2", "q3"]
     monkeypatch.setattr(engine, "_append", real_append)
     done, _ = _run(engine)

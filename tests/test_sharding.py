@@ -184,6 +184,7 @@ def test_data_parallel_replicas_equal_one_device(tiny, tiny_reference):
 
 def test_data_parallel_steady_state_does_not_recompile(tiny):
     llm = LLM(tiny, data_parallel_size=2, **ENGINE)
+    assert all(r.runner.token_buckets[0] == 8 for r in llm.engine.replicas)  # one-token buckets: one engine only
     llm.engine.warmup()
     before = llm.engine.get_stats()["num_compilations"]
     _generate(llm, _prompts(8, seed=2))
