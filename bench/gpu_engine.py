@@ -12,7 +12,8 @@ Runs, each engine in this process one after the other:
   2. throughput: 64 requests, prompts 64-512 tokens, 128 output tokens each, greedy, ignore_eos, bf16, per
      attention impl: run once to compile the shapes it meets, then timed; output tok/s, steps, the split of
      step time between host packing, device (dispatch to results on the host) and the rest of the host loop.
-  3. one stream: 4 requests one at a time, plain vs n-gram speculation (k=3), tok/s and ms per step.
+     The first impl runs again with async_scheduling=False (steps one after the other) for the host's share;
+  3. one stream: 4 requests one at a time, plain (async and sync) vs n-gram speculation (k=3), tok/s, ms/step.
 A table is printed last. Every engine here is the sharded path at TP 1: one SPMD program over a one-GPU mesh,
 weights placed by their logical axes, the kernels under shard_map, the logits gathered before sampling.
 
@@ -105,8 +106,10 @@ def agreement(loaded, impls: list[str]) -> None:
     jax.config.update("jax_default_matmul_precision", None)
 
 
-def throughput(loaded, impl: str, n: int, out_len: int) -> None:
+def throughput(loaded, impl: str, n: int, out_len: int, async_scheduling: bool = True) -> None:
     from jaxserve import LLM, SamplingParams
+
+    mode = "async" if async_scheduling else "sync"
 
     prompts = workload(n, 64, 512, loaded.config.vocab_size, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
@@ -114,7 +117,7 @@ def throughput(loaded, impl: str, n: int, out_len: int) -> None:
         t = time.perf_counter()
         llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=n * 48 + 1, max_num_seqs=n,
                   max_num_batched_tokens=512, max_model_len=768, compilation_cache=False,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, async_scheduling=async_scheduling)
         llm.generate(prompts, params, use_tqdm=False)  # compiles the shapes this workload meets
         first = time.perf_counter() - t
         runner = llm.engine.runner
@@ -125,23 +128,25 @@ def throughput(loaded, impl: str, n: int, out_len: int) -> None:
         e = time.perf_counter() - t
         assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
     except Exception as ex:  # noqa: BLE001
-        log(f"throughput {impl}: ERROR {type(ex).__name__}: {str(ex)[:1500]}")
-        ROWS.append(f"| throughput bf16 | {impl} | ERROR {type(ex).__name__} | |")
+        log(f"throughput {impl} {mode}: ERROR {type(ex).__name__}: {str(ex)[:1500]}")
+        ROWS.append(f"| throughput bf16 {mode} | {impl} | ERROR {type(ex).__name__} | |")
         return
     n_in, n_out = sum(map(len, prompts)), n * out_len
     steps = runner.num_steps
     other = e - runner.device_seconds - runner.pack_seconds
-    log(f"throughput {impl}: {e:.2f}s, {n_out / e:.0f} output tok/s, {(n_in + n_out) / e:.0f} total tok/s; "
+    # Async: "device" spans launch to results, overlapping the host's work on the next step.
+    log(f"throughput {impl} {mode}: {e:.2f}s, {n_out / e:.0f} output tok/s, {(n_in + n_out) / e:.0f} total tok/s; "
         f"{steps} steps, {1e3 * e / steps:.2f} ms/step: device {1e3 * runner.device_seconds / steps:.2f}, "
         f"packing {1e3 * runner.pack_seconds / steps:.2f}, other host {1e3 * other / steps:.2f}; first run "
         f"(with compiles) {first:.0f}s, {compiled} step variants, {runner.num_compilations - compiled} recompiles")
-    ROWS.append(f"| throughput bf16 | {impl} | {n_out / e:.0f} out tok/s, {(n_in + n_out) / e:.0f} total tok/s | "
+    ROWS.append(f"| throughput bf16 {mode} | {impl} | {n_out / e:.0f} out tok/s, {(n_in + n_out) / e:.0f} total tok/s | "
                 f"{1e3 * e / steps:.2f} ms/step (device {1e3 * runner.device_seconds / steps:.2f}, packing "
                 f"{1e3 * runner.pack_seconds / steps:.2f}) |")
 
 
 def single_stream(loaded, impl: str, out_len: int, k: int = 3) -> None:
-    """One request at a time, plain vs n-gram speculation (k proposals), bf16. Random prompts and weights give few
+    """One request at a time: plain decoding with and without async scheduling, and n-gram speculation (k
+    proposals; synchronous), bf16. Random prompts and weights give few
     proposals and fewer right ones: this measures what speculation costs per step where it does not pay (the
     host's proposal search, the wider sampler), not a real workload's gain (bench/speculative.py, real model)."""
     from jaxserve import LLM, SamplingParams
@@ -149,11 +154,12 @@ def single_stream(loaded, impl: str, out_len: int, k: int = 3) -> None:
     prompts = workload(4, 64, 256, loaded.config.vocab_size, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     rates = {}
-    for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k})):
+    for name, spec, overlap in (("plain", None, True), ("plain sync", None, False),
+                                ("ngram", {"method": "ngram", "num_speculative_tokens": k}, False)):
         try:
             llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=256, max_num_seqs=4,
                       max_num_batched_tokens=512, max_model_len=768, compilation_cache=False,
-                      speculative_config=spec)
+                      speculative_config=spec, async_scheduling=overlap)
             llm.generate(prompts[:1], params, use_tqdm=False)  # compiles
             before = llm.engine.get_stats()
             t = time.perf_counter()
@@ -173,7 +179,8 @@ def single_stream(loaded, impl: str, out_len: int, k: int = 3) -> None:
             f"accepted {accepted}/{drafted}")
         ROWS.append(f"| one stream bf16 {name} | {impl} | {rates[name]:.0f} tok/s, accepted {accepted}/{drafted} | "
                     f"{1e3 * e / steps:.2f} ms/step |")
-    log(f"single stream {impl}: ngram / plain {rates['ngram'] / rates['plain']:.2f}x")
+    log(f"single stream {impl}: ngram / plain {rates['ngram'] / rates['plain']:.2f}x, async / sync "
+        f"{rates['plain'] / rates['plain sync']:.2f}x")
 
 
 def main() -> int:
@@ -206,6 +213,8 @@ def main() -> int:
             ROWS.append(f"| throughput bf16 | {impl} | skipped (time budget) | |")
             continue
         throughput(loaded, impl, a.num_requests, a.output_len)
+        if impl == impls[0] and time.perf_counter() - t0 < a.time_budget:
+            throughput(loaded, impl, a.num_requests, a.output_len, async_scheduling=False)
     if not a.skip_single_stream and time.perf_counter() - t0 < a.time_budget:
         single_stream(loaded, impls[0], a.output_len)
     log(f"\n{loaded.name}; {a.num_requests} requests, prompts 64-512, {a.output_len} out, "

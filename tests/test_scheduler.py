@@ -5,6 +5,8 @@ The fake runner keeps a host-side page pool whose slot values chain from the pre
 page or missing copy changes the sampled tokens and shows up against ``reference``.
 """
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from helpers import SP
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
-from jaxserve.request import Request, RequestStatus
+from jaxserve.request import PENDING_TOKEN, Request, RequestStatus
 from jaxserve.scheduler import Scheduler
 
 
@@ -367,3 +369,94 @@ def test_random_operations_never_leak_or_lose(ops, policy, caching, page_size, s
             assert r.output_token_ids == expected[: r.num_output_tokens], r  # nothing wrong so far
         else:
             assert (r.output_token_ids, r.finish_reason) == (expected, reason), r  # nothing lost
+
+
+# ---------------------------------------------------------------- async scheduling
+
+
+class AsyncFakeRunner(FakeRunner):
+    """The fake runner under async scheduling: a scheduled PENDING_TOKEN is the token it sampled last for that
+    request (the real runner reads it on the device), which it knows and the scheduler does not yet."""
+
+    def __call__(self, out):
+        self._update(out)
+        fed = []
+        for s in out.scheduled:
+            if PENDING_TOKEN in s.token_ids:
+                assert s.token_ids == [PENDING_TOKEN], "only a decode's one token can be pending"
+                fed.append(dataclasses.replace(s, token_ids=[self.tokens[s.req_id][s.start_pos]]))
+            else:
+                fed.append(s)
+        self._update = lambda _: None  # already applied
+        try:
+            return super().__call__(dataclasses.replace(out, scheduled=fed))
+        finally:
+            del self._update
+
+
+def run_async(sched, runner, max_steps=10_000):
+    """Each step scheduled before the previous one's tokens reach the scheduler, as the engine does."""
+    finished, in_flight = {}, None
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests() and in_flight is None:
+            return finished
+        out = sched.schedule()
+        assert len(out.scheduled) <= sched.config.max_num_seqs
+        launched = (out, runner(out))  # the runner always hears of finished and preempted requests
+        launched = launched if out.scheduled else None
+        if in_flight is not None:
+            finished.update((r.request_id, r) for r in sched.update_from_output(*in_flight))
+        in_flight = launched
+        sched.block_manager.check_invariants()
+    raise AssertionError("requests did not finish")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=10),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+    page_size=st.sampled_from([1, 2, 4]),
+    spare_pages=st.integers(0, 20),
+    budget=st.integers(1, 40),
+    max_seqs=st.integers(1, 5),
+)
+def test_async_scheduling_generates_what_sync_does(lengths, policy, caching, page_size, spare_pages, budget,
+                                                    max_seqs):
+    """Against ``reference`` (the chain without pages): every request's tokens and finish reason, with stops
+    (EOS 5 in a vocabulary of 12, min_tokens), preemption in small pools, shared prefixes; all pages freed."""
+    max_len, vocab, eos = 48, 12, (5,)
+    sched, runner = make(
+        num_pages=1 + -(-max_len // page_size) + spare_pages, page_size=page_size, caching=caching, policy=policy,
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len, async_scheduling=True)
+    runner = AsyncFakeRunner(sched.block_manager, vocab)
+    reqs = [Request(f"r{i}", prompt(n, 7 * (i % 2)), SP(max_tokens, min_tokens=m, seed=i), eos, priority=i % 3)
+            for i, (n, max_tokens, m) in enumerate(lengths)]
+    for r in reqs:
+        sched.add_request(r)
+    done = run_async(sched, runner)
+    bm = sched.block_manager
+    assert bm.num_free_pages == bm.num_usable_pages and not bm.page_tables and not sched.requests
+    for r in reqs:
+        assert done[r.request_id] is r and r.num_pending == 0
+        assert (r.output_token_ids, r.finish_reason) == reference(r, max_len, vocab), r
+
+
+def test_async_scheduling_pending_token_then_stop():
+    """A stop confirmed one step late: the token the next step computed is dropped, never kept."""
+    sched, runner = make(async_scheduling=True)
+    runner = AsyncFakeRunner(sched.block_manager)
+    r = Request("a", prompt(6), SP(max_tokens=50, seed=1), eos_token_ids=())
+    sched.add_request(r)
+    first = sched.schedule()
+    assert r.output_token_ids == [PENDING_TOKEN] and r.num_computed_tokens == 6
+    first_tokens = runner(first)
+    second = sched.schedule()  # before the first step's token is known
+    assert [s.token_ids for s in second.scheduled] == [[PENDING_TOKEN]] and r.num_pending == 2
+    second_tokens = runner(second)
+    # The first token is a stop token for this request: it finishes, and the second step's token is dropped.
+    r.sampling_params = SP(max_tokens=50, seed=1, stop_token_ids=first_tokens["a"])
+    assert sched.update_from_output(first, first_tokens) == [r]
+    assert r.output_token_ids == first_tokens["a"] and r.finish_reason == "stop" and r.num_pending == 0
+    assert sched.update_from_output(second, second_tokens) == [] and r.output_token_ids == first_tokens["a"]
+    assert sched.block_manager.num_free_pages == sched.block_manager.num_usable_pages
