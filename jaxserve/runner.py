@@ -252,12 +252,13 @@ class ModelRunner:
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
         # From 1 row on one CPU device (a one-request decode step costs its rows there: SmolLM2's dense part 15.3 ms
         # at 1 row against 19.4 at 8, so one request decodes ~1.45x faster), else from 8: matrix units pad rows to 8
-        # anyway. Data-parallel replicas start at 8 too: with buckets from 1 the whole test suite's data-parallel
-        # warm-up crashed inside XLA:CPU (a segfault compiling, once an abort reading the compilation cache), three
-        # times out of three, though that test passes alone.
+        # anyway, and data-parallel replicas, which compile every variant once per replica.
+        # Only 1, not 2 and 4: each compiled step holds ~350 memory mappings on XLA:CPU (one object per kernel),
+        # and a process may have 65,530 (vm.max_map_count).
         if one_token_buckets is None:
             one_token_buckets = on_cpu and self.mesh.size == 1
-        self.token_buckets = _buckets(1 if one_token_buckets else 8, sched_cfg.max_num_batched_tokens)
+        buckets = set(_buckets(8, sched_cfg.max_num_batched_tokens))
+        self.token_buckets = sorted(buckets | {1} if one_token_buckets else buckets)
         self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
         # The last step's sampled tokens, kept on the device at a fixed width (every bucket samples at most this

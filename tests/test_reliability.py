@@ -335,3 +335,22 @@ def test_engine_pool_from_kv_cache_memory(default_loaded):
     assert llm.engine.scheduler.block_manager.num_pages == runner.num_pages
     out = llm.generate(["Hello"], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 6
+
+
+def test_a_dropped_engine_is_freed_before_the_next_one_is_built(default_loaded):
+    """Engines hold reference cycles; their compiled steps hold memory mappings (a process may have 65,530). A new
+    engine runs the cycle collector first, so dropped ones do not pile up (notebooks, test suites)."""
+    import gc
+    import weakref
+
+    gc.disable()  # only the engine's own collection can free it
+    try:
+        first = LLM(default_loaded, max_num_seqs=2, num_pages=16, max_model_len=128)
+        first.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # compiled steps: closures, cycles
+        gone = weakref.ref(first.engine.runner)  # its compiled steps close over it
+        del first
+        assert gone() is not None  # cycles: not freed by reference counting alone
+        LLM(default_loaded, max_num_seqs=2, num_pages=16, max_model_len=128)
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -422,16 +422,16 @@ def test_64_prompt_request_takes_the_steps_of_64_requests(served, monkeypatch):
 
 def test_failed_device_step_fails_its_request_frees_its_pages_and_serving_goes_on(served, monkeypatch):
     runner = served.state.engine.engine.runner
-    execute = runner.execute
+    launch = runner.launch
     calls = {"n": 0}
 
     def faulty(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected device fault")
-        return execute(*args, **kwargs)
+        return launch(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", faulty)
+    monkeypatch.setattr(runner, "launch", faulty)
     body = {"model": served.model, "prompt": "Tell me about the sea.", "max_tokens": 4, "temperature": 0}
     r = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
     err = r.json()["error"]
