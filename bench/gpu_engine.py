@@ -139,8 +139,8 @@ def throughput(loaded, impl: str, n: int, out_len: int, async_scheduling: bool =
         f"{steps} steps, {1e3 * e / steps:.2f} ms/step: device {1e3 * runner.device_seconds / steps:.2f}, "
         f"packing {1e3 * runner.pack_seconds / steps:.2f}, other host {1e3 * other / steps:.2f}; first run "
         f"(with compiles) {first:.0f}s, {compiled} step variants, {runner.num_compilations - compiled} recompiles")
-    ROWS.append(f"| throughput bf16 {mode} | {impl} | {n_out / e:.0f} out tok/s, {(n_in + n_out) / e:.0f} total tok/s | "
-                f"{1e3 * e / steps:.2f} ms/step (device {1e3 * runner.device_seconds / steps:.2f}, packing "
+    ROWS.append(f"| throughput bf16 {mode} | {impl} | {n_out / e:.0f} out tok/s, {(n_in + n_out) / e:.0f} total "
+                f"tok/s | {1e3 * e / steps:.2f} ms/step (device {1e3 * runner.device_seconds / steps:.2f}, packing "
                 f"{1e3 * runner.pack_seconds / steps:.2f}) |")
 
 
