@@ -134,10 +134,12 @@ def test_no_token_past_the_end_reaches_a_user(runs):
 
 def test_async_scheduling_overlaps_and_switches_off(default_loaded):
     """Steps launch before the previous step's results are read (the runner holds a step in flight between
-    ``step()`` calls); speculative decoding turns it off, and so does the flag."""
-    llm = LLM(default_loaded, max_num_seqs=4, max_model_len=256, num_pages=32)
+    ``step()`` calls); on by default on GPUs and TPUs, off on the CPU and with speculative decoding."""
+    default = LLM(default_loaded, max_num_seqs=4, max_model_len=256, num_pages=32)
+    assert not default.engine.scheduler_config.async_scheduling  # off by default on the CPU, where it does not win
+    llm = LLM(default_loaded, max_num_seqs=4, max_model_len=256, num_pages=32, async_scheduling=True)
     engine = llm.engine
-    assert engine.scheduler_config.async_scheduling  # the default
+    assert engine.scheduler_config.async_scheduling
     engine.add_request("a", "Name a color.", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert engine.step() == []  # the first step is launched; its token is read during the next step()
     assert engine.replicas[0].in_flight is not None
@@ -148,8 +150,11 @@ def test_async_scheduling_overlaps_and_switches_off(default_loaded):
     while engine.has_unfinished_requests():
         outs = engine.step()
     assert len(outs[0].outputs[0].token_ids) == 8 and engine.replicas[0].in_flight is None
-    spec = LLM(default_loaded, max_num_seqs=4, max_model_len=256, num_pages=32,
+    spec = LLM(default_loaded, max_num_seqs=4, max_model_len=256, num_pages=32, async_scheduling=True,
                speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert not spec.engine.scheduler_config.async_scheduling
-    off = LLM(default_loaded, max_num_seqs=4, max_model_len=256, num_pages=32, async_scheduling=False)
-    assert not off.engine.scheduler_config.async_scheduling
+    from jaxserve.config import EngineConfig
+
+    assert EngineConfig().scheduler_config(256, "gpu").async_scheduling  # on by default on GPUs and TPUs
+    assert EngineConfig().scheduler_config(256, "tpu").async_scheduling
+    assert not EngineConfig(async_scheduling=False).scheduler_config(256, "gpu").async_scheduling
