@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import numbers
 import os
 import random
@@ -35,6 +36,8 @@ from jaxserve.sharding import check_parallelism, checkpoint_shardings, kv_heads_
 from jaxserve.structured import Matcher, StructuredOutputs
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
@@ -44,6 +47,25 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def warn_memory_maps(share: float = 0.7) -> int | None:
+    """Warns when this process holds more than ``share`` of the memory mappings Linux allows it: XLA:CPU keeps ~350
+    per compiled step, and past ``vm.max_map_count`` (65,530 by default) compiling or loading one more crashes the
+    process. Returns the mappings in use (None where /proc does not say)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    if used > share * limit:
+        logger.warning("this process holds %d of the %d memory mappings Linux allows it (vm.max_map_count); each "
+                       "compiled step takes ~350 on the CPU, and one past the limit crashes the process: build fewer "
+                       "engines or replicas in one process, or raise it (sysctl -w vm.max_map_count=262144)", used,
+                       limit)
+    return used
 
 
 def device_memory() -> int | None:
@@ -246,7 +268,9 @@ class LLMEngine:
         Returns:
             The number of step variants traced (those found in the persistent compilation cache count too).
         """
-        return sum(r.runner.warmup() for r in self.replicas)
+        n = sum(r.runner.warmup() for r in self.replicas)
+        warn_memory_maps()
+        return n
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -354,3 +354,19 @@ def test_a_dropped_engine_is_freed_before_the_next_one_is_built(default_loaded):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_memory_maps_near_the_limit_warn(caplog):
+    """Past vm.max_map_count a compile crashes the process (XLA:CPU keeps ~350 mappings per compiled step): the
+    engine warns after warm-up when the process holds most of them."""
+    from jaxserve.engine import warn_memory_maps
+
+    used = warn_memory_maps()
+    assert used is not None and used > 100  # this process maps its libraries at least
+    with caplog.at_level("WARNING", logger="jaxserve.engine"):
+        warn_memory_maps(share=0.0)  # any use is over a share of 0
+    assert any("vm.max_map_count" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxserve.engine"):
+        warn_memory_maps(share=1.0)
+    assert not caplog.records
