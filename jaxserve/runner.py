@@ -44,9 +44,9 @@ from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.kernels import cpu_ffi
 from jaxserve.models.llama import OUTPUT_AXES, AttentionBatch, Llama, ParamSpec, model_from_params, param_schema
+from jaxserve.request import PENDING_TOKEN
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.request import PENDING_TOKEN
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import (KV_POOL_SPEC, KV_SCALES_SPEC, VOCAB_SPEC, fit_sharding, kv_heads_for, make_mesh,
                                param_shardings, replicate_kv_heads, shard_kernels)
@@ -136,7 +136,6 @@ class InFlight:
 
     sched: SchedulerOutput
     reqs: list[_CachedRequest]
-    rows: list[tuple[int, int]]  # (sequence index, index among its sampled positions) of each sampled row
     want_plp: list[bool]
     next_tokens: np.ndarray
     decode_only: bool
@@ -167,8 +166,8 @@ class ModelRunner:
             running them (``jaxserve.aot``; then ``params`` may be ``jax.ShapeDtypeStruct``s).
         quantization: None, or "int8" / "int4" / "w8a8" / "fp8" to quantize the float weights on their devices,
             or "gguf" for weights that came quantized (``jaxserve.quant``).
-        one_token_buckets: token buckets from 1 instead of 8 (default: on the CPU, when the mesh is one device);
-            the engine turns them off for data-parallel replicas.
+        one_token_buckets: a token bucket of 1 besides those from 8 (default: on the CPU, when the mesh is one
+            device); the engine turns it off for data-parallel replicas.
 
     Raises:
         ValueError: a quantization the backend cannot run, or a KV pool that does not fit the memory.
@@ -566,7 +565,7 @@ class ModelRunner:
             if j == 0 and sched.scheduled[i].sample:
                 reqs[i].pending += 1
                 self._fed_rows[sched.scheduled[i].req_id] = k
-        return InFlight(sched, reqs, rows, want_plp, next_tokens, decode_only, out,
+        return InFlight(sched, reqs, want_plp, next_tokens, decode_only, out,
                         plp if any(want_plp) else None, t1)
 
     def collect(self, flight: InFlight | None) -> RunnerOutput:
