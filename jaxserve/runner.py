@@ -396,7 +396,7 @@ class ModelRunner:
             return self._steps[key]
         attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only, self.platform), self.mesh)
         graphdef, gathered = self.graphdef, self.replicated
-        rows_fn = self._bf16_rows_fn()
+        rows_fn = self._rows_fn()
 
         def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
             per_shard = jax.lax.with_sharding_constraint(model.logits(hidden, mm, rows_fn),
@@ -422,12 +422,12 @@ class ModelRunner:
         self._steps[key] = fn
         return fn
 
-    def _bf16_rows_fn(self):
-        """The C++ product for steps of fewer than 8 rows on bfloat16 matmul weights (XLA:CPU's own is ~15x slower
-        than float32 there, so without it such steps keep the float32 weights): on one CPU device, when built."""
-        ok = (self.matmul_weights is not None and (self.platform or jax.default_backend()) == "cpu"
-              and self.mesh.size == 1 and cpu_ffi.available())
-        return cpu_ffi.matmul_bf16_rows if ok else None
+    def _rows_fn(self):
+        """The C++ products for steps of fewer than 8 rows on bfloat16 matmul weights (XLA:CPU's own is ~15x slower
+        than float32 there, so without it such steps keep the float32 weights) and on quantized weights (read
+        packed, never dequantized to a float copy): on one CPU device, when built. Float32 weights stay with XLA."""
+        ok = ((self.platform or jax.default_backend()) == "cpu" and self.mesh.size == 1 and cpu_ffi.available())
+        return cpu_ffi.ROWS if ok else None
 
     # ------------------------------------------------------------------ packing
     def update_states(self, sched: SchedulerOutput) -> None:

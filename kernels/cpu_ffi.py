@@ -6,8 +6,11 @@ contract of ``reference.ragged_paged_attention_ref``; ``ragged_paged_attention_x
 the CPU when the caches are float32, bfloat16 or fp8 arrays, or ``Int8Pages`` (int8 values and one float32 scale per
 token and KV head: a second target that also takes the scales). ``write_kv`` writes new K/V rows into the pool in
 place (into an ``Int8Pages`` pool: the rows quantized with ``quantize_rows``, values and scales each in place).
-``matmul_bf16_rows`` is the one product that is not attention: a few float32 rows times bfloat16 weights
-(``matmul_dtype="bfloat16"`` steps of fewer than 8 tokens, where XLA:CPU's own product is pathologically slow).
+Two products that are not attention take a few float32 rows (steps of fewer than 8 tokens: one request
+decoding) and read a layer's matrix in place in its stack (``layer``), where XLA would copy the scan's slice of it
+first: ``matmul_bf16_rows`` by bfloat16 weights (``matmul_dtype="bfloat16"``; XLA:CPU's own product is
+pathologically slow there) and ``matmul_quant_rows`` by quantized ones (``jaxserve.quant.QArray``: int8 and 4-bit
+values widened in registers, never dequantized to a float copy). ``ROWS`` is both, as the model's ``RowsFn``.
 
 The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
 ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
@@ -41,6 +44,7 @@ TARGET = "jaxserve_paged_attention"
 INT8_TARGET = "jaxserve_paged_attention_int8"
 WRITE_TARGET = "jaxserve_write_kv"
 MATMUL_TARGET = "jaxserve_matmul_bf16_rows"
+QUANT_TARGET = "jaxserve_matmul_quant_rows"
 MATMUL_MAX_ROWS = 8  # the C++ product's limit (kMaxRows)
 # What the C++ attention reads as plain arrays: float32, bfloat16, and fp8 pools (stored without scales).
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) + FP8_DTYPES
@@ -116,6 +120,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttentionInt8), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKV), platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulBf16Rows), platform="cpu")
+        jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulQuantRows), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
         warnings.warn(f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
@@ -205,18 +210,74 @@ def _write_rows(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple[ja
                 new_v.astype(v_cache.dtype), jnp.asarray(slot_mapping, jnp.int32))
 
 
-def matmul_bf16_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+def _layer(layer) -> jax.Array:
+    return jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+
+def matmul_bf16_rows(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     """x [M, K] (M <= 8) times a bfloat16 matrix w [K, N] (or [K, N / 2] uint32 pairs of bfloat16, as
-    ``models.llama.pack_bf16`` stores it) -> [M, N] float32, accumulated in float32 (C++: XLA:CPU's own bfloat16
-    products with fewer than 8 rows read the weights at a fifteenth of the float32 rate)."""
+    ``models.llama.pack_bf16`` stores it), or times matrix ``layer`` of a stack [L, K, N] -> [M, N] float32,
+    accumulated in float32 (C++: XLA:CPU's own bfloat16 products with fewer than 8 rows read the weights at a
+    fifteenth of the float32 rate)."""
     if not _load():
         raise RuntimeError(f"the C++ bfloat16 product is unavailable: {_error}")
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or x.shape[0] > MATMUL_MAX_ROWS:
-        raise ValueError(f"matmul_bf16_rows: x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N], got {x.shape} and "
-                         f"{w.shape}")
+    if x.ndim != 2 or w.ndim not in (2, 3) or x.shape[1] != w.shape[-2] or x.shape[0] > MATMUL_MAX_ROWS:
+        raise ValueError(f"matmul_bf16_rows: x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N] or [L, K, N], got "
+                         f"{x.shape} and {w.shape}")
     if w.dtype not in (jnp.bfloat16, jnp.uint32):
         raise ValueError(f"matmul_bf16_rows: w must be bfloat16 or uint32 pairs of it, got {w.dtype}")
-    n = w.shape[1] * (2 if w.dtype == jnp.uint32 else 1)
+    n = w.shape[-1] * (2 if w.dtype == jnp.uint32 else 1)
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x.astype(jnp.float32), w)
+    return call(x.astype(jnp.float32), w, _layer(layer))
+
+
+def quant_rows_serves(w) -> bool:
+    """Whether ``matmul_quant_rows`` takes this ``QArray``: int8 or 4-bit values, float32 or float16 scales, not
+    W8A8 (whose products quantize their activations); the transposed [V, D] embedding needs groups of a multiple of
+    16 bytes."""
+    from jaxserve.quant import QArray
+
+    if not isinstance(w, QArray) or w.act_quant or w.scale.dtype not in (jnp.float32, jnp.float16):
+        return False
+    if (w.bits, w.q.dtype) not in ((8, jnp.int8), (4, jnp.uint8)) or w.q.ndim not in (2, 3):
+        return False
+    return w.axis == -2 or (w.axis == -1 and (w.group * w.bits // 8) % 16 == 0)
+
+
+def matmul_quant_rows(x: jax.Array, w, layer=None) -> jax.Array:
+    """x [M, K] (M <= 8) times a quantized weight (a ``jaxserve.quant.QArray``: [K, N] grouped along K, or the
+    [N, K] embedding grouped along K, which gives ``x @ W.T`` as ``quant.matmul`` does), or times matrix ``layer``
+    of a stack of them [L, ...] -> [M, N] float32. The values are widened to float32 in registers; per group,
+    ``scale * sum(x * q) + (zero - scale * offset) * sum(x)``, the dequantized weights' product up to float32
+    rounding."""
+    if not _load():
+        raise RuntimeError(f"the C++ quantized product is unavailable: {_error}")
+    if not quant_rows_serves(w):
+        raise ValueError(f"matmul_quant_rows: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales, "
+                         f"no activation quantization): {w!r:.200}")
+    k = w.shape[-1] if w.axis == -1 else w.shape[-2]
+    if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MATMUL_MAX_ROWS:
+        raise ValueError(f"matmul_quant_rows: x must be [M <= {MATMUL_MAX_ROWS}, {k}], got {x.shape}")
+    transposed = w.axis == -1
+    n = w.q.shape[-2] if transposed else w.q.shape[-1]
+    zero = w.zero if w.zero is not None else jnp.zeros((0,), w.scale.dtype)
+    call = jax.ffi.ffi_call(QUANT_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), w.q, w.scale, zero.astype(w.scale.dtype), _layer(layer), bits=np.int64(w.bits),
+                group=np.int64(w.group), offset=np.int64(w.offset), transposed=transposed)
+
+
+class RowsProduct:
+    """The model's ``RowsFn`` on one CPU device: steps of fewer than 8 rows on bfloat16 or quantized weights."""
+
+    @staticmethod
+    def serves(w) -> bool:
+        return quant_rows_serves(w) or (isinstance(w, jax.Array | np.ndarray | jax.ShapeDtypeStruct)
+                                        and w.dtype in (jnp.bfloat16, jnp.uint32))
+
+    def __call__(self, x: jax.Array, w, layer=None) -> jax.Array:
+        return (matmul_quant_rows if quant_rows_serves(w) else matmul_bf16_rows)(x, w, layer)
+
+
+ROWS = RowsProduct()

@@ -31,6 +31,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -770,13 +774,58 @@ ffi::Error PagedAttentionInt8(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
                                     sm_scale, soft_cap, pool, out, k_scales.typed_data(), v_scales.typed_data());
 }
 
-// A product of a few float32 rows by a bfloat16 matrix: out [M, N] = x [M, K] . w [K, N] (w row-major, as bfloat16
-// or as uint32 pairs of it, which is the same memory), float32 accumulation, M <= kMaxRows. XLA:CPU's own products on
-// bfloat16 weights are pathological below 8 rows (a [1, 576] x [576, 3072] product reads its weights at ~2 GB/s,
-// against ~30 for float32 weights); this one reads each weight once. Columns are cut into chunks claimed by the
-// calling thread and helpers on XLA's pool; a chunk runs down all K rows once per strip of B x 16 columns, the
-// strip's M x B accumulators in registers.
-constexpr int64_t kMaxRows = 8, kChunk = 512;
+// Products of a few float32 rows (M <= kMaxRows: one step's decode tokens) by a weight matrix, float32
+// accumulation, for the layer scan's matrices read in place: w is one matrix [K, N] or a stack of them [L, K, N] and
+// the call takes the layer's index, so no per-layer slice is copied out of the stack first (a custom call's operand
+// is a whole buffer: scan's dynamic slice of its weights copied each layer's matrix, every step).
+// - MatmulBf16Rows: bfloat16 weights (or uint32 pairs of them, the same memory). XLA:CPU's own products on bfloat16
+//   weights are pathological below 8 rows (a [1, 576] x [576, 3072] product reads its weights at ~2 GB/s, against
+//   ~30 for float32 weights); this one reads each weight once.
+// - MatmulQuantRows: quantized weights (jaxserve.quant.QArray): int8 or 4-bit values packed two per byte along K
+//   (k = 2i in the low nibble of byte i, 2i + 1 in the high one), a float16 / float32 scale per group of ``group``
+//   values along K, an optional additive zero, an ``offset`` subtracted from the values. w = (q - offset) * s + z,
+//   and per group sum_k x_k w_k = s * sum_k x_k q_k + (z - s * offset) * sum_k x_k: the values are widened to float32
+//   in registers and never written out, the scales applied once per group. Either layout: [K', N] (the layers'
+//   [in, out] matrices, grouped along rows) or transposed [N, K'] (the [V, D] embedding as the tied output
+//   projection, grouped along each row).
+// Work is cut into chunks of output columns claimed by the calling thread and helpers on XLA's pool; a [K, N] chunk
+// runs down all K rows once per strip of B x 16 columns, the strip's M x B accumulators in registers.
+constexpr int64_t kMaxRows = 8;
+// Rows ahead to prefetch in a [K, N] matrix: a strip reads one or two cache lines per row, a row apart, which the
+// hardware prefetchers do not follow (measured on the whole model's matrices: int8 8.0 -> 6.5 ms per one-row step).
+constexpr int64_t kQAhead = 16;
+
+// Claims chunks [0, chunks) on the calling thread and up to ``helpers`` of XLA's pool threads; returns when done.
+template <typename Fn>
+void RunChunks(ffi::ThreadPool& pool, int64_t chunks, int64_t helpers, Fn run) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto claim = [=](Shared& st) {
+    for (int64_t c = st.next.fetch_add(1); c < chunks; c = st.next.fetch_add(1)) {
+      run(c);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, helpers));
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared, claim]() { claim(*shared); });
+  claim(*shared);
+  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+// The matrix ``layer`` of w [K, N] or [L, K, N] (any rank >= 2: the leading dimensions are the stack): its offset
+// in elements, and its two dimensions. Returns false for a bad rank or layer.
+bool LayerOf(ffi::Span<const int64_t> d, int64_t layer, int64_t* offset, int64_t* rows, int64_t* cols) {
+  if (d.size() < 2) return false;
+  int64_t stack = 1;
+  for (size_t i = 0; i + 2 < d.size(); ++i) stack *= d[i];
+  if (layer < 0 || layer >= stack) return false;
+  *rows = d[d.size() - 2];
+  *cols = d[d.size() - 1];
+  *offset = layer * *rows * *cols;
+  return true;
+}
 
 template <int M, int B>
 void RowsTimesBf16(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
@@ -785,6 +834,7 @@ void RowsTimesBf16(const float* x, const uint16_t* w, int64_t K, int64_t N, int6
     V16 acc[M][B] = {};
     for (int64_t k = 0; k < K; ++k) {
       const uint16_t* row = w + k * N + j;
+      for (int b = 0; b < B; b += 2) __builtin_prefetch(row + kQAhead * N + b * kWide, 0, 1);  // 64 bytes: 2 x 16
       V16 wv[B];
       for (int b = 0; b < B; ++b) wv[b] = LoadKV16(row + b * kWide);
       for (int m = 0; m < M; ++m) {
@@ -812,42 +862,329 @@ void RowsTimesBf16(const float* x, const uint16_t* w, int64_t K, int64_t N, int6
   RowsTimesBf16<M, (M <= 4 ? 4 : 2)>(x, w, K, N, n0, n1, out);
 }
 
-ffi::Error MatmulBf16Rows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ThreadPool pool,
-                          ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error MatmulBf16Rows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                          ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
   const bool packed = w.element_type() == ffi::DataType::U32;
   if (!packed && w.element_type() != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("matmul_bf16_rows: w must be bfloat16 or uint32 pairs of bfloat16");
   }
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || xd[0] > kMaxRows) {
-    return ffi::Error::InvalidArgument("matmul_bf16_rows: x must be [M <= 8, K] and w [K, N]");
+  int64_t off, K, N;
+  if (!LayerOf(w.dimensions(), layer.typed_data()[0], &off, &K, &N) || xd.size() != 2 || xd[1] != K ||
+      xd[0] > kMaxRows) {
+    return ffi::Error::InvalidArgument("matmul_bf16_rows: x must be [M <= 8, K], w [K, N] or [L, K, N], layer < L");
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[1] * (packed ? 2 : 1);
+  const int64_t M = xd[0], pairs = packed ? 2 : 1;
   const float* xp = x.typed_data();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data()) + off * pairs;
+  N *= pairs;
   float* op = out->typed_data();
+  constexpr int64_t kChunk = 128;  // a 576-column layer still splits in 5 (chunks of 512 left one thread streaming)
   const int64_t chunks = M > 0 ? (N + kChunk - 1) / kChunk : 0;
   using Fn = void (*)(const float*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float*);
   constexpr Fn kFns[kMaxRows] = {RowsTimesBf16<1>, RowsTimesBf16<2>, RowsTimesBf16<3>, RowsTimesBf16<4>,
                                  RowsTimesBf16<5>, RowsTimesBf16<6>, RowsTimesBf16<7>, RowsTimesBf16<8>};
   const Fn fn = M > 0 ? kFns[M - 1] : nullptr;
-  auto run = [=](int64_t c) { fn(xp, wp, K, N, c * kChunk, std::min(N, (c + 1) * kChunk), op); };
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto claim = [=](Shared& st) {
-    for (int64_t c = st.next.fetch_add(1); c < chunks; c = st.next.fetch_add(1)) {
-      run(c);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, chunks / 4);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared, claim]() { claim(*shared); });
-  claim(*shared);
-  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  RunChunks(pool, chunks, chunks / 2, [=](int64_t c) { fn(xp, wp, K, N, c * kChunk, std::min(N, (c + 1) * kChunk), op); });
   return ffi::Error::Success();
+}
+
+// Quantized values, 16 at a time, widened to float32 in registers. 16 bytes of 4-bit pairs give the low nibbles
+// (even k) and the high ones (odd k). With AVX-512 through its intrinsics: GCC 12's vector conversions from bytes
+// (even one step at a time, as LoadKV16's) made the whole model's one-row products 1.35x slower.
+typedef uint8_t U8x16 __attribute__((vector_size(16), aligned(1)));
+typedef uint16_t U16x16u __attribute__((vector_size(32), aligned(1)));
+
+AJ_INLINE void LoadNibbles(const uint8_t* p, V16* lo, V16* hi) {
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  *lo = (V16)_mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+  *hi = (V16)_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+#else
+  U8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  const I32x16 w = __builtin_convertvector(__builtin_convertvector(b, U16x16u), I32x16);
+  *lo = __builtin_convertvector(w & 15, V16);
+  *hi = __builtin_convertvector(w >> 4, V16);
+#endif
+}
+
+AJ_INLINE V16 LoadInt8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (V16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return LoadKV16(p);
+#endif
+}
+
+// float16 scales as their raw bits (no compiler's _Float16 needed), widened exactly; 16 at a time by F16C's
+// conversion where the build has it.
+struct Half {
+  uint16_t bits;
+};
+
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  uint32_t w;
+  if (e == 0x1f) {
+    w = sign | 0x7f800000 | (m << 13);  // inf, NaN
+  } else if (e != 0) {
+    w = sign | ((e + 112) << 23) | (m << 13);
+  } else {  // zero, subnormal: m * 2^-24, exact in float32
+    const float f = std::ldexp(static_cast<float>(m), -24);
+    std::memcpy(&w, &f, sizeof(w));
+    w |= sign;
+  }
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+AJ_INLINE V16 LoadScale16(const Half* p) {
+#if defined(__AVX512F__)
+  return (V16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  V16 v;
+  for (int i = 0; i < kWide; ++i) v[i] = HalfToFloat(p[i].bits);
+  return v;
+#endif
+}
+
+AJ_INLINE V16 LoadScale16(const float* p) { return Load16(p); }
+AJ_INLINE float ScaleAt(const float* p, int64_t i) { return p[i]; }
+AJ_INLINE float ScaleAt(const Half* p, int64_t i) {
+#if defined(__F16C__)
+  return _cvtsh_ss(p[i].bits);  // one instruction: the transposed product reads a scale per row and group
+#else
+  return HalfToFloat(p[i].bits);
+#endif
+}
+
+AJ_INLINE float HSum(V16 v) {
+  float lanes[kWide];
+  std::memcpy(lanes, &v, sizeof(v));
+  for (int w = kWide / 2; w > 0; w /= 2) {
+    for (int i = 0; i < w; ++i) lanes[i] += lanes[i + w];
+  }
+  return lanes[0];
+}
+
+// One quantized matrix of a call: values (of this layer), scales and zeros (nullptr: none) [groups, N] or, transposed,
+// [N, groups]; x [M, K] and, per row and group, the sum of its x (``xsum`` [M, K / group], for zeros and offsets);
+// for 4-bit transposed matrices x's even and odd elements apart (``xe``, ``xo`` [M, K / 2]).
+template <typename S>
+struct QMat {
+  const void* q;
+  const S* scale;
+  const S* zero;
+  const float* x;
+  const float* xsum;
+  const float* xe;
+  const float* xo;
+  int64_t K, N, group, offset;
+  float* out;
+};
+
+// Per group: s * part + (z - s * offset) * xsum.
+template <typename S>
+AJ_INLINE V16 ZeroTerm(const QMat<S>& a, V16 s, int64_t at) {
+  V16 z = s * static_cast<float>(-a.offset);
+  if (a.zero) z += LoadScale16(a.zero + at);
+  return z;
+}
+
+// [K', N] layout, columns [n0, n1): strips of B x 16 columns.
+template <int M, int B, int Bits, typename S>
+void QRowsKN(const QMat<S>& a, int64_t n0, int64_t n1) {
+  const int64_t K = a.K, N = a.N, g = a.group, G = K / g;
+  const bool affine = a.zero != nullptr || a.offset != 0;
+  const float* x = a.x;
+  int64_t j = n0;
+  for (; j + B * kWide <= n1; j += B * kWide) {
+    V16 acc[M][B] = {};
+    for (int64_t gi = 0; gi < G; ++gi) {
+      V16 part[M][B] = {};
+      if constexpr (Bits == 4) {
+        for (int64_t i = gi * g / 2; i < (gi + 1) * g / 2; ++i) {  // byte row i: k = 2i and 2i + 1
+          const uint8_t* row = static_cast<const uint8_t*>(a.q) + i * N + j;
+          __builtin_prefetch(row + kQAhead * N, 0, 1);
+          V16 lo[B], hi[B];
+          for (int b = 0; b < B; ++b) LoadNibbles(row + b * kWide, &lo[b], &hi[b]);
+          for (int m = 0; m < M; ++m) {
+            const float x0 = x[m * K + 2 * i], x1 = x[m * K + 2 * i + 1];
+            for (int b = 0; b < B; ++b) {
+              part[m][b] += x0 * lo[b];  // two statements: two fused multiply-adds
+              part[m][b] += x1 * hi[b];
+            }
+          }
+        }
+      } else {
+        for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+          const int8_t* row = static_cast<const int8_t*>(a.q) + k * N + j;
+          __builtin_prefetch(row + kQAhead * N, 0, 1);
+          V16 v[B];
+          for (int b = 0; b < B; ++b) v[b] = LoadInt8(row + b * kWide);
+          for (int m = 0; m < M; ++m) {
+            const float x0 = x[m * K + k];
+            for (int b = 0; b < B; ++b) part[m][b] += x0 * v[b];
+          }
+        }
+      }
+      for (int b = 0; b < B; ++b) {
+        const int64_t at = gi * N + j + b * kWide;
+        const V16 s = LoadScale16(a.scale + at);
+        const V16 z = affine ? ZeroTerm(a, s, at) : V16{};
+        for (int m = 0; m < M; ++m) {
+          acc[m][b] += part[m][b] * s;
+          if (affine) acc[m][b] += z * a.xsum[m * G + gi];
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int b = 0; b < B; ++b) Store16(a.out + m * N + j + b * kWide, acc[m][b]);
+    }
+  }
+  for (; j < n1; ++j) {  // the last N % (B * 16) columns
+    float acc[M] = {};
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float part[M] = {};
+      for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+        float v;
+        if constexpr (Bits == 4) {
+          const uint8_t byte = static_cast<const uint8_t*>(a.q)[(k / 2) * N + j];
+          v = static_cast<float>(k % 2 ? byte >> 4 : byte & 15);
+        } else {
+          v = static_cast<float>(static_cast<const int8_t*>(a.q)[k * N + j]);
+        }
+        for (int m = 0; m < M; ++m) part[m] += x[m * K + k] * v;
+      }
+      const float s = ScaleAt(a.scale, gi * N + j);
+      const float z = (a.zero ? ScaleAt(a.zero, gi * N + j) : 0.0f) - s * static_cast<float>(a.offset);
+      for (int m = 0; m < M; ++m) acc[m] += part[m] * s + z * a.xsum[m * G + gi];
+    }
+    for (int m = 0; m < M; ++m) a.out[m * N + j] = acc[m];
+  }
+}
+
+// Transposed [N, K'] layout, output columns (matrix rows) [n0, n1). group * Bits / 8 is a multiple of 16 bytes.
+template <int M, int Bits, typename S>
+void QRowsNK(const QMat<S>& a, int64_t n0, int64_t n1) {
+  const int64_t K = a.K, N = a.N, g = a.group, G = K / g, row_bytes = K * Bits / 8;
+  const bool affine = a.zero != nullptr || a.offset != 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    V16 acc[M] = {};
+    float zacc[M] = {};
+    for (int64_t gi = 0; gi < G; ++gi) {
+      V16 part[M] = {};
+      if constexpr (Bits == 4) {
+        const uint8_t* row = static_cast<const uint8_t*>(a.q) + n * row_bytes;
+        for (int64_t i = gi * g / 2; i < (gi + 1) * g / 2; i += kWide) {
+          V16 lo, hi;
+          LoadNibbles(row + i, &lo, &hi);
+          for (int m = 0; m < M; ++m) {
+            part[m] += lo * Load16(a.xe + m * K / 2 + i);
+            part[m] += hi * Load16(a.xo + m * K / 2 + i);
+          }
+        }
+      } else {
+        const int8_t* row = static_cast<const int8_t*>(a.q) + n * row_bytes;
+        for (int64_t k = gi * g; k < (gi + 1) * g; k += kWide) {
+          const V16 v = LoadInt8(row + k);
+          for (int m = 0; m < M; ++m) part[m] += v * Load16(a.x + m * K + k);
+        }
+      }
+      const float s = ScaleAt(a.scale, n * G + gi);
+      const float z = affine ? (a.zero ? ScaleAt(a.zero, n * G + gi) : 0.0f) - s * static_cast<float>(a.offset) : 0.0f;
+      for (int m = 0; m < M; ++m) {
+        acc[m] += part[m] * s;
+        if (affine) zacc[m] += z * a.xsum[m * G + gi];
+      }
+    }
+    for (int m = 0; m < M; ++m) a.out[m * N + n] = HSum(acc[m]) + zacc[m];
+  }
+}
+
+// Strips of 4 x 16 columns for up to 2 rows, 2 x 16 for up to 4, 1 x 16 for up to 8 (the strip's accumulators, its
+// group partial sums and its widened values fit the 32 registers).
+template <int M, int Bits, typename S>
+void QRows(const QMat<S>& a, bool transposed, int64_t n0, int64_t n1) {
+  if (transposed) return QRowsNK<M, Bits, S>(a, n0, n1);
+  QRowsKN<M, (M <= 2 ? 4 : M <= 4 ? 2 : 1), Bits, S>(a, n0, n1);
+}
+
+template <int Bits, typename S>
+void QRowsAny(int64_t M, const QMat<S>& a, bool transposed, int64_t n0, int64_t n1) {
+  using Fn = void (*)(const QMat<S>&, bool, int64_t, int64_t);
+  constexpr Fn kFns[kMaxRows] = {QRows<1, Bits, S>, QRows<2, Bits, S>, QRows<3, Bits, S>, QRows<4, Bits, S>,
+                                 QRows<5, Bits, S>, QRows<6, Bits, S>, QRows<7, Bits, S>, QRows<8, Bits, S>};
+  kFns[M - 1](a, transposed, n0, n1);
+}
+
+template <typename S>
+ffi::Error QuantRowsImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero,
+                         int64_t layer, int64_t bits, int64_t group, int64_t offset, bool transposed,
+                         ffi::ThreadPool& pool, float* out) {
+  auto xd = x.dimensions();
+  int64_t qoff, qr, qc, soff, sr, sc;
+  const bool has_zero = zero.element_count() > 0;
+  if (xd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || (bits != 4 && bits != 8) || group < 1 ||
+      !LayerOf(q.dimensions(), layer, &qoff, &qr, &qc) || !LayerOf(scale.dimensions(), layer, &soff, &sr, &sc) ||
+      (has_zero && (zero.element_type() != scale.element_type() || zero.element_count() != scale.element_count()))) {
+    return ffi::Error::InvalidArgument("matmul_quant_rows: x must be [M <= 8, K]; q, scale (and zero) [(L,) ., .]");
+  }
+  const int64_t M = xd[0], K = xd[1], per_byte = bits == 4 ? 2 : 1;
+  const int64_t N = transposed ? qr : qc, kq = transposed ? qc : qr, G = K / group;
+  const bool ok = kq * per_byte == K && K % group == 0 && group % per_byte == 0 &&
+                  (transposed ? sr == N && sc == G && (group * bits / 8) % kWide == 0 : sr == G && sc == N) &&
+                  (bits == 4 ? q.element_type() == ffi::DataType::U8 : q.element_type() == ffi::DataType::S8);
+  if (!ok) {
+    return ffi::Error::InvalidArgument("matmul_quant_rows: shapes or dtypes do not match (4-bit: uint8 pairs along K; "
+                                       "8-bit: int8; scales [K / group, N], transposed [N, K / group] with group "
+                                       "a multiple of 16 bytes)");
+  }
+  // Per row: sums of x over each group, and (4-bit transposed) x's even and odd elements apart.
+  std::vector<float> xsum(M * G, 0.0f), xe, xo;
+  const float* xp = x.typed_data();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) xsum[m * G + k / group] += xp[m * K + k];
+  }
+  if (transposed && bits == 4) {
+    xe.resize(M * K / 2);
+    xo.resize(M * K / 2);
+    for (int64_t i = 0; i < M * K / 2; ++i) {
+      xe[i] = xp[2 * i];
+      xo[i] = xp[2 * i + 1];
+    }
+  }
+  const S* sp = reinterpret_cast<const S*>(scale.untyped_data()) + soff;
+  QMat<S> a{static_cast<const uint8_t*>(q.untyped_data()) + qoff, sp,
+            has_zero ? reinterpret_cast<const S*>(zero.untyped_data()) + soff : nullptr, xp, xsum.data(), xe.data(),
+            xo.data(), K, N, group, offset, out};
+  // Chunks of 128 columns ([K', N]) or 256 matrix rows (transposed): a 576-column layer still splits in 5.
+  const int64_t chunk = transposed ? 256 : 128, chunks = (N + chunk - 1) / chunk;
+  RunChunks(pool, chunks, chunks / 2, [&, M, transposed](int64_t c) {
+    const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+    if (bits == 4) {
+      QRowsAny<4, S>(M, a, transposed, n0, n1);
+    } else {
+      QRowsAny<8, S>(M, a, transposed, n0, n1);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulQuantRows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero,
+                           ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group, int64_t offset, bool transposed,
+                           ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t l = layer.typed_data()[0];
+  switch (scale.element_type()) {
+    case ffi::DataType::F32:
+      return QuantRowsImpl<float>(x, q, scale, zero, l, bits, group, offset, transposed, pool, out->typed_data());
+    case ffi::DataType::F16:
+      return QuantRowsImpl<Half>(x, q, scale, zero, l, bits, group, offset, transposed, pool, out->typed_data());
+    default:
+      return ffi::Error::InvalidArgument("matmul_quant_rows: scales must be float32 or float16");
+  }
 }
 
 }  // namespace
@@ -895,6 +1232,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKV, WriteKV,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16Rows, MatmulBf16Rows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [K, N] bfloat16, or [K, N / 2] uint32 pairs
+                                  .Arg<ffi::AnyBuffer>()  // w [(L,) K, N] bfloat16, or [(L,) K, N / 2] uint32 pairs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQuantRows, MatmulQuantRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()  // q [(L,) K', N] or [(L,) N, K']: int8, or uint8 pairs
+                                  .Arg<ffi::AnyBuffer>()  // scale, float16 or float32
+                                  .Arg<ffi::AnyBuffer>()  // zero: as scale, or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<bool>("transposed")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -87,25 +87,31 @@ def test_bf16_kv_cache_on_cpu_warns_without_cpp(default_loaded):
 @pytest.mark.parametrize("n", [1000, 1001])  # even: packed uint32 pairs; odd: plain bfloat16; neither a multiple of 64
 def test_cpp_rows_product_equals_float64(m, n):
     """The C++ product of a few float32 rows by bfloat16 weights (matmul_dtype="bfloat16" steps of fewer than 8
-    rows): numpy's float64 product of the same values, within float32 accumulation error."""
+    rows), alone and reading one matrix of a stack in place: numpy's float64 product of the same values, within
+    float32 accumulation error."""
     from jaxserve.kernels import cpu_ffi
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()  # the CPU default: it must build here
     rng = np.random.default_rng(m * n)
     x = rng.standard_normal((m, 96)).astype(np.float32)
-    w = jnp.asarray(rng.standard_normal((96, n)), jnp.bfloat16)
-    packed = pack_bf16(w)
+    stack = jnp.asarray(rng.standard_normal((3, 96, n)), jnp.bfloat16)
+    packed = pack_bf16(stack)
     assert packed.dtype == (jnp.uint32 if n % 2 == 0 else jnp.bfloat16)
-    got = np.asarray(cpu_ffi.matmul_bf16_rows(jnp.asarray(x), packed))
-    want = x.astype(np.float64) @ np.asarray(w, np.float64)
-    assert got.shape == (m, n) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for layer in (0, 2):
+        got = np.asarray(cpu_ffi.matmul_bf16_rows(jnp.asarray(x), packed, jnp.int32(layer)))
+        want = x.astype(np.float64) @ np.asarray(stack[layer], np.float64)
+        assert got.shape == (m, n) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    alone = np.asarray(cpu_ffi.matmul_bf16_rows(jnp.asarray(x), packed[2]))
+    np.testing.assert_array_equal(alone, got)
     # matmul() sends fewer than 8 rows on packed weights there when given the C++ product; 8 rows go to XLA's
     # product on bfloat16 inputs
-    routed = np.asarray(matmul(jnp.asarray(x), packed, cpu_ffi.matmul_bf16_rows))
+    routed = np.asarray(matmul(jnp.asarray(x), packed[2], cpu_ffi.ROWS))
     assert np.array_equal(routed, got) == (m < 8)
     with pytest.raises(ValueError, match="M <= 8"):
         cpu_ffi.matmul_bf16_rows(jnp.zeros((9, 96), jnp.float32), packed)
+    with pytest.raises(Exception, match="layer < L"):  # the C++ check: XLA raises it as a runtime error
+        np.asarray(cpu_ffi.matmul_bf16_rows(jnp.asarray(x), packed, jnp.int32(3)))
 
 
 @pytest.mark.slow
@@ -116,7 +122,7 @@ def test_bf16_one_request_decode_tracks_hf(default_loaded, hf_default):
 
     llm = LLM(default_loaded, matmul_dtype="bfloat16", max_num_seqs=4, num_pages=64, max_model_len=256)
     runner = llm.engine.runner
-    assert runner._bf16_rows_fn() is not None and runner.token_buckets[0] == 1
+    assert runner._rows_fn() is not None and runner.token_buckets[0] == 1
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
     out = llm.generate([TEXT[:120]], sp, use_tqdm=False)[0]
     assert runner.decode_steps >= 39  # one token a step, the 1-token bucket

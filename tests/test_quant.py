@@ -67,6 +67,39 @@ def test_matmul_equals_the_dequantized_product(mode, rows):
         np.testing.assert_allclose(np.asarray(quant.matmul(jnp.asarray(xe), ew)), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
+    """The C++ product of a few rows by quantized weights (one request's decode steps on one CPU device), reading
+    the values packed, one matrix of a stack in place: numpy's float64 product by the weights the jnp reference
+    (``quant.dequantize``) gives, within float32 accumulation error. 200 columns: not a multiple of the 64-column
+    strips (the scalar tail); the [V, D] embedding's ``x @ E.T`` too; scales float32 (int8) and float16 (int4)."""
+    from jaxserve.kernels import cpu_ffi
+
+    assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
+    rng = np.random.default_rng(m)
+    stack = quant.quantize(rng.normal(size=(3, 384, 200)).astype(np.float32), mode, group=32)
+    x = rng.normal(size=(m, 384)).astype(np.float32)
+    for layer in (0, 2):
+        got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), stack, jnp.int32(layer)))
+        want = x.astype(np.float64) @ np.asarray(quant.dequantize(stack)[layer], np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    embed = quant.quantize(rng.normal(size=(300, 384)).astype(np.float32), mode, axis=-1, group=64)
+    got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), embed))
+    want = x.astype(np.float64) @ np.asarray(quant.dequantize(embed), np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # the model's matmul routes fewer than 8 rows there; W8A8 (activations quantized too) stays with XLA
+    from jaxserve.models.llama import matmul
+
+    routed = np.asarray(matmul(jnp.asarray(x), embed, cpu_ffi.ROWS))
+    assert np.array_equal(routed, got) == (m < 8)
+    assert not cpu_ffi.ROWS.serves(quant.quantize(rng.normal(size=(384, 64)).astype(np.float32), "w8a8"))
+    with pytest.raises(ValueError, match="M <= 8"):
+        cpu_ffi.matmul_quant_rows(jnp.zeros((9, 384), jnp.float32), stack, jnp.int32(0))
+    with pytest.raises(Exception, match="matmul_quant_rows"):  # the C++ check of the layer index
+        np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), stack, jnp.int32(3)))
+
+
 def test_bad_modes_are_refused(default_loaded):
     with pytest.raises(ValueError, match="quantization must be one of"):
         quant.quantize(np.ones((4, 4)), "int3")
@@ -172,6 +205,7 @@ def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
     gguf_quants = pytest.importorskip("gguf.quants")
     from gguf import GGMLQuantizationType
 
+    from jaxserve.kernels import cpu_ffi
     from jaxserve.loading.gguf import repack
     from jaxserve.loading.weights import _quantized_parts
 
@@ -189,6 +223,12 @@ def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
         if transpose:
             np.testing.assert_allclose(np.asarray(quant.matmul(jnp.asarray(x), a)), x @ reference.T, rtol=1e-5,
                                        atol=1e-4)
+        # The C++ product of one request's steps reads the blocks as repacked (scales, mins, offsets): x @ W for the
+        # linear weight, x @ E.T for the embedding, both x @ reference.T.
+        assert cpu_ffi.quant_rows_serves(a)
+        want = x.astype(np.float64) @ reference.T.astype(np.float64)
+        np.testing.assert_allclose(np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), a)), want, rtol=1e-5,
+                                   atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="cannot be served quantized"):
         repack(gguf_quants.quantize(w, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0, w.shape, name="x")
 
@@ -208,9 +248,17 @@ def test_default_model_served_from_its_own_blocks_matches_hf(default_model_path,
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
+    # and each prompt alone: one-row decode steps, which take the C++ product of the packed blocks on the CPU
+    runner = llm.engine.runner
+    assert runner._rows_fn() is not None and runner.token_buckets[0] == 1
+    steps = runner.decode_steps
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert runner.decode_steps - steps >= 3 * 23
+    for prompt, out, single in zip(prompts, outs, alone):
         ids = llm.tokenizer.encode(prompt)
-        assert out.outputs[0].token_ids == hf_greedy(hf_default, ids, 24), prompt
+        want = hf_greedy(hf_default, ids, 24)
+        assert out.outputs[0].token_ids == want, prompt
+        assert single.outputs[0].token_ids == want, prompt
     q_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.state))
     f_bytes = sum(np.asarray(v).nbytes for v in default_loaded.params.values())
     assert q_bytes / f_bytes < 0.19

@@ -14,9 +14,8 @@ V vocabulary, L layers, S sequences.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Callable
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +80,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 # Below this many rows XLA:CPU's bfloat16 products are slower than float32 ones (a [1, 576] x [576, 49152]
 # product: 1 against 15 GFLOP/s), so such products keep the full-precision weights, or go to a ``RowsFn``.
 MATMUL_WEIGHTS_MIN_ROWS = 8
-# rows_fn(x [M < 8, K] float32, w [K, N] bfloat16 or [K, N / 2] uint32 pairs) -> [M, N] float32
-RowsFn = Callable[[jax.Array, jax.Array], jax.Array]
+class RowsFn(Protocol):
+    """A product for steps of fewer than ``MATMUL_WEIGHTS_MIN_ROWS`` rows (on the CPU: ``cpu_ffi.ROWS``, C++)."""
+
+    def serves(self, w) -> bool:
+        """Whether it takes this weight (bfloat16 or quantized ones: the float32 ones stay with XLA)."""
+
+    def __call__(self, x: jax.Array, w, layer: jax.Array | None = None) -> jax.Array:
+        """x [M, K] float32 times w ([K, N], or matrix ``layer`` of a stack [L, K, N]) -> [M, N] float32."""
 
 
 def pack_bf16(w: jax.Array) -> jax.Array:
@@ -98,19 +103,22 @@ def pack_bf16(w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint32)
 
 
-def matmul(x: jax.Array, w: jax.Array | quant.QArray, rows_fn: RowsFn | None = None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | quant.QArray, rows_fn: RowsFn | None = None,
+           layer: jax.Array | None = None) -> jax.Array:
     """x @ w in w's dtype (uint32: bfloat16 pairs from :func:`pack_bf16`; a ``QArray``: quantized, see
     ``jaxserve.quant.matmul``), accumulated in x's dtype.
 
     With float32 activations and bfloat16 weights (``matmul_dtype="bfloat16"`` on the CPU) the product runs
-    on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more; with fewer
-    rows, ``rows_fn`` (the C++ product, float32 rows times the bfloat16 weights) when given.
+    on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more. With fewer
+    rows, ``rows_fn`` when given and it serves ``w`` (on the CPU the C++ products of float32 rows by bfloat16 or
+    quantized weights); only it takes a stack of matrices [L, ...] with ``layer``.
     """
+    if (rows_fn is not None and x.ndim == 2 and x.shape[0] < MATMUL_WEIGHTS_MIN_ROWS and rows_fn.serves(w)):
+        return rows_fn(x, w, layer).astype(x.dtype)
+    if layer is not None:
+        raise ValueError("matmul: a stack of matrices with a layer index needs a rows_fn that serves it")
     if isinstance(w, quant.QArray):
         return quant.matmul(x, w)
-    if (rows_fn is not None and w.dtype in (jnp.uint32, jnp.bfloat16) and x.ndim == 2
-            and x.shape[0] < MATMUL_WEIGHTS_MIN_ROWS):
-        return rows_fn(x, w).astype(x.dtype)
     if w.dtype == jnp.uint32:
         w = jax.lax.bitcast_convert_type(w, jnp.bfloat16).reshape(*w.shape[:-1], 2 * w.shape[-1])
     if w.dtype == x.dtype:
@@ -241,14 +249,24 @@ class Llama(nnx.Module):
         layer_params = {n: getattr(self, n).get_value() for n in self._LAYER_PARAMS if hasattr(self, n)}
         if matmul_weights is not None and (T >= MATMUL_WEIGHTS_MIN_ROWS or rows_fn is not None):
             layer_params.update({n: matmul_weights[n] for n in self.MATMUL_PARAMS})
-        mul = functools.partial(matmul, rows_fn=rows_fn)
+        # Matrices the rows product serves stay whole, out of the scan's slices: it reads the layer's matrix in
+        # place (a custom call's operand is a buffer: slicing the stack copied each layer's weights every step).
+        stacked = {}
+        if rows_fn is not None and T < MATMUL_WEIGHTS_MIN_ROWS:
+            stacked = {n: layer_params.pop(n) for n in self.MATMUL_PARAMS if rows_fn.serves(layer_params[n])}
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             p, layer_idx, window = xs
+
+            def mul(h: jax.Array, name: str) -> jax.Array:
+                if name in stacked:
+                    return matmul(h, stacked[name], rows_fn, layer_idx)
+                return matmul(h, p[name])
+
             h = rms_norm(x, p["attn_norm"], eps, off)
-            q, k, v = mul(h, p["wq"]), mul(h, p["wk"]), mul(h, p["wv"])
+            q, k, v = mul(h, "wq"), mul(h, "wk"), mul(h, "wv")
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
@@ -260,14 +278,14 @@ class Llama(nnx.Module):
                 q, k_cache, v_cache, layer_idx, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
                 batch.num_seqs, sm_scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
             )  # [T, N, H]
-            o = mul(attn.reshape(T, N * H), p["wo"])
+            o = mul(attn.reshape(T, N * H), "wo")
             if cfg.sandwich_norms:
                 o = rms_norm(o, p["post_attn_norm"], eps, off)
             x = x + o
             h = rms_norm(x, p["mlp_norm"], eps, off)
-            gate = mul(h, p["w_gate"])
+            gate = mul(h, "w_gate")
             act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-            m = mul(act * mul(h, p["w_up"]), p["w_down"])
+            m = mul(act * mul(h, "w_up"), "w_down")
             if cfg.sandwich_norms:
                 m = rms_norm(m, p["post_mlp_norm"], eps, off)
             return (x + m, k_cache, v_cache), None
