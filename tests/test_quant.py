@@ -88,12 +88,15 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
     got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), embed))
     want = x.astype(np.float64) @ np.asarray(quant.dequantize(embed), np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    # the model's matmul routes fewer than 8 rows there; W8A8 (activations quantized too) stays with XLA
+    # the model's matmul routes up to 8 rows there (int8 per output channel: fewer than 8); W8A8 (activations
+    # quantized too) stays with XLA
     from jaxserve.models.llama import matmul
 
     routed = np.asarray(matmul(jnp.asarray(x), embed, cpu_ffi.ROWS))
-    assert np.array_equal(routed, got) == (m < 8)
-    assert not cpu_ffi.ROWS.serves(quant.quantize(rng.normal(size=(384, 64)).astype(np.float32), "w8a8"))
+    np.testing.assert_array_equal(routed, got)
+    assert cpu_ffi.ROWS.serves(stack, 8) == (mode == "int4") and cpu_ffi.ROWS.serves(stack, 7)
+    assert not cpu_ffi.ROWS.serves(stack, 9)
+    assert not cpu_ffi.ROWS.serves(quant.quantize(rng.normal(size=(384, 64)).astype(np.float32), "w8a8"), 1)
     with pytest.raises(ValueError, match="M <= 8"):
         cpu_ffi.matmul_quant_rows(jnp.zeros((9, 384), jnp.float32), stack, jnp.int32(0))
     with pytest.raises(Exception, match="matmul_quant_rows"):  # the C++ check of the layer index

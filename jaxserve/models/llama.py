@@ -81,10 +81,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 # product: 1 against 15 GFLOP/s), so such products keep the full-precision weights, or go to a ``RowsFn``.
 MATMUL_WEIGHTS_MIN_ROWS = 8
 class RowsFn(Protocol):
-    """A product for steps of fewer than ``MATMUL_WEIGHTS_MIN_ROWS`` rows (on the CPU: ``cpu_ffi.ROWS``, C++)."""
+    """A product for steps of few rows (on the CPU: ``cpu_ffi.ROWS``, C++), where XLA's own is slow."""
 
-    def serves(self, w) -> bool:
-        """Whether it takes this weight (bfloat16 or quantized ones: the float32 ones stay with XLA)."""
+    def serves(self, w, rows: int) -> bool:
+        """Whether it takes this weight for ``rows`` rows (bfloat16 below ``MATMUL_WEIGHTS_MIN_ROWS``; quantized up
+        to 8: XLA would dequantize whole matrices; float32 never)."""
 
     def __call__(self, x: jax.Array, w, layer: jax.Array | None = None) -> jax.Array:
         """x [M, K] float32 times w ([K, N], or matrix ``layer`` of a stack [L, K, N]) -> [M, N] float32."""
@@ -109,11 +110,11 @@ def matmul(x: jax.Array, w: jax.Array | quant.QArray, rows_fn: RowsFn | None = N
     ``jaxserve.quant.matmul``), accumulated in x's dtype.
 
     With float32 activations and bfloat16 weights (``matmul_dtype="bfloat16"`` on the CPU) the product runs
-    on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more. With fewer
-    rows, ``rows_fn`` when given and it serves ``w`` (on the CPU the C++ products of float32 rows by bfloat16 or
-    quantized weights); only it takes a stack of matrices [L, ...] with ``layer``.
+    on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more. With few
+    rows, ``rows_fn`` when given and it serves ``w`` for that many (on the CPU the C++ products of float32 rows by
+    bfloat16 or quantized weights); only it takes a stack of matrices [L, ...] with ``layer``.
     """
-    if (rows_fn is not None and x.ndim == 2 and x.shape[0] < MATMUL_WEIGHTS_MIN_ROWS and rows_fn.serves(w)):
+    if rows_fn is not None and x.ndim == 2 and rows_fn.serves(w, x.shape[0]):
         return rows_fn(x, w, layer).astype(x.dtype)
     if layer is not None:
         raise ValueError("matmul: a stack of matrices with a layer index needs a rows_fn that serves it")
@@ -252,8 +253,8 @@ class Llama(nnx.Module):
         # Matrices the rows product serves stay whole, out of the scan's slices: it reads the layer's matrix in
         # place (a custom call's operand is a buffer: slicing the stack copied each layer's weights every step).
         stacked = {}
-        if rows_fn is not None and T < MATMUL_WEIGHTS_MIN_ROWS:
-            stacked = {n: layer_params.pop(n) for n in self.MATMUL_PARAMS if rows_fn.serves(layer_params[n])}
+        if rows_fn is not None:
+            stacked = {n: layer_params.pop(n) for n in self.MATMUL_PARAMS if rows_fn.serves(layer_params[n], T)}
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
 
         def layer(carry, xs):
