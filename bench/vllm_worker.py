@@ -3,9 +3,9 @@
     bench/.venv-vllm/bin/python bench/vllm_worker.py JOB.json   # prints VLLM_RESULT {json}
 
 JOB.json: {"model": HF dir, "dtype": "float32" | "bfloat16", "prompts": [[token ids], ...], "output_len": N,
-"single_len": M, "max_num_batched_tokens": B, "kv_cache_gib": G}. It generates every prompt at once (offline
-throughput, greedy, ignore_eos), then one request of ``single_len`` tokens alone (decode tokens/s), each after an
-untimed warm-up of the same shape.
+"single_len": M, "decode_prompt_len": D, "max_num_batched_tokens": B, "kv_cache_gib": G}. It generates every
+prompt at once (offline throughput, greedy, ignore_eos), then one request of ``single_len`` tokens alone from the
+first prompt and from its first D tokens (decode tokens/s), each after an untimed warm-up of the same shape.
 """
 
 from __future__ import annotations
@@ -38,15 +38,17 @@ def main() -> None:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     assert all(len(x) == job["output_len"] for x in tokens)
     one = SamplingParams(temperature=0.0, max_tokens=job["single_len"], ignore_eos=True)
-    llm.generate(prompts[:1], one, use_tqdm=False)
-    times = []
-    for _ in range(3):  # the median of 3, as bench/throughput.py times jaxserve
-        t = time.perf_counter()
-        llm.generate(prompts[:1], one, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-    single = sorted(times)[1]
-    print(RESULT, json.dumps({"elapsed": elapsed, "load_s": load, "single_s": single, "tokens": tokens,
-                      "version": __import__("vllm").__version__}))
+    short = TokensPrompt(prompt_token_ids=job["prompts"][0][: job.get("decode_prompt_len", 16)])
+    result = {"elapsed": elapsed, "load_s": load, "tokens": tokens, "version": __import__("vllm").__version__}
+    for key, prompt in (("single_s", prompts[0]), ("decode_s", short)):
+        llm.generate([prompt], one, use_tqdm=False)
+        times = []
+        for _ in range(3):  # the median of 3, as bench/throughput.py times jaxserve
+            t = time.perf_counter()
+            llm.generate([prompt], one, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        result[key] = sorted(times)[1]
+    print(RESULT, json.dumps(result))
 
 
 if __name__ == "__main__":
