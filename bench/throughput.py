@@ -18,8 +18,8 @@ Each of ``--jaxserve-configs`` runs jaxserve once: "exact" is the float32 defaul
 products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``); "bf16kv" also keeps the KV
 cache in bfloat16 (``kv_cache_dtype="bfloat16"``); "bf16kv-async" is that with async scheduling (off by default on
 the CPU); "int8", "int4" and "gguf" quantize the weights (``LLM(quantization=...)``; "gguf" serves the file's own
-Q4_1 / Q8_0 blocks, as llama.cpp does). For the non-exact configurations the script also reports how often their greedy tokens agree with the
-exact run's.
+Q4_1 / Q8_0 blocks, as llama.cpp does). For the non-exact configurations the script also reports how often their
+greedy tokens agree with the exact run's.
 """
 
 from __future__ import annotations

@@ -885,7 +885,8 @@ ffi::Error MatmulBf16Rows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer
   constexpr Fn kFns[kMaxRows] = {RowsTimesBf16<1>, RowsTimesBf16<2>, RowsTimesBf16<3>, RowsTimesBf16<4>,
                                  RowsTimesBf16<5>, RowsTimesBf16<6>, RowsTimesBf16<7>, RowsTimesBf16<8>};
   const Fn fn = M > 0 ? kFns[M - 1] : nullptr;
-  RunChunks(pool, chunks, chunks / 2, [=](int64_t c) { fn(xp, wp, K, N, c * kChunk, std::min(N, (c + 1) * kChunk), op); });
+  RunChunks(pool, chunks, chunks / 2,
+            [=](int64_t c) { fn(xp, wp, K, N, c * kChunk, std::min(N, (c + 1) * kChunk), op); });
   return ffi::Error::Success();
 }
 
