@@ -6,9 +6,8 @@ contract of ``reference.ragged_paged_attention_ref``; ``ragged_paged_attention_x
 the CPU when the caches are float32, bfloat16 or fp8 arrays, or ``Int8Pages`` (int8 values and one float32 scale per
 token and KV head: a second target that also takes the scales). ``write_kv`` writes new K/V rows into the pool in
 place (into an ``Int8Pages`` pool: the rows quantized with ``quantize_rows``, values and scales each in place).
-Two products that are not attention take a few float32 rows (steps of fewer than 8 tokens: one request
-decoding) and read a layer's matrix in place in its stack (``layer``), where XLA would copy the scan's slice of it
-first: ``matmul_bf16_rows`` by bfloat16 weights (``matmul_dtype="bfloat16"``; XLA:CPU's own product is
+Two products that are not attention take a few float32 rows (steps of up to 8 tokens: a few requests decoding)
+and read a layer's matrix in place in its stack (``layer``), where XLA would copy the scan's slice of it first: ``matmul_bf16_rows`` by bfloat16 weights (``matmul_dtype="bfloat16"``; XLA:CPU's own product is
 pathologically slow there) and ``matmul_quant_rows`` by quantized ones (``jaxserve.quant.QArray``: int8 and 4-bit
 values widened in registers, never dequantized to a float copy). ``ROWS`` is both, as the model's ``RowsFn``.
 

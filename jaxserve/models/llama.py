@@ -80,6 +80,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 # Below this many rows XLA:CPU's bfloat16 products are slower than float32 ones (a [1, 576] x [576, 49152]
 # product: 1 against 15 GFLOP/s), so such products keep the full-precision weights, or go to a ``RowsFn``.
 MATMUL_WEIGHTS_MIN_ROWS = 8
+
+
 class RowsFn(Protocol):
     """A product for steps of few rows (on the CPU: ``cpu_ffi.ROWS``, C++), where XLA's own is slow."""
 
