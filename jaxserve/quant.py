@@ -22,9 +22,9 @@ GGUF Q4_1                     4  32          0  yes   d * q + m
 4-bit values are packed two per byte along ``axis`` (element 2i in the low nibble, 2i + 1 in the high one) and
 stay packed in device memory; the product unpacks and scales them inside the jitted step (XLA fuses it into the
 dot's operand on GPU and TPU; on one CPU device, steps of up to 8 tokens go to a C++ product that widens the values
-in registers, ``jaxserve.kernels.cpu_ffi.matmul_quant_rows``). The dequantized values are computed exactly as the checkpoint's own reference
-dequantizer does (one product, one sum, in float32), so a model served from its pre-quantized file computes with
-the very weights HF transformers dequantizes from it.
+in registers, ``jaxserve.kernels.cpu_ffi.matmul_quant_rows``). The dequantized values are computed exactly as the
+checkpoint's own reference dequantizer does (one product, one sum, in float32), so a model served from its
+pre-quantized file computes with the very weights HF transformers dequantizes from it.
 
 ``w8a8`` also quantizes the activations: per token (row), dynamically, to int8 (scale = max |x| / 127), and runs
 an int8 x int8 -> int32 product, rescaled by both scales (TPU v5e/v6e and GPUs run these at twice the bf16 rate).
