@@ -5,7 +5,7 @@ weights, one float32 row, as one request's decode step runs them on one CPU devi
 weight bytes read per second, per mode:
 
 - ``float32``: XLA's own products on float32 weights (the scan's slices);
-- ``bf16``: ``cpu_ffi.matmul_bf16_rows`` on bfloat16 weights, each layer's matrix read in place in its stack;
+- ``bf16``: ``cpu_ffi.matmul_rows`` on bfloat16 weights, each layer's matrix read in place in its stack;
 - ``int8`` / ``int4``: ``cpu_ffi.matmul_quant_rows`` on quantized weights (int4 in groups of 32, as the default
   model's Q4_1 file).
 

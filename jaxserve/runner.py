@@ -424,9 +424,10 @@ class ModelRunner:
 
     def _rows_fn(self):
         """The C++ products for steps of fewer than 8 rows on bfloat16 matmul weights (XLA:CPU's own is ~15x slower
-        than float32 there, so without it such steps keep the float32 weights) and of up to 8 on quantized weights
-        (read packed, never dequantized to a float copy): on one CPU device, when built (``cpu_ffi.RowsProduct``
-        says which weights it takes). Float32 weights stay with XLA."""
+        than float32 there, so without it such steps keep the float32 weights) and float32 layer stacks (read in
+        place, where XLA copies the scan's slices), and of up to 8 on quantized weights (read packed, never
+        dequantized to a float copy): on one CPU device, when built (``cpu_ffi.RowsProduct`` says which weights it
+        takes)."""
         ok = ((self.platform or jax.default_backend()) == "cpu" and self.mesh.size == 1 and cpu_ffi.available())
         return cpu_ffi.ROWS if ok else None
 

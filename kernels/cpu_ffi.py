@@ -7,9 +7,10 @@ the CPU when the caches are float32, bfloat16 or fp8 arrays, or ``Int8Pages`` (i
 token and KV head: a second target that also takes the scales). ``write_kv`` writes new K/V rows into the pool in
 place (into an ``Int8Pages`` pool: the rows quantized with ``quantize_rows``, values and scales each in place).
 Two products that are not attention take a few float32 rows (steps of up to 8 tokens: a few requests decoding)
-and read a layer's matrix in place in its stack (``layer``), where XLA would copy the scan's slice of it first: ``matmul_bf16_rows`` by bfloat16 weights (``matmul_dtype="bfloat16"``; XLA:CPU's own product is
-pathologically slow there) and ``matmul_quant_rows`` by quantized ones (``jaxserve.quant.QArray``: int8 and 4-bit
-values widened in registers, never dequantized to a float copy). ``ROWS`` is both, as the model's ``RowsFn``.
+and read a layer's matrix in place in its stack (``layer``), where XLA would copy the scan's slice of it first:
+``matmul_rows`` by bfloat16 or float32 weights (XLA:CPU's own bfloat16 product is pathologically slow there) and
+``matmul_quant_rows`` by quantized ones (``jaxserve.quant.QArray``: int8 and 4-bit values widened in registers,
+never dequantized to a float copy). ``ROWS`` is both, as the model's ``RowsFn``.
 
 The library is compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``) against the FFI headers that
 ship with jaxlib, once per source/jaxlib/compiler combination, into ``$JAXSERVE_CACHE_DIR/ffi`` (default
@@ -42,7 +43,7 @@ from jaxserve.kernels._common import FP8_DTYPES, Int8Pages, is_int8_pages, quant
 TARGET = "jaxserve_paged_attention"
 INT8_TARGET = "jaxserve_paged_attention_int8"
 WRITE_TARGET = "jaxserve_write_kv"
-MATMUL_TARGET = "jaxserve_matmul_bf16_rows"
+MATMUL_TARGET = "jaxserve_matmul_rows"
 QUANT_TARGET = "jaxserve_matmul_quant_rows"
 MATMUL_MAX_ROWS = 8  # the C++ product's limit (kMaxRows)
 # What the C++ attention reads as plain arrays: float32, bfloat16, and fp8 pools (stored without scales).
@@ -118,7 +119,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttentionInt8), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKV), platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulBf16Rows), platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulRows), platform="cpu")
         jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulQuantRows), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
@@ -213,18 +214,18 @@ def _layer(layer) -> jax.Array:
     return jnp.asarray(0 if layer is None else layer, jnp.int32)
 
 
-def matmul_bf16_rows(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
+def matmul_rows(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     """x [M, K] (M <= 8) times a bfloat16 matrix w [K, N] (or [K, N / 2] uint32 pairs of bfloat16, as
-    ``models.llama.pack_bf16`` stores it), or times matrix ``layer`` of a stack [L, K, N] -> [M, N] float32,
-    accumulated in float32 (C++: XLA:CPU's own bfloat16 products with fewer than 8 rows read the weights at a
-    fifteenth of the float32 rate)."""
+    ``models.llama.pack_bf16`` stores it, or float32), or times matrix ``layer`` of a stack [L, K, N] -> [M, N]
+    float32, accumulated in float32 (C++: XLA:CPU's own bfloat16 products with fewer than 8 rows read the weights at
+    a fifteenth of the float32 rate, and its float32 ones copy the scan's slice of a stack first)."""
     if not _load():
-        raise RuntimeError(f"the C++ bfloat16 product is unavailable: {_error}")
+        raise RuntimeError(f"the C++ rows product is unavailable: {_error}")
     if x.ndim != 2 or w.ndim not in (2, 3) or x.shape[1] != w.shape[-2] or x.shape[0] > MATMUL_MAX_ROWS:
-        raise ValueError(f"matmul_bf16_rows: x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N] or [L, K, N], got "
+        raise ValueError(f"matmul_rows: x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N] or [L, K, N], got "
                          f"{x.shape} and {w.shape}")
-    if w.dtype not in (jnp.bfloat16, jnp.uint32):
-        raise ValueError(f"matmul_bf16_rows: w must be bfloat16 or uint32 pairs of it, got {w.dtype}")
+    if w.dtype not in (jnp.bfloat16, jnp.uint32, jnp.float32):
+        raise ValueError(f"matmul_rows: w must be bfloat16 or uint32 pairs of it (or float32), got {w.dtype}")
     n = w.shape[-1] * (2 if w.dtype == jnp.uint32 else 1)
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
@@ -270,7 +271,8 @@ def matmul_quant_rows(x: jax.Array, w, layer=None) -> jax.Array:
 class RowsProduct:
     """The model's ``RowsFn`` on one CPU device: the C++ products for steps of few rows.
 
-    bfloat16 weights below 8 rows (from 8, XLA's product on bfloat16 inputs is the faster); quantized ones up to 8
+    bfloat16 weights and float32 layer stacks below 8 rows (from 8, XLA's products are the faster); quantized ones
+    up to 8
     (XLA dequantizes whole 4-bit or grouped matrices each step: the whole model's 8-row products took 65 ms in XLA
     against 13.5 here for int4), except int8 per output channel at 8 rows, whose conversion XLA fuses into its
     product (14.3 against 15.7 ms)."""
@@ -280,11 +282,14 @@ class RowsProduct:
         if quant_rows_serves(w):
             per_channel = w.bits == 8 and w.axis == -2 and w.group == w.shape[-2] and w.zero is None and not w.offset
             return rows < MATMUL_MAX_ROWS or (rows == MATMUL_MAX_ROWS and not per_channel)
-        return (rows < MATMUL_MAX_ROWS and isinstance(w, jax.Array | np.ndarray | jax.ShapeDtypeStruct)
-                and w.dtype in (jnp.bfloat16, jnp.uint32))
+        if rows >= MATMUL_MAX_ROWS or not isinstance(w, jax.Array | np.ndarray | jax.ShapeDtypeStruct):
+            return False
+        # float32: the layers' stacks only (read in place: XLA copies the scan's slice of each first); a lone float32
+        # matrix, such as the tied [V, D] embedding's transpose, XLA streams as fast and the call would copy it
+        return w.dtype in (jnp.bfloat16, jnp.uint32) or (w.dtype == jnp.float32 and w.ndim == 3)
 
     def __call__(self, x: jax.Array, w, layer=None) -> jax.Array:
-        return (matmul_quant_rows if quant_rows_serves(w) else matmul_bf16_rows)(x, w, layer)
+        return (matmul_quant_rows if quant_rows_serves(w) else matmul_rows)(x, w, layer)
 
 
 ROWS = RowsProduct()

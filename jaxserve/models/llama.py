@@ -86,8 +86,8 @@ class RowsFn(Protocol):
     """A product for steps of few rows (on the CPU: ``cpu_ffi.ROWS``, C++), where XLA's own is slow."""
 
     def serves(self, w, rows: int) -> bool:
-        """Whether it takes this weight for ``rows`` rows (bfloat16 below ``MATMUL_WEIGHTS_MIN_ROWS``; quantized up
-        to 8: XLA would dequantize whole matrices; float32 never)."""
+        """Whether it takes this weight for ``rows`` rows (bfloat16 and float32 layer stacks below
+        ``MATMUL_WEIGHTS_MIN_ROWS``; quantized up to 8: XLA would dequantize whole matrices)."""
 
     def __call__(self, x: jax.Array, w, layer: jax.Array | None = None) -> jax.Array:
         """x [M, K] float32 times w ([K, N], or matrix ``layer`` of a stack [L, K, N]) -> [M, N] float32."""
