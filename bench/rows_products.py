@@ -4,12 +4,14 @@ The shapes of SmolLM2-135M (7 matrices x 30 layers in one ``lax.scan``, then the
 weights, one float32 row, as one request's decode step runs them on one CPU device. Prints ms per "token" and the
 weight bytes read per second, per mode:
 
-- ``float32``: XLA's own products on float32 weights (the scan's slices);
-- ``bf16``: ``cpu_ffi.matmul_rows`` on bfloat16 weights, each layer's matrix read in place in its stack;
+- ``float32``: XLA's own products on float32 weights (the scan's slices), and its output projection;
+- ``float32-cpp``: ``cpu_ffi.matmul_rows`` on the float32 stacks, each layer's matrix read in place (what one
+  request's steps run on one CPU device), XLA's output projection;
+- ``bf16``: ``cpu_ffi.matmul_rows`` on bfloat16 weights;
 - ``int8`` / ``int4``: ``cpu_ffi.matmul_quant_rows`` on quantized weights (int4 in groups of 32, as the default
   model's Q4_1 file).
 
-    python bench/rows_products.py [--modes float32 bf16 int8 int4] [--rows 1] [--repeats 20]
+    python bench/rows_products.py [--modes float32 float32-cpp bf16 int8 int4] [--rows 1] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def weights(mode: str) -> dict:
     from jaxserve.models.llama import pack_bf16
 
     def convert(w, axis: int):
-        if mode == "float32":
+        if mode.startswith("float32"):
             return w
         if mode == "bf16":  # the layers' [K, N] matrices packed; the output projection as [D, V], as the runner
             return pack_bf16(w) if axis == -2 else w.T.astype(jax.numpy.bfloat16)
@@ -66,15 +68,15 @@ def step_fn(mode: str):
             return h @ ws["output"].T
         ids = jnp.arange(LAYERS, dtype=jnp.int32)
         h = jax.lax.scan(lambda h, i: (layer(h, lambda x, n: cpu_ffi.ROWS(x, ws[n], i)), None), x, ids)[0]
-        return cpu_ffi.ROWS(h, ws["output"])
+        return h @ ws["output"].T if mode == "float32-cpp" else cpu_ffi.ROWS(h, ws["output"])
 
     return step
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["float32", "bf16", "int8", "int4"],
-                    choices=["float32", "bf16", "int8", "int4"])
+    modes = ["float32", "float32-cpp", "bf16", "int8", "int4"]
+    ap.add_argument("--modes", nargs="+", default=modes, choices=modes)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
