@@ -81,6 +81,13 @@ class QArray:
         return tuple(s)
 
     @property
+    def per_channel(self) -> bool:
+        """int8 with one scale per output channel of a [.., in, out] weight, no zero or offset: the scale factors out
+        of the sum, so a product only converts the values."""
+        return (self.bits == 8 and self.axis == -2 and self.group == self.q.shape[-2] and self.zero is None
+                and not self.offset)
+
+    @property
     def nbytes(self) -> int:
         return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
 
@@ -185,8 +192,7 @@ def matmul(x: jax.Array, w: QArray) -> jax.Array:
     (``axis`` -1: the tied output projection). Accumulates in x's dtype (float32 on the CPU)."""
     if w.act_quant:
         return _matmul_w8a8(x, w)
-    if w.axis == -2 and w.group == w.q.shape[-2] and w.zero is None and not w.offset and w.bits == 8:
-        # One scale per output channel: it factors out of the sum, so only the values are converted.
+    if w.per_channel:  # only the values are converted
         return (x @ w.q.astype(x.dtype)) * w.scale.reshape(w.scale.shape[-1]).astype(x.dtype)
     dq = dequantize(w, x.dtype)
     return x @ (dq.T if w.axis == -1 else dq)

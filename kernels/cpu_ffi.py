@@ -280,8 +280,7 @@ class RowsProduct:
     @staticmethod
     def serves(w, rows: int) -> bool:
         if quant_rows_serves(w):
-            per_channel = w.bits == 8 and w.axis == -2 and w.group == w.shape[-2] and w.zero is None and not w.offset
-            return rows < MATMUL_MAX_ROWS or (rows == MATMUL_MAX_ROWS and not per_channel)
+            return rows < MATMUL_MAX_ROWS or (rows == MATMUL_MAX_ROWS and not w.per_channel)
         if rows >= MATMUL_MAX_ROWS or not isinstance(w, jax.Array | np.ndarray | jax.ShapeDtypeStruct):
             return False
         # float32: the layers' stacks only (read in place: XLA copies the scan's slice of each first); a lone float32
