@@ -584,6 +584,27 @@ void AttendBlock(const Geometry& g, const float* q, const T* k_cache, const T* v
   }
 }
 
+// Claims chunks [0, chunks) on the calling thread and up to ``helpers`` of XLA's pool threads (no thread is created
+// per call); returns when every claimed chunk is done. The shared state outlives the call: a helper that starts
+// after it has returned finds no chunk left and touches nothing else.
+template <typename Fn>
+void RunChunks(ffi::ThreadPool& pool, int64_t chunks, int64_t helpers, Fn run) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto claim = [=](Shared& st) {
+    for (int64_t c = st.next.fetch_add(1); c < chunks; c = st.next.fetch_add(1)) {
+      run(c);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, helpers));
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared, claim]() { claim(*shared); });
+  claim(*shared);
+  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
 // Query tokens per work item: a block's rows keep their softmax state in L1/L2 (16 x 9 heads x 64: 37 KB).
 constexpr int64_t kBlockTokens = 16;
 
@@ -655,26 +676,11 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
   // The most expensive items first, so the last ones to be claimed are short and the threads finish together.
   std::stable_sort(work.begin(), work.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   const int64_t n = static_cast<int64_t>(work.size());
-  // Shared with the helpers, which may start after this call has returned: they then find no work left and touch
-  // nothing but this state. Every claimed item is finished before the call returns.
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto claim = [=, &g, &work](Shared& st) {
-    std::vector<float> scratch;
-    for (int64_t i = st.next.fetch_add(1); i < n; i = st.next.fetch_add(1)) {
-      const WorkItem& w = work[i];
-      AttendBlock(g, qp, kc, vc, table + w.seq * g.pages_per_seq, w.tok0, w.ntok, w.pos0, o, scratch);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n / 2);
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([shared, claim]() { claim(*shared); });
-  }
-  claim(*shared);
-  while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  RunChunks(pool, n, n / 2, [&](int64_t i) {
+    thread_local std::vector<float> scratch;  // one per thread, kept between calls
+    const WorkItem& w = work[i];
+    AttendBlock(g, qp, kc, vc, table + w.seq * g.pages_per_seq, w.tok0, w.ntok, w.pos0, o, scratch);
+  });
   return ffi::Error::Success();
 }
 
@@ -795,25 +801,6 @@ constexpr int64_t kMaxRows = 8;
 // Rows ahead to prefetch in a [K, N] matrix: a strip reads one or two cache lines per row, a row apart, which the
 // hardware prefetchers do not follow (measured on the whole model's matrices: int8 8.0 -> 6.5 ms per one-row step).
 constexpr int64_t kQAhead = 16;
-
-// Claims chunks [0, chunks) on the calling thread and up to ``helpers`` of XLA's pool threads; returns when done.
-template <typename Fn>
-void RunChunks(ffi::ThreadPool& pool, int64_t chunks, int64_t helpers, Fn run) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto claim = [=](Shared& st) {
-    for (int64_t c = st.next.fetch_add(1); c < chunks; c = st.next.fetch_add(1)) {
-      run(c);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, helpers));
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared, claim]() { claim(*shared); });
-  claim(*shared);
-  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
-}
 
 // The matrix ``layer`` of w [K, N] or [L, K, N] (any rank >= 2: the leading dimensions are the stack): its offset
 // in elements, and its two dimensions. Returns false for a bad rank or layer.
