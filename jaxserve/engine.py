@@ -173,9 +173,9 @@ class LLMEngine:
             raise ValueError(f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', "
                              f"got {config.matmul_dtype!r}")
         if config.quantization is not None:
-            if config.matmul_dtype not in (None, dtype):
-                raise ValueError(f"matmul_dtype={config.matmul_dtype!r} copies float weights; it cannot be combined "
-                                 f"with quantization={config.quantization!r}")
+            if config.matmul_dtype not in (None, dtype) and config.quantization == "w8a8":
+                raise ValueError(f"matmul_dtype={config.matmul_dtype!r} cannot be combined with quantization='w8a8', "
+                                 "whose products multiply int8 activations by int8 weights")
             quant.check_backend(config.quantization)
         if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
             kv_heads_for(model.config, tp)

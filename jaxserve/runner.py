@@ -159,7 +159,8 @@ class ModelRunner:
         matmul_dtype: None or "bfloat16": dtype of the weights in the matrix products (None: the weights'
             own). On the CPU, "bfloat16" with float32 weights runs the products of steps of 8 rows or more on
             bfloat16 inputs with float32 accumulation (about 2x faster); norms, residuals, attention, the KV
-            cache and the sampler stay float32.
+            cache and the sampler stay float32. Quantized weights are not copied: the products that dequantize
+            whole matrices do it to bfloat16 (``QArray.dot_dtype``).
         mesh: the ("data", "model") mesh the step runs over (default: the first device); its "model" size is
             the tensor-parallel degree.
         platform: None (the platform JAX runs on), or "tpu" / "gpu" to build the steps for that platform without
@@ -207,9 +208,15 @@ class ModelRunner:
             if platform is None:  # compiling for another platform (jaxserve.aot) checks its chip itself
                 quant.check_backend(quantization)
             placed = self._quantize(placed, schema, quantization)
+        bf16_products = matmul_dtype is not None and jnp.dtype(matmul_dtype) != dtype
+        if bf16_products and any(quant.is_quantized(v) for v in placed.values()):
+            # No copies: the products that dequantize whole matrices (steps of more than 8 tokens) do it in bfloat16.
+            placed = {n: dataclasses.replace(v, dot_dtype=str(jnp.dtype(matmul_dtype))) if quant.is_quantized(v)
+                      else v for n, v in placed.items()}
+            bf16_products = False
         self.graphdef, self.state = model_from_params(model_cfg, placed)
         self.matmul_weights = None
-        if matmul_dtype is not None and jnp.dtype(matmul_dtype) != dtype:
+        if bf16_products:
             make = lambda s: nnx.merge(self.graphdef, s).matmul_weights()  # noqa: E731
             shapes = {n: a.shape for n, a in jax.eval_shape(make, self.state).items()}  # packed: last dim halved
             axes = {n: schema[n] for n in Llama.MATMUL_PARAMS} | {"output": ParamSpec(shapes["output"], OUTPUT_AXES)}

@@ -45,6 +45,7 @@ INT8_TARGET = "jaxserve_paged_attention_int8"
 WRITE_TARGET = "jaxserve_write_kv"
 MATMUL_TARGET = "jaxserve_matmul_rows"
 QUANT_TARGET = "jaxserve_matmul_quant_rows"
+DEQUANT_TARGET = "jaxserve_dequantize"
 MATMUL_MAX_ROWS = 8  # the C++ product's limit (kMaxRows)
 # What the C++ attention reads as plain arrays: float32, bfloat16, and fp8 pools (stored without scales).
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) + FP8_DTYPES
@@ -121,6 +122,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKV), platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulRows), platform="cpu")
         jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulQuantRows), platform="cpu")
+        jax.ffi.register_ffi_target(DEQUANT_TARGET, jax.ffi.pycapsule(lib.JaxserveDequantize), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
         warnings.warn(f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
@@ -268,19 +270,39 @@ def matmul_quant_rows(x: jax.Array, w, layer=None) -> jax.Array:
                 group=np.int64(w.group), offset=np.int64(w.offset), transposed=transposed)
 
 
+def dequantize(w, layer=None, dtype=jnp.float32) -> jax.Array:
+    """The float weight of a quantized matrix (a ``jaxserve.quant.QArray`` that ``matmul_quant_rows`` serves), or of
+    matrix ``layer`` of a stack of them, in ``dtype`` (float32, or bfloat16 rounded to nearest even): [K, N], or
+    [N, K] for the embedding grouped along its last axis. Computed as ``quant.dequantize`` does (one product and one
+    sum in float32), the stack read in place, on both cores."""
+    if not _load():
+        raise RuntimeError(f"the C++ dequantization is unavailable: {_error}")
+    if not quant_rows_serves(w):
+        raise ValueError(f"dequantize: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales, no "
+                         f"activation quantization): {w!r:.200}")
+    if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {dtype}")
+    zero = w.zero if w.zero is not None else jnp.zeros((0,), w.scale.dtype)
+    call = jax.ffi.ffi_call(DEQUANT_TARGET, jax.ShapeDtypeStruct(w.shape[-2:], dtype), vmap_method="sequential")
+    return call(w.q, w.scale, zero.astype(w.scale.dtype), _layer(layer), bits=np.int64(w.bits),
+                group=np.int64(w.group), offset=np.int64(w.offset), transposed=w.axis == -1)
+
+
 class RowsProduct:
-    """The model's ``RowsFn`` on one CPU device: the C++ products for steps of few rows.
+    """The model's ``RowsFn`` on one CPU device: the C++ products for steps of few rows, and the C++ dequantization
+    of grouped quantized weights for larger ones.
 
     bfloat16 weights and float32 layer stacks below 8 rows (from 8, XLA's products are the faster); quantized ones
-    up to 8
-    (XLA dequantizes whole 4-bit or grouped matrices each step: the whole model's 8-row products took 65 ms in XLA
-    against 13.5 here for int4), except int8 per output channel at 8 rows, whose conversion XLA fuses into its
-    product (14.3 against 15.7 ms)."""
+    up to 8 (XLA dequantizes whole 4-bit or grouped matrices each step: the whole model's 8-row products took 65 ms
+    in XLA against 13.5 here for int4), except int8 per output channel at 8 rows, whose conversion XLA fuses into its
+    product (14.3 against 15.7 ms). From 9 rows, grouped quantized weights (not int8 per output channel, which XLA
+    converts in its product) are dequantized here, each layer in place, and multiplied by XLA in ``w.dot_dtype``
+    (int4 in groups of 32, the whole model's products at 64 rows: 85 ms with XLA's dequantizing fusion)."""
 
     @staticmethod
     def serves(w, rows: int) -> bool:
         if quant_rows_serves(w):
-            return rows < MATMUL_MAX_ROWS or (rows == MATMUL_MAX_ROWS and not w.per_channel)
+            return rows < MATMUL_MAX_ROWS or not w.per_channel
         if rows >= MATMUL_MAX_ROWS or not isinstance(w, jax.Array | np.ndarray | jax.ShapeDtypeStruct):
             return False
         # float32: the layers' stacks only (read in place: XLA copies the scan's slice of each first); a lone float32
@@ -288,7 +310,43 @@ class RowsProduct:
         return w.dtype in (jnp.bfloat16, jnp.uint32) or (w.dtype == jnp.float32 and w.ndim == 3)
 
     def __call__(self, x: jax.Array, w, layer=None) -> jax.Array:
-        return (matmul_quant_rows if quant_rows_serves(w) else matmul_rows)(x, w, layer)
+        if not quant_rows_serves(w):
+            return matmul_rows(x, w, layer)
+        if x.shape[0] <= MATMUL_MAX_ROWS:
+            return matmul_quant_rows(x, w, layer)
+        from jaxserve.quant import dot_dequantized
+
+        if w.axis == -1 and layer is None and (blocks := _vocab_blocks(w.q.shape[0])) > 1:
+            return _output_by_blocks(x, w, blocks)
+        return dot_dequantized(x, dequantize(w, layer, w.dot_dtype or x.dtype), w)
+
+
+_VOCAB_BLOCK = 4096  # rows of the [V, D] embedding dequantized at a time for the output projection
+
+
+def _vocab_blocks(v: int) -> int:
+    """Blocks of at most ``_VOCAB_BLOCK`` (and at least 1,024) rows that split ``v`` evenly; 1 if none do."""
+    for n in range(-(-v // _VOCAB_BLOCK), v // 1024 + 1):
+        if v % n == 0:
+            return n
+    return 1
+
+
+def _output_by_blocks(x: jax.Array, w, blocks: int) -> jax.Array:
+    """``x @ W.T`` for the quantized [V, D] embedding, ``blocks`` runs of its rows dequantized at a time (float32,
+    whatever ``w.dot_dtype``: XLA:CPU's bfloat16 product with a [V, D] matrix transposed ran at a sixth of its rate).
+    One block's buffer is reused: a whole float copy (113 MB for SmolLM2) was a fresh allocation each step, and
+    touching its pages took longer than the product (26 ms at 64 rows)."""
+    import dataclasses
+
+    split = lambda a: None if a is None else a.reshape(blocks, a.shape[0] // blocks, a.shape[1])  # noqa: E731
+    wb = dataclasses.replace(w, q=split(w.q), scale=split(w.scale), zero=split(w.zero))
+
+    def block(_, b):
+        return None, x.astype(jnp.float32) @ dequantize(wb, b, jnp.float32).T
+
+    _, out = jax.lax.scan(block, None, jnp.arange(blocks, dtype=jnp.int32))  # [blocks, M, V / blocks]
+    return jnp.moveaxis(out, 0, 1).reshape(x.shape[0], w.q.shape[0]).astype(x.dtype)
 
 
 ROWS = RowsProduct()

@@ -95,12 +95,85 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
     routed = np.asarray(matmul(jnp.asarray(x), embed, cpu_ffi.ROWS))
     np.testing.assert_array_equal(routed, got)
     assert cpu_ffi.ROWS.serves(stack, 8) == (mode == "int4") and cpu_ffi.ROWS.serves(stack, 7)
-    assert not cpu_ffi.ROWS.serves(stack, 9)
+    assert cpu_ffi.ROWS.serves(stack, 9) == (mode == "int4")  # from 9 rows: dequantized in C++, XLA's product
     assert not cpu_ffi.ROWS.serves(quant.quantize(rng.normal(size=(384, 64)).astype(np.float32), "w8a8"), 1)
     with pytest.raises(ValueError, match="M <= 8"):
         cpu_ffi.matmul_quant_rows(jnp.zeros((9, 384), jnp.float32), stack, jnp.int32(0))
     with pytest.raises(Exception, match="matmul_quant_rows"):  # the C++ check of the layer index
         np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), stack, jnp.int32(3)))
+
+
+def _grouped(rng, shape, bits, group, axis, scale_dtype, offset=0, zero=True):
+    """A QArray of random values and scales, grouped along ``axis`` (as GGUF's blocks: int8 in groups too)."""
+    k_axis = len(shape) + axis
+    groups = list(shape)
+    groups[k_axis] //= group
+    packed = list(shape)
+    packed[k_axis] //= 8 // bits
+    q = rng.integers(-128, 128, packed).astype(np.int8) if bits == 8 else rng.integers(0, 256, packed).astype(np.uint8)
+    scale = (rng.random(groups) + 0.5).astype(scale_dtype)
+    z = rng.normal(size=groups).astype(scale_dtype) if zero else None
+    return quant.QArray(jnp.asarray(q), jnp.asarray(scale), None if z is None else jnp.asarray(z), bits=bits,
+                        group=group, offset=offset, axis=axis)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cpp_dequantize_equals_the_jnp_reference(bits):
+    """The C++ dequantization (steps of more than 8 rows on one CPU device dequantize each layer in place for XLA's
+    product): bit for bit the jnp reference's weights, in float32 and rounded to bfloat16; both layouts, float16
+    and float32 scales, with and without zero and offset, a stack's layers, 200 columns (not a multiple of 16)."""
+    from jaxserve.kernels import cpu_ffi
+
+    assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
+    rng = np.random.default_rng(bits)
+    cases = [((3, 64, 200), -2, 32, np.float16, 8 if bits == 4 else 0, True),
+             ((3, 96, 48), -2, 16, np.float32, 0, False),
+             ((2, 40, 128), -1, 32, np.float16, 0, True),
+             ((2, 40, 128), -1, 64, np.float32, 3, False)]
+    for shape, axis, group, scale_dtype, offset, zero in cases:
+        w = _grouped(rng, shape, bits, group, axis, scale_dtype, offset, zero)
+        for layer in range(shape[0]):
+            ref = quant.dequantize(jax.tree.map(lambda a, i=layer: a[i], w))
+            for dtype in (jnp.float32, jnp.bfloat16):
+                got = cpu_ffi.dequantize(w, jnp.int32(layer), dtype)
+                assert got.dtype == dtype and got.shape == ref.shape
+                np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref.astype(dtype), np.float32))
+    with pytest.raises(Exception, match="dequantize"):  # the C++ check of the layer index
+        np.asarray(cpu_ffi.dequantize(w, jnp.int32(2)))
+
+
+@pytest.mark.parametrize("dot_dtype", [None, "bfloat16"])
+def test_rows_product_of_many_rows_dequantizes_in_cpp(dot_dtype):
+    """From 9 rows the model's product by a grouped quantized stack is XLA's, by the C++ dequantization of each
+    layer (in ``dot_dtype``): against numpy's float64 product by the jnp reference's weights (float32: within its
+    accumulation error; bfloat16: within the rounding of both operands, 2**-8 relative each). The tied output
+    projection by the [V, D] embedding dequantizes 4,096 rows at a time (three blocks here)."""
+    import dataclasses
+
+    from jaxserve.kernels import cpu_ffi
+    from jaxserve.models.llama import matmul
+
+    rng = np.random.default_rng(9)
+    tol = dict(rtol=1e-5, atol=1e-5) if dot_dtype is None else dict(rtol=0, atol=1e-2)
+    stack = dataclasses.replace(_grouped(rng, (2, 128, 96), 4, 32, -2, np.float16), dot_dtype=dot_dtype)
+    embed = dataclasses.replace(_grouped(rng, (12288, 64), 8, 32, -1, np.float16, zero=False), dot_dtype=dot_dtype)
+    assert cpu_ffi._vocab_blocks(12288) == 3
+    for rows in (9, 40):
+        assert cpu_ffi.ROWS.serves(stack, rows) and cpu_ffi.ROWS.serves(embed, rows)
+        x = rng.normal(size=(rows, 128)).astype(np.float32)
+        got = np.asarray(matmul(jnp.asarray(x), stack, cpu_ffi.ROWS, jnp.int32(1)))
+        want = x.astype(np.float64) @ np.asarray(quant.dequantize(stack)[1], np.float64)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        print(f"{dot_dtype} {rows} rows: worst error {err:.2e} of the largest output")
+        np.testing.assert_allclose(got / np.abs(want).max(), want / np.abs(want).max(), **tol)
+        assert (err > 1e-4) == (dot_dtype is not None)  # the bfloat16 product really ran (or really did not)
+        xe = x[:, :64]
+        got = np.asarray(matmul(jnp.asarray(xe), embed, cpu_ffi.ROWS))
+        want = xe.astype(np.float64) @ np.asarray(quant.dequantize(embed), np.float64).T
+        # the output projection multiplies in float32 whatever dot_dtype
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    per_channel = quant.quantize(rng.normal(size=(2, 128, 96)).astype(np.float32), "int8")
+    assert not cpu_ffi.ROWS.serves(per_channel, 9)  # XLA converts int8 per channel inside its own product
 
 
 def test_bad_modes_are_refused(default_loaded):
@@ -111,7 +184,7 @@ def test_bad_modes_are_refused(default_loaded):
     with pytest.raises(ValueError, match="fp8.*cpu"):
         LLM(default_loaded, quantization="fp8")
     with pytest.raises(ValueError, match="cannot be combined"):
-        LLM(default_loaded, quantization="int8", matmul_dtype="bfloat16")
+        LLM(default_loaded, quantization="w8a8", matmul_dtype="bfloat16")
     with pytest.raises(ValueError, match="no quantization group"):
         quant.quantize(np.ones((24, 4)), "int4")
 
