@@ -75,7 +75,7 @@ def step_fn(mode: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = ["float32", "float32-cpp", "bf16", "int8", "int4"]
+    modes = ["float32", "float32-cpp", "bf16", "int8", "int4", "w8a8"]
     ap.add_argument("--modes", nargs="+", default=modes, choices=modes)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)

@@ -8,7 +8,8 @@ tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and
 (host vs device).
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
-                               [--jaxserve-configs exact bf16 bf16kv bf16kv-async int8 int4 gguf]
+                               [--jaxserve-configs exact bf16 bf16kv bf16kv-async int8 int4 gguf w8a8
+                                                   int8-bf16 int4-bf16 gguf-bf16]
                                [--vllm [--vllm-dtypes float32 bfloat16]]
 
 ``--vllm`` runs vLLM's CPU build (``bash bench/vllm_cpu_env.sh`` makes its virtualenv and HF directory once) in a
@@ -17,9 +18,10 @@ subprocess per dtype, alternating with the jaxserve configurations, and checks i
 Each of ``--jaxserve-configs`` runs jaxserve once: "exact" is the float32 default; "bf16" runs the weights' matrix
 products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloat16")``); "bf16kv" also keeps the KV
 cache in bfloat16 (``kv_cache_dtype="bfloat16"``); "bf16kv-async" is that with async scheduling (off by default on
-the CPU); "int8", "int4" and "gguf" quantize the weights (``LLM(quantization=...)``; "gguf" serves the file's own
-Q4_1 / Q8_0 blocks, as llama.cpp does). For the non-exact configurations the script also reports how often their
-greedy tokens agree with the exact run's.
+the CPU); "int8", "int4", "w8a8" and "gguf" quantize the weights (``LLM(quantization=...)``; "w8a8" the
+activations too; "gguf" serves the file's own Q4_1 / Q8_0 blocks, as llama.cpp does); "int8-bf16", "int4-bf16" and
+"gguf-bf16" combine them with bfloat16 products (steps of more than 8 tokens dequantize each layer to bfloat16).
+For the non-exact configurations the script also reports how often their greedy tokens agree with the exact run's.
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ JAXSERVE_CONFIGS = {
     "int8": ("jaxserve (int8 weights)", {"quantization": "int8"}, "float32"),
     "int4": ("jaxserve (int4 weights)", {"quantization": "int4"}, "float32"),
     "gguf": ("jaxserve (the file's Q4_1 blocks)", {"quantization": "gguf"}, "float32"),
+    "w8a8": ("jaxserve (w8a8)", {"quantization": "w8a8"}, "float32"),
+    "int8-bf16": ("jaxserve (int8 weights, bf16 matmuls)", {"quantization": "int8", "matmul_dtype": "bfloat16"},
+                  "bfloat16"),
+    "int4-bf16": ("jaxserve (int4 weights, bf16 matmuls)", {"quantization": "int4", "matmul_dtype": "bfloat16"},
+                  "bfloat16"),
+    "gguf-bf16": ("jaxserve (the file's Q4_1 blocks, bf16 matmuls)", {"quantization": "gguf",
+                                                                      "matmul_dtype": "bfloat16"}, "bfloat16"),
 }
 
 

@@ -212,11 +212,17 @@ def dot_dequantized(x: jax.Array, dq: jax.Array, w: QArray) -> jax.Array:
 _INT_DOT_MIN_ROWS = 8
 
 
-def _matmul_w8a8(x: jax.Array, w: QArray) -> jax.Array:
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """W8A8's activations: each row of ``x`` to int8, symmetric (scale = max |row| / 127; 1 for a zero row).
+    Returns (int8 values, float32 scales [..., 1])."""
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
     xs = jnp.where(amax > 0, amax / 127.0, 1.0)
-    xq = jnp.clip(jnp.round(xf / xs), -127, 127).astype(jnp.int8)
+    return jnp.clip(jnp.round(xf / xs), -127, 127).astype(jnp.int8), xs
+
+
+def _matmul_w8a8(x: jax.Array, w: QArray) -> jax.Array:
+    xq, xs = quantize_rows(x)
     dims = (((xq.ndim - 1,), (w.q.ndim - 1 if w.axis == -1 else w.q.ndim - 2,)), ((), ()))
     if w.axis == -1 and math.prod(xq.shape[:-1]) < _INT_DOT_MIN_ROWS:
         # The [V, D] output projection with fewer than 8 rows: XLA:CPU's int8 dot contracting D of both took 34 ms

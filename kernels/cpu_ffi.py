@@ -46,6 +46,7 @@ WRITE_TARGET = "jaxserve_write_kv"
 MATMUL_TARGET = "jaxserve_matmul_rows"
 QUANT_TARGET = "jaxserve_matmul_quant_rows"
 DEQUANT_TARGET = "jaxserve_dequantize"
+W8A8_TARGET = "jaxserve_matmul_w8a8_rows"
 MATMUL_MAX_ROWS = 8  # the C++ product's limit (kMaxRows)
 # What the C++ attention reads as plain arrays: float32, bfloat16, and fp8 pools (stored without scales).
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) + FP8_DTYPES
@@ -123,6 +124,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulRows), platform="cpu")
         jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulQuantRows), platform="cpu")
         jax.ffi.register_ffi_target(DEQUANT_TARGET, jax.ffi.pycapsule(lib.JaxserveDequantize), platform="cpu")
+        jax.ffi.register_ffi_target(W8A8_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulW8A8Rows), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
         warnings.warn(f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
@@ -288,6 +290,38 @@ def dequantize(w, layer=None, dtype=jnp.float32) -> jax.Array:
                 group=np.int64(w.group), offset=np.int64(w.offset), transposed=w.axis == -1)
 
 
+def w8a8_rows_serves(w) -> bool:
+    """Whether ``matmul_w8a8_rows`` takes this ``QArray``: W8A8's int8 values with a float32 scale per output
+    channel (the layers' [K, N] stacks and the [V, D] embedding)."""
+    from jaxserve.quant import QArray
+
+    if not isinstance(w, QArray) or not w.act_quant or w.q.dtype != jnp.int8 or w.scale.dtype != jnp.float32:
+        return False
+    k = w.q.shape[-1] if w.axis == -1 else w.q.shape[-2]
+    return w.group == k and w.zero is None and not w.offset and w.q.ndim in (2, 3)
+
+
+def matmul_w8a8_rows(x: jax.Array, w, layer=None) -> jax.Array:
+    """x [M, K] (M <= 8) times a W8A8 weight (or matrix ``layer`` of a stack), as ``quant.matmul`` computes it: x
+    quantized to int8 per row, the int8 x int8 sums exact in int32 (AVX-512 VNNI where the build has it), then
+    ``sums * x_scale * w_scale`` in float32."""
+    from jaxserve.quant import quantize_rows
+
+    if not _load():
+        raise RuntimeError(f"the C++ W8A8 product is unavailable: {_error}")
+    if not w8a8_rows_serves(w):
+        raise ValueError(f"matmul_w8a8_rows: not a W8A8 QArray (int8 values, a float32 scale per output channel): "
+                         f"{w!r:.200}")
+    k = w.shape[-1] if w.axis == -1 else w.shape[-2]
+    if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MATMUL_MAX_ROWS:
+        raise ValueError(f"matmul_w8a8_rows: x must be [M <= {MATMUL_MAX_ROWS}, {k}], got {x.shape}")
+    transposed = w.axis == -1
+    n = w.q.shape[-2] if transposed else w.q.shape[-1]
+    xq, xs = quantize_rows(x)
+    call = jax.ffi.ffi_call(W8A8_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
+    return call(xq, xs.reshape(-1), w.q, w.scale, _layer(layer), transposed=transposed)
+
+
 class RowsProduct:
     """The model's ``RowsFn`` on one CPU device: the C++ products for steps of few rows, and the C++ dequantization
     of grouped quantized weights for larger ones.
@@ -301,6 +335,8 @@ class RowsProduct:
 
     @staticmethod
     def serves(w, rows: int) -> bool:
+        if w8a8_rows_serves(w):
+            return rows <= MATMUL_MAX_ROWS
         if quant_rows_serves(w):
             return rows < MATMUL_MAX_ROWS or not w.per_channel
         if rows >= MATMUL_MAX_ROWS or not isinstance(w, jax.Array | np.ndarray | jax.ShapeDtypeStruct):
@@ -310,6 +346,8 @@ class RowsProduct:
         return w.dtype in (jnp.bfloat16, jnp.uint32) or (w.dtype == jnp.float32 and w.ndim == 3)
 
     def __call__(self, x: jax.Array, w, layer=None) -> jax.Array:
+        if w8a8_rows_serves(w):
+            return matmul_w8a8_rows(x, w, layer)
         if not quant_rows_serves(w):
             return matmul_rows(x, w, layer)
         if x.shape[0] <= MATMUL_MAX_ROWS:

@@ -1353,6 +1353,142 @@ ffi::Error Dequantize(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zer
              : DequantImpl<Half, uint16_t>(q, scale, zero, l, bits, group, offset, transposed, pool, out);
 }
 
+
+// ---- W8A8 rows: int8 activations (quantized per row by the caller) times int8 weights per output channel. The
+// int32 sums are exact, then (acc * xs) * scale in float32, as quant._matmul_w8a8 computes it. AVX-512 VNNI's
+// vpdpbusd multiplies unsigned by signed bytes, four per 32-bit lane: the weights go in as w ^ 0x80 = w + 128
+// (unsigned), the activations signed, and 128 * sum(xq) comes back off each row's sums.
+
+// Rows [0, M) of xq [M, K] by columns [n0, n1) of w [K, N]: the int32 sums, column n of row m at acc[m * S + n - n0]
+// (of the unsigned weights).
+template <int M>
+void W8A8SumsKN(const int8_t* xq, const int8_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, int32_t* acc,
+                int64_t S) {
+  int64_t j = n0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int64_t K4 = K / 4 * 4;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (; j + 64 <= n1; j += 64) {  // 64 columns: four rows of 64 bytes regrouped as 16 x 4 bytes, four times
+    __m512i a[M][4];
+    for (int m = 0; m < M; ++m) {
+      for (int q = 0; q < 4; ++q) a[m][q] = _mm512_setzero_si512();
+    }
+    for (int64_t k = 0; k < K4; k += 4) {
+      __m512i r[4];
+      for (int i = 0; i < 4; ++i) {
+        const int8_t* row = w + (k + i) * N + j;
+        __builtin_prefetch(row + kQAhead * N, 0, 1);
+        r[i] = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
+      }
+      // Per 128-bit lane l: u[q] holds, for columns 16 l + 4 q + c (c < 4), the bytes of rows k .. k + 3.
+      const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+      const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+      const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
+                            _mm512_unpacklo_epi16(t1, t3), _mm512_unpackhi_epi16(t1, t3)};
+      for (int m = 0; m < M; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xq + m * K + k, sizeof(x4));
+        const __m512i xb = _mm512_set1_epi32(x4);
+        for (int q = 0; q < 4; ++q) a[m][q] = _mm512_dpbusd_epi32(a[m][q], u[q], xb);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      int32_t lanes[4][16];
+      for (int q = 0; q < 4; ++q) _mm512_storeu_si512(lanes[q], a[m][q]);
+      for (int l = 0; l < 4; ++l) {
+        for (int q = 0; q < 4; ++q) {
+          for (int c = 0; c < 4; ++c) acc[m * S + j - n0 + 16 * l + 4 * q + c] = lanes[q][4 * l + c];
+        }
+      }
+      for (int64_t k = K4; k < K; ++k) {  // the last K % 4 rows, unsigned as above
+        for (int64_t c = j; c < j + 64; ++c) acc[m * S + c - n0] += xq[m * K + k] * (w[k * N + c] + 128);
+      }
+    }
+  }
+#endif
+  for (; j < n1; ++j) {  // the rest (every column without VNNI), unsigned as above
+    for (int m = 0; m < M; ++m) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += xq[m * K + k] * (w[k * N + j] + 128);
+      acc[m * S + j - n0] = s;
+    }
+  }
+}
+
+// Rows [n0, n1) of the transposed w [N, K] (the [V, D] embedding as the output projection), acc as above.
+template <int M>
+void W8A8SumsNK(const int8_t* xq, const int8_t* w, int64_t K, int64_t, int64_t n0, int64_t n1, int32_t* acc,
+                int64_t S) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    int32_t s[M] = {};
+    int64_t k = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i a[M];
+    for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_si512();
+    for (; k + 64 <= K; k += 64) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(row + k), flip);
+      for (int m = 0; m < M; ++m) a[m] = _mm512_dpbusd_epi32(a[m], v, _mm512_loadu_si512(xq + m * K + k));
+    }
+    for (int m = 0; m < M; ++m) s[m] = _mm512_reduce_add_epi32(a[m]);
+#endif
+    for (; k < K; ++k) {
+      for (int m = 0; m < M; ++m) s[m] += xq[m * K + k] * (row[k] + 128);
+    }
+    for (int m = 0; m < M; ++m) acc[m * S + n - n0] = s[m];
+  }
+}
+
+// Up to 4 rows at a time (their 16 accumulators and the regrouped bytes fit the 32 registers).
+void W8A8Sums(int64_t M, const int8_t* xq, const int8_t* w, int64_t K, int64_t N, bool transposed, int64_t n0,
+              int64_t n1, int32_t* acc, int64_t S) {
+  using Fn = void (*)(const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t, int32_t*, int64_t);
+  constexpr Fn kKN[4] = {W8A8SumsKN<1>, W8A8SumsKN<2>, W8A8SumsKN<3>, W8A8SumsKN<4>};
+  constexpr Fn kNK[4] = {W8A8SumsNK<1>, W8A8SumsNK<2>, W8A8SumsNK<3>, W8A8SumsNK<4>};
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, M - m0);
+    (transposed ? kNK : kKN)[rows - 1](xq + m0 * K, w, K, N, n0, n1, acc + m0 * S, S);
+  }
+}
+
+ffi::Error MatmulW8A8Rows(ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer, bool transposed,
+                          ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = xq.dimensions();
+  int64_t off, rows, cols;
+  if (xd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || !LayerOf(w.dimensions(), layer.typed_data()[0], &off, &rows,
+                                                                   &cols)) {
+    return ffi::Error::InvalidArgument("matmul_w8a8_rows: xq must be [M <= 8, K], w [(L,) K, N] or [N, K]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = transposed ? rows : cols;
+  if ((transposed ? cols : rows) != K || xs.element_count() != M || scale.element_count() % N != 0 ||
+      scale.element_count() / N != w.element_count() / (rows * cols)) {
+    return ffi::Error::InvalidArgument("matmul_w8a8_rows: xs must be [M], scale one per output channel (per layer)");
+  }
+  const int8_t* xp = xq.typed_data();
+  const int8_t* wp = w.typed_data() + off;
+  const float* xsp = xs.typed_data();
+  const float* sp = scale.typed_data() + off / (rows * cols) * N;
+  float* op = out->typed_data();
+  int32_t x128[kMaxRows] = {};  // 128 * sum(xq) per row: what the unsigned weights added
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) x128[m] += 128 * xp[m * K + k];
+  }
+  const int64_t chunk = transposed ? 256 : 128, chunks = (N + chunk - 1) / chunk;
+  RunChunks(pool, chunks, chunks / 2, [&](int64_t c) {
+    const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+    int32_t acc[kMaxRows * 256];
+    W8A8Sums(M, xp, wp, K, N, transposed, n0, n1, acc, chunk);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const float a = static_cast<float>(acc[m * chunk + n - n0] - x128[m]);
+        op[m * N + n] = a * xsp[m] * sp[n];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
 }  // namespace
 
 // What both attention targets take after their caches: the batch description, the attributes, the output.
@@ -1429,3 +1565,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDequantize, Dequantize,
                                   .Attr<bool>("transposed")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::AnyBuffer>());  // [K, N] or [N, K]: float32 or bfloat16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulW8A8Rows, MatmulW8A8Rows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // xq [M, K]: the activations quantized per row
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs [M]: their scales
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // w [(L,) K, N], or [N, K] transposed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale: one per output channel (and layer)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Attr<bool>("transposed")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -89,18 +89,58 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
     want = x.astype(np.float64) @ np.asarray(quant.dequantize(embed), np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # the model's matmul routes up to 8 rows there (int8 per output channel: fewer than 8); W8A8 (activations
-    # quantized too) stays with XLA
+    # quantized too) has its own product
     from jaxserve.models.llama import matmul
 
     routed = np.asarray(matmul(jnp.asarray(x), embed, cpu_ffi.ROWS))
     np.testing.assert_array_equal(routed, got)
     assert cpu_ffi.ROWS.serves(stack, 8) == (mode == "int4") and cpu_ffi.ROWS.serves(stack, 7)
     assert cpu_ffi.ROWS.serves(stack, 9) == (mode == "int4")  # from 9 rows: dequantized in C++, XLA's product
-    assert not cpu_ffi.ROWS.serves(quant.quantize(rng.normal(size=(384, 64)).astype(np.float32), "w8a8"), 1)
+    assert not cpu_ffi.quant_rows_serves(quant.quantize(rng.normal(size=(384, 64)).astype(np.float32), "w8a8"))
     with pytest.raises(ValueError, match="M <= 8"):
         cpu_ffi.matmul_quant_rows(jnp.zeros((9, 384), jnp.float32), stack, jnp.int32(0))
     with pytest.raises(Exception, match="matmul_quant_rows"):  # the C++ check of the layer index
         np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), stack, jnp.int32(3)))
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 8])
+def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
+    """W8A8 steps of up to 8 rows in C++ (AVX-512 VNNI): the activations quantized per row, the int8 x int8 sums in
+    int32, then ``sums * x_scale * w_scale`` in float32: bit for bit numpy's int64 sums scaled in the same order.
+    K = 386 and N = 200 leave tails of both blocks (4 rows of K, 64 columns); a stack's layers and the transposed
+    [V, D] embedding; 5 rows split in blocks of 4 and 1."""
+    from jaxserve.kernels import cpu_ffi
+    from jaxserve.models.llama import matmul
+
+    assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
+    rng = np.random.default_rng(m)
+    x = (rng.normal(size=(m, 386)) * rng.uniform(0.1, 10, size=(m, 1))).astype(np.float32)
+    if m > 1:
+        x[1] = 0  # a zero row: scale 1
+    xs = np.where(np.abs(x).max(-1, keepdims=True) > 0, np.abs(x).max(-1, keepdims=True) / np.float32(127), 1)
+    xq = np.clip(np.round(x / xs), -127, 127).astype(np.int64)
+    # the activations as quant.quantize_rows (XLA) quantizes them: the same int8 values; its scales within one
+    # float32 rounding of numpy's (XLA multiplies by 1 / 127), and the C++ product scales by XLA's
+    jxq, jxs = quant.quantize_rows(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(jxq), xq)
+    np.testing.assert_allclose(np.asarray(jxs), xs, rtol=1.2e-7, atol=0)
+    xs = np.asarray(jxs)
+
+    def want(q, scale):  # q [K, N] int8, scale [N]
+        return (xq @ np.asarray(q, np.int64)).astype(np.float32) * xs.astype(np.float32) * scale.astype(np.float32)
+
+    stack = quant.quantize(rng.normal(size=(3, 386, 200)).astype(np.float32), "w8a8")
+    embed = quant.quantize(rng.normal(size=(300, 386)).astype(np.float32), "w8a8", axis=-1)
+    assert cpu_ffi.ROWS.serves(stack, m) and cpu_ffi.ROWS.serves(embed, m) and not cpu_ffi.ROWS.serves(stack, 9)
+    for layer in (0, 2):
+        got = np.asarray(matmul(jnp.asarray(x), stack, cpu_ffi.ROWS, jnp.int32(layer)))
+        np.testing.assert_array_equal(got, want(stack.q[layer], np.asarray(stack.scale[layer]).reshape(-1)))
+    got = np.asarray(matmul(jnp.asarray(x), embed, cpu_ffi.ROWS))
+    np.testing.assert_array_equal(got, want(np.asarray(embed.q).T, np.asarray(embed.scale).reshape(-1)))
+    # and XLA's product (quant.matmul) gives the same
+    np.testing.assert_array_equal(got, np.asarray(quant.matmul(jnp.asarray(x), embed)))
+    with pytest.raises(Exception, match="matmul_w8a8_rows"):  # the C++ check of the layer index
+        np.asarray(cpu_ffi.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(3)))
 
 
 def _grouped(rng, shape, bits, group, axis, scale_dtype, offset=0, zero=True):
