@@ -9,7 +9,7 @@ tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and
 
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
                                [--jaxserve-configs exact bf16 bf16kv bf16kv-async int8 int4 gguf w8a8
-                                                   int8-bf16 int4-bf16 gguf-bf16]
+                                                   int8-bf16 int4-bf16 gguf-bf16 int4-bf16kv gguf-bf16kv]
                                [--vllm [--vllm-dtypes float32 bfloat16]]
 
 ``--vllm`` runs vLLM's CPU build (``bash bench/vllm_cpu_env.sh`` makes its virtualenv and HF directory once) in a
@@ -20,7 +20,8 @@ products on bfloat16 inputs with float32 accumulation (``LLM(matmul_dtype="bfloa
 cache in bfloat16 (``kv_cache_dtype="bfloat16"``); "bf16kv-async" is that with async scheduling (off by default on
 the CPU); "int8", "int4", "w8a8" and "gguf" quantize the weights (``LLM(quantization=...)``; "w8a8" the
 activations too; "gguf" serves the file's own Q4_1 / Q8_0 blocks, as llama.cpp does); "int8-bf16", "int4-bf16" and
-"gguf-bf16" combine them with bfloat16 products (steps of more than 8 tokens dequantize each layer to bfloat16).
+"gguf-bf16" combine them with bfloat16 products (steps of more than 8 tokens dequantize each layer to bfloat16),
+"int4-bf16kv" and "gguf-bf16kv" also with the bfloat16 KV cache.
 For the non-exact configurations the script also reports how often their greedy tokens agree with the exact run's.
 """
 
@@ -88,6 +89,10 @@ JAXSERVE_CONFIGS = {
                   "bfloat16"),
     "gguf-bf16": ("jaxserve (the file's Q4_1 blocks, bf16 matmuls)", {"quantization": "gguf",
                                                                       "matmul_dtype": "bfloat16"}, "bfloat16"),
+    "int4-bf16kv": ("jaxserve (int4 weights, bf16 matmuls + KV)", {"quantization": "int4", "matmul_dtype": "bfloat16",
+                                                                   "kv_cache_dtype": "bfloat16"}, "bfloat16"),
+    "gguf-bf16kv": ("jaxserve (the file's Q4_1 blocks, bf16 matmuls + KV)",
+                    {"quantization": "gguf", "matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, "bfloat16"),
 }
 
 

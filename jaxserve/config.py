@@ -439,7 +439,8 @@ class EngineConfig:
                                        "GPU/TPU)", choices=_DTYPES)
     matmul_dtype: str | None = _setting(
         None, "bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation (about 2x "
-              "faster on the CPU; default: exact, in --dtype)", choices=_DTYPES)
+              "faster on the CPU; with --quantization, steps of more than 8 tokens dequantize to bfloat16; w8a8 "
+              "refuses it; default: exact, in --dtype)", choices=_DTYPES)
     quantization: str | None = _setting(
         None, "quantize the weights on load: int8 (per output channel), int4 (groups of 128, with min), w8a8 (int8 "
               "weights and per-token int8 activations), fp8 (e4m3; GPUs/TPUs with fp8); gguf: serve a GGUF file's "

@@ -339,6 +339,17 @@ def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Arra
     return (chosen, *jax.lax.cond(wanted, top, skipped, logits))
 
 
+def argmax_rows(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` as two plain reductions (the row's max, then the first position holding it): XLA:CPU
+    runs argmax's paired (value, index) reduction element by element, 3.5-6x slower (7.4 ms for 64 rows of
+    SmolLM2's 49,152 logits, against 2.1). Ties go to the first position, as argmax; in a row with a NaN the result
+    is the first position holding a NaN or the row's largest number (argmax: the first NaN). [..., V] -> [...]
+    int32."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    pos = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), pos, x.shape[-1]), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("max_logprobs",))
 def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
     """Draw one token per row.
@@ -354,7 +365,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
     """
     logits = logits.astype(jnp.float32)
     processed, greedy = _process(logits, meta)
-    argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [B]
+    argmax = argmax_rows(processed)  # [B]
 
     def draw(x):
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), t))(

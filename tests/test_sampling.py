@@ -515,3 +515,21 @@ def test_fixed_widths_one_compile_for_every_size():
             if keys % 2:  # asked: the raw top 20
                 np.testing.assert_array_equal(top, np.argsort(-ref[0])[:20])
     assert traces == 1
+
+
+def test_argmax_rows_is_argmax():
+    """The greedy token: numpy's argmax (first position on ties), also on all -inf rows and rows of ties; in a row
+    with a NaN, a position holding a NaN or the row's largest number."""
+    from jaxserve.sampling import argmax_rows
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 4, (64, 3000)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2] = 7.0
+    x[3] = rng.normal(size=3000)
+    got = np.asarray(argmax_rows(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    x[4, [5, 9]] = np.nan
+    i = int(argmax_rows(jnp.asarray(x[4]))[()])
+    assert np.isnan(x[4, i]) or x[4, i] == np.nanmax(x[4])
