@@ -213,11 +213,12 @@ _INT_DOT_MIN_ROWS = 8
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """W8A8's activations: each row of ``x`` to int8, symmetric (scale = max |row| / 127; 1 for a zero row).
-    Returns (int8 values, float32 scales [..., 1])."""
+    """W8A8's activations: each row of ``x`` to int8, symmetric (scale = max |row| * float32(1 / 127), as XLA
+    computes a division by a constant; 1 for a zero row), values rounded half to even and clipped to +-127 (the C++
+    product quantizes its rows the same way, bit for bit). Returns (int8 values, float32 scales [..., 1])."""
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
-    xs = jnp.where(amax > 0, amax / 127.0, 1.0)
+    xs = jnp.where(amax > 0, amax * np.float32(1 / 127), 1.0)
     return jnp.clip(jnp.round(xf / xs), -127, 127).astype(jnp.int8), xs
 
 

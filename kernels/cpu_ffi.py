@@ -303,10 +303,9 @@ def w8a8_rows_serves(w) -> bool:
 
 def matmul_w8a8_rows(x: jax.Array, w, layer=None) -> jax.Array:
     """x [M, K] (M <= 8) times a W8A8 weight (or matrix ``layer`` of a stack), as ``quant.matmul`` computes it: x
-    quantized to int8 per row, the int8 x int8 sums exact in int32 (AVX-512 VNNI where the build has it), then
+    quantized to int8 per row (in C++, bit for bit as ``quant.quantize_rows``: a fused op fewer per product, ~1 ms
+    per token of SmolLM2), the int8 x int8 sums exact in int32 (AVX-512 VNNI where the build has it), then
     ``sums * x_scale * w_scale`` in float32."""
-    from jaxserve.quant import quantize_rows
-
     if not _load():
         raise RuntimeError(f"the C++ W8A8 product is unavailable: {_error}")
     if not w8a8_rows_serves(w):
@@ -317,9 +316,8 @@ def matmul_w8a8_rows(x: jax.Array, w, layer=None) -> jax.Array:
         raise ValueError(f"matmul_w8a8_rows: x must be [M <= {MATMUL_MAX_ROWS}, {k}], got {x.shape}")
     transposed = w.axis == -1
     n = w.q.shape[-2] if transposed else w.q.shape[-1]
-    xq, xs = quantize_rows(x)
     call = jax.ffi.ffi_call(W8A8_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
-    return call(xq, xs.reshape(-1), w.q, w.scale, _layer(layer), transposed=transposed)
+    return call(x.astype(jnp.float32), w.q, w.scale, _layer(layer), transposed=transposed)
 
 
 class RowsProduct:

@@ -1354,7 +1354,7 @@ ffi::Error Dequantize(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zer
 }
 
 
-// ---- W8A8 rows: int8 activations (quantized per row by the caller) times int8 weights per output channel. The
+// ---- W8A8 rows: int8 activations (quantized per row here) times int8 weights per output channel. The
 // int32 sums are exact, then (acc * xs) * scale in float32, as quant._matmul_w8a8 computes it. AVX-512 VNNI's
 // vpdpbusd multiplies unsigned by signed bytes, four per 32-bit lane: the weights go in as w ^ 0x80 = w + 128
 // (unsigned), the activations signed, and 128 * sum(xq) comes back off each row's sums.
@@ -1452,23 +1452,39 @@ void W8A8Sums(int64_t M, const int8_t* xq, const int8_t* w, int64_t K, int64_t N
   }
 }
 
-ffi::Error MatmulW8A8Rows(ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S8> w,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer, bool transposed,
-                          ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = xq.dimensions();
+// x [M, K] float32 rows to int8 as quant.quantize_rows: scale max |row| * float32(1 / 127) (1 for a zero row),
+// values x / scale rounded half to even (the default rounding mode) and clipped to +-127.
+void QuantizeRows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs) {
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[m * K + k]));
+    xs[m] = amax > 0.0f ? amax * static_cast<float>(1.0 / 127.0) : 1.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(x[m * K + k] / xs[m]);
+      xq[m * K + k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+    }
+  }
+}
+
+ffi::Error MatmulW8A8Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                          ffi::Buffer<ffi::S32> layer, bool transposed, ffi::ThreadPool pool,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
   int64_t off, rows, cols;
   if (xd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || !LayerOf(w.dimensions(), layer.typed_data()[0], &off, &rows,
                                                                    &cols)) {
-    return ffi::Error::InvalidArgument("matmul_w8a8_rows: xq must be [M <= 8, K], w [(L,) K, N] or [N, K]");
+    return ffi::Error::InvalidArgument("matmul_w8a8_rows: x must be [M <= 8, K], w [(L,) K, N] or [N, K]");
   }
   const int64_t M = xd[0], K = xd[1], N = transposed ? rows : cols;
-  if ((transposed ? cols : rows) != K || xs.element_count() != M || scale.element_count() % N != 0 ||
+  if ((transposed ? cols : rows) != K || scale.element_count() % N != 0 ||
       scale.element_count() / N != w.element_count() / (rows * cols)) {
-    return ffi::Error::InvalidArgument("matmul_w8a8_rows: xs must be [M], scale one per output channel (per layer)");
+    return ffi::Error::InvalidArgument("matmul_w8a8_rows: scale must be one per output channel (per layer)");
   }
-  const int8_t* xp = xq.typed_data();
+  std::vector<int8_t> xq(M * K);
+  float xsp[kMaxRows];
+  QuantizeRows(x.typed_data(), M, K, xq.data(), xsp);
+  const int8_t* xp = xq.data();
   const int8_t* wp = w.typed_data() + off;
-  const float* xsp = xs.typed_data();
   const float* sp = scale.typed_data() + off / (rows * cols) * N;
   float* op = out->typed_data();
   int32_t x128[kMaxRows] = {};  // 128 * sum(xq) per row: what the unsigned weights added
@@ -1568,8 +1584,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDequantize, Dequantize,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulW8A8Rows, MatmulW8A8Rows,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S8>>()  // xq [M, K]: the activations quantized per row
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs [M]: their scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], quantized per row here
                                   .Arg<ffi::Buffer<ffi::S8>>()  // w [(L,) K, N], or [N, K] transposed
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale: one per output channel (and layer)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer

@@ -106,7 +106,8 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
 @pytest.mark.parametrize("m", [1, 3, 5, 8])
 def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     """W8A8 steps of up to 8 rows in C++ (AVX-512 VNNI): the activations quantized per row, the int8 x int8 sums in
-    int32, then ``sums * x_scale * w_scale`` in float32: bit for bit numpy's int64 sums scaled in the same order.
+    int32, then ``sums * x_scale * w_scale`` in float32: bit for bit numpy's quantization and int64 sums scaled in the
+    same order, and XLA's product (quant.matmul, the larger steps').
     K = 386 and N = 200 leave tails of both blocks (4 rows of K, 64 columns); a stack's layers and the transposed
     [V, D] embedding; 5 rows split in blocks of 4 and 1."""
     from jaxserve.kernels import cpu_ffi
@@ -117,14 +118,12 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     x = (rng.normal(size=(m, 386)) * rng.uniform(0.1, 10, size=(m, 1))).astype(np.float32)
     if m > 1:
         x[1] = 0  # a zero row: scale 1
-    xs = np.where(np.abs(x).max(-1, keepdims=True) > 0, np.abs(x).max(-1, keepdims=True) / np.float32(127), 1)
+    amax = np.abs(x).max(-1, keepdims=True)
+    xs = np.where(amax > 0, amax * np.float32(1 / 127), np.float32(1))
     xq = np.clip(np.round(x / xs), -127, 127).astype(np.int64)
-    # the activations as quant.quantize_rows (XLA) quantizes them: the same int8 values; its scales within one
-    # float32 rounding of numpy's (XLA multiplies by 1 / 127), and the C++ product scales by XLA's
-    jxq, jxs = quant.quantize_rows(jnp.asarray(x))
+    jxq, jxs = quant.quantize_rows(jnp.asarray(x))  # XLA's quantization (larger steps): the same numbers
     np.testing.assert_array_equal(np.asarray(jxq), xq)
-    np.testing.assert_allclose(np.asarray(jxs), xs, rtol=1.2e-7, atol=0)
-    xs = np.asarray(jxs)
+    np.testing.assert_array_equal(np.asarray(jxs), xs)
 
     def want(q, scale):  # q [K, N] int8, scale [N]
         return (xq @ np.asarray(q, np.int64)).astype(np.float32) * xs.astype(np.float32) * scale.astype(np.float32)
@@ -139,6 +138,8 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     np.testing.assert_array_equal(got, want(np.asarray(embed.q).T, np.asarray(embed.scale).reshape(-1)))
     # and XLA's product (quant.matmul) gives the same
     np.testing.assert_array_equal(got, np.asarray(quant.matmul(jnp.asarray(x), embed)))
+    np.testing.assert_array_equal(np.asarray(cpu_ffi.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(1))),
+                                  np.asarray(quant.matmul(jnp.asarray(x), jax.tree.map(lambda a: a[1], stack))))
     with pytest.raises(Exception, match="matmul_w8a8_rows"):  # the C++ check of the layer index
         np.asarray(cpu_ffi.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(3)))
 
