@@ -255,21 +255,25 @@ def matmul_quant_rows(x: jax.Array, w, layer=None) -> jax.Array:
     of a stack of them [L, ...] -> [M, N] float32. The values are widened to float32 in registers; per group,
     ``scale * sum(x * q) + (zero - scale * offset) * sum(x)``, the dequantized weights' product up to float32
     rounding."""
-    if not _load():
-        raise RuntimeError(f"the C++ quantized product is unavailable: {_error}")
-    if not quant_rows_serves(w):
-        raise ValueError(f"matmul_quant_rows: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales, "
-                         f"no activation quantization): {w!r:.200}")
-    k = w.shape[-1] if w.axis == -1 else w.shape[-2]
+    transposed = getattr(w, "axis", -2) == -1  # not a QArray: refused by _quantized_call
+    k, n = (w.shape[-1], w.shape[-2]) if transposed else (w.shape[-2], w.shape[-1])
     if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MATMUL_MAX_ROWS:
         raise ValueError(f"matmul_quant_rows: x must be [M <= {MATMUL_MAX_ROWS}, {k}], got {x.shape}")
-    transposed = w.axis == -1
-    n = w.q.shape[-2] if transposed else w.q.shape[-1]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return _quantized_call("matmul_quant_rows", QUANT_TARGET, out, w, layer, x.astype(jnp.float32))
+
+
+def _quantized_call(name: str, target: str, out: jax.ShapeDtypeStruct, w, layer, *lead: jax.Array) -> jax.Array:
+    """``target`` on (*lead, w's values, scales, zeros (empty: none), layer), w's format as its attributes."""
+    if not _load():
+        raise RuntimeError(f"{name}: the C++ library is unavailable: {_error}")
+    if not quant_rows_serves(w):
+        raise ValueError(f"{name}: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales, no "
+                         f"activation quantization): {w!r:.200}")
     zero = w.zero if w.zero is not None else jnp.zeros((0,), w.scale.dtype)
-    call = jax.ffi.ffi_call(QUANT_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-                            vmap_method="sequential")
-    return call(x.astype(jnp.float32), w.q, w.scale, zero.astype(w.scale.dtype), _layer(layer), bits=np.int64(w.bits),
-                group=np.int64(w.group), offset=np.int64(w.offset), transposed=transposed)
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
+    return call(*lead, w.q, w.scale, zero.astype(w.scale.dtype), _layer(layer), bits=np.int64(w.bits),
+                group=np.int64(w.group), offset=np.int64(w.offset), transposed=w.axis == -1)
 
 
 def dequantize(w, layer=None, dtype=jnp.float32) -> jax.Array:
@@ -277,17 +281,9 @@ def dequantize(w, layer=None, dtype=jnp.float32) -> jax.Array:
     matrix ``layer`` of a stack of them, in ``dtype`` (float32, or bfloat16 rounded to nearest even): [K, N], or
     [N, K] for the embedding grouped along its last axis. Computed as ``quant.dequantize`` does (one product and one
     sum in float32), the stack read in place, on both cores."""
-    if not _load():
-        raise RuntimeError(f"the C++ dequantization is unavailable: {_error}")
-    if not quant_rows_serves(w):
-        raise ValueError(f"dequantize: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales, no "
-                         f"activation quantization): {w!r:.200}")
     if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {dtype}")
-    zero = w.zero if w.zero is not None else jnp.zeros((0,), w.scale.dtype)
-    call = jax.ffi.ffi_call(DEQUANT_TARGET, jax.ShapeDtypeStruct(w.shape[-2:], dtype), vmap_method="sequential")
-    return call(w.q, w.scale, zero.astype(w.scale.dtype), _layer(layer), bits=np.int64(w.bits),
-                group=np.int64(w.group), offset=np.int64(w.offset), transposed=w.axis == -1)
+    return _quantized_call("dequantize", DEQUANT_TARGET, jax.ShapeDtypeStruct(w.shape[-2:], dtype), w, layer)
 
 
 def w8a8_rows_serves(w) -> bool:

@@ -1555,31 +1555,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulRows, MatmulRows,
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+// What both quantized-weight targets take: the weight (values, scales, zeros), the layer, its format, the pool.
+template <typename Binding>
+auto BindQuantized(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // q [(L,) K', N] or [(L,) N, K']: int8, or uint8 pairs
+      .template Arg<ffi::AnyBuffer>()  // scale, float16 or float32
+      .template Arg<ffi::AnyBuffer>()  // zero: as scale, or empty
+      .template Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .template Attr<int64_t>("bits")
+      .template Attr<int64_t>("group")
+      .template Attr<int64_t>("offset")
+      .template Attr<bool>("transposed")
+      .template Ctx<ffi::ThreadPool>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQuantRows, MatmulQuantRows,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()  // q [(L,) K', N] or [(L,) N, K']: int8, or uint8 pairs
-                                  .Arg<ffi::AnyBuffer>()  // scale, float16 or float32
-                                  .Arg<ffi::AnyBuffer>()  // zero: as scale, or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<bool>("transposed")
-                                  .Ctx<ffi::ThreadPool>()
+                              BindQuantized(ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>())  // x [M, K]
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDequantize, Dequantize,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q [(L,) K', N] or [(L,) N, K']: int8, or uint8 pairs
-                                  .Arg<ffi::AnyBuffer>()  // scale, float16 or float32
-                                  .Arg<ffi::AnyBuffer>()  // zero: as scale, or empty
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<bool>("transposed")
-                                  .Ctx<ffi::ThreadPool>()
+                              BindQuantized(ffi::Ffi::Bind())
                                   .Ret<ffi::AnyBuffer>());  // [K, N] or [N, K]: float32 or bfloat16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulW8A8Rows, MatmulW8A8Rows,
