@@ -73,7 +73,8 @@ def test_bf16_matmuls_track_hf(default_loaded, default_model_path, hf_default, k
         diffs.append(abs(entry[ids[pos]].logprob - ref[pos - 1, ids[pos]]))
         top1_hits += int(np.argmax(ref[pos - 1])) in entry
     diffs = np.asarray(diffs)
-    print(f"kv {kv_cache_dtype}, {quantization}: max {diffs.max():.4f} mean {diffs.mean():.4f} top-1 {top1_hits}/{len(diffs)}")
+    print(f"kv {kv_cache_dtype}, {quantization}: max {diffs.max():.4f} mean {diffs.mean():.4f} "
+          f"top-1 {top1_hits}/{len(diffs)}")
     assert diffs.max() < 0.25, f"worst position {diffs.argmax() + 1}: {diffs.max():.3f}"
     assert diffs.mean() < 0.05, diffs.mean()
     assert top1_hits >= 0.98 * len(diffs), (top1_hits, len(diffs))
