@@ -255,12 +255,18 @@ def matmul_quant_rows(x: jax.Array, w, layer=None) -> jax.Array:
     of a stack of them [L, ...] -> [M, N] float32. The values are widened to float32 in registers; per group,
     ``scale * sum(x * q) + (zero - scale * offset) * sum(x)``, the dequantized weights' product up to float32
     rounding."""
-    transposed = getattr(w, "axis", -2) == -1  # not a QArray: refused by _quantized_call
+    out = _rows_out("matmul_quant_rows", x, w)
+    return _quantized_call("matmul_quant_rows", QUANT_TARGET, out, w, layer, x.astype(jnp.float32))
+
+
+def _rows_out(name: str, x: jax.Array, w) -> jax.ShapeDtypeStruct:
+    """The [M, N] float32 result of x [M <= 8, K] times a quantized weight ([K, N], or the transposed [N, K]
+    embedding: ``axis`` -1); raises ValueError naming ``name`` for another x."""
+    transposed = getattr(w, "axis", -2) == -1  # not a QArray: each caller refuses it
     k, n = (w.shape[-1], w.shape[-2]) if transposed else (w.shape[-2], w.shape[-1])
     if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MATMUL_MAX_ROWS:
-        raise ValueError(f"matmul_quant_rows: x must be [M <= {MATMUL_MAX_ROWS}, {k}], got {x.shape}")
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return _quantized_call("matmul_quant_rows", QUANT_TARGET, out, w, layer, x.astype(jnp.float32))
+        raise ValueError(f"{name}: x must be [M <= {MATMUL_MAX_ROWS}, {k}], got {x.shape}")
+    return jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
 
 
 def _quantized_call(name: str, target: str, out: jax.ShapeDtypeStruct, w, layer, *lead: jax.Array) -> jax.Array:
@@ -307,13 +313,8 @@ def matmul_w8a8_rows(x: jax.Array, w, layer=None) -> jax.Array:
     if not w8a8_rows_serves(w):
         raise ValueError(f"matmul_w8a8_rows: not a W8A8 QArray (int8 values, a float32 scale per output channel): "
                          f"{w!r:.200}")
-    k = w.shape[-1] if w.axis == -1 else w.shape[-2]
-    if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MATMUL_MAX_ROWS:
-        raise ValueError(f"matmul_w8a8_rows: x must be [M <= {MATMUL_MAX_ROWS}, {k}], got {x.shape}")
-    transposed = w.axis == -1
-    n = w.q.shape[-2] if transposed else w.q.shape[-1]
-    call = jax.ffi.ffi_call(W8A8_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
-    return call(x.astype(jnp.float32), w.q, w.scale, _layer(layer), transposed=transposed)
+    call = jax.ffi.ffi_call(W8A8_TARGET, _rows_out("matmul_w8a8_rows", x, w), vmap_method="sequential")
+    return call(x.astype(jnp.float32), w.q, w.scale, _layer(layer), transposed=w.axis == -1)
 
 
 class RowsProduct:

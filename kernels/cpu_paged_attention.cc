@@ -26,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -859,8 +860,8 @@ void RowsTimesAny(int64_t M, const float* x, const T* w, int64_t K, int64_t N, i
   kFns[M - 1](x, w, K, N, n0, n1, out);
 }
 
-ffi::Error MatmulRows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
-                          ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error MatmulRows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer, ffi::ThreadPool pool,
+                      ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions();
   const auto type = w.element_type();
   if (type != ffi::DataType::U32 && type != ffi::DataType::BF16 && type != ffi::DataType::F32) {
@@ -1122,28 +1123,54 @@ void QRowsAny(int64_t M, const QMat<S>& a, bool transposed, int64_t n0, int64_t 
   kFns[M - 1](a, transposed, n0, n1);
 }
 
+// Matrix ``layer`` of a quantized stack, as both quantized targets read it: values, scales, zeros (nullptr: none),
+// and its dimensions: K (along the groups), N, G = K / group.
+template <typename S>
+struct QuantLayer {
+  const void* q;
+  const S* scale;
+  const S* zero;
+  int64_t K, N, G;
+};
+
+// Resolves matrix ``layer`` of q, scale (and zero, empty: none) into ``w``; returns nullptr, or what does not match.
+template <typename S>
+const char* ResolveQuant(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero, int64_t layer, int64_t bits,
+                         int64_t group, bool transposed, QuantLayer<S>* w) {
+  int64_t qoff, qr, qc, soff, sr, sc;
+  const bool has_zero = zero.element_count() > 0;
+  if ((bits != 4 && bits != 8) || group < 1 || !LayerOf(q.dimensions(), layer, &qoff, &qr, &qc) ||
+      !LayerOf(scale.dimensions(), layer, &soff, &sr, &sc) ||
+      (has_zero && (zero.element_type() != scale.element_type() || zero.element_count() != scale.element_count()))) {
+    return "q, scale (and zero) must be [(L,) ., .] with layer < L, 4 or 8 bits";
+  }
+  const int64_t per_byte = bits == 4 ? 2 : 1;
+  const int64_t N = transposed ? qr : qc, K = (transposed ? qc : qr) * per_byte, G = K / group;
+  const bool ok = K % group == 0 && group % per_byte == 0 &&
+                  (transposed ? sr == N && sc == G && (group * bits / 8) % kWide == 0 : sr == G && sc == N) &&
+                  (bits == 4 ? q.element_type() == ffi::DataType::U8 : q.element_type() == ffi::DataType::S8);
+  if (!ok) {
+    return "shapes or dtypes do not match (4-bit: uint8 pairs along K; 8-bit: int8; scales [K / group, N], "
+           "transposed [N, K / group] with group a multiple of 16 bytes)";
+  }
+  *w = {static_cast<const uint8_t*>(q.untyped_data()) + qoff, reinterpret_cast<const S*>(scale.untyped_data()) + soff,
+        has_zero ? reinterpret_cast<const S*>(zero.untyped_data()) + soff : nullptr, K, N, G};
+  return nullptr;
+}
+
 template <typename S>
 ffi::Error QuantRowsImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero,
                          int64_t layer, int64_t bits, int64_t group, int64_t offset, bool transposed,
                          ffi::ThreadPool& pool, float* out) {
+  QuantLayer<S> w;
+  if (const char* bad = ResolveQuant(q, scale, zero, layer, bits, group, transposed, &w)) {
+    return ffi::Error::InvalidArgument(std::string("matmul_quant_rows: ") + bad);
+  }
   auto xd = x.dimensions();
-  int64_t qoff, qr, qc, soff, sr, sc;
-  const bool has_zero = zero.element_count() > 0;
-  if (xd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || (bits != 4 && bits != 8) || group < 1 ||
-      !LayerOf(q.dimensions(), layer, &qoff, &qr, &qc) || !LayerOf(scale.dimensions(), layer, &soff, &sr, &sc) ||
-      (has_zero && (zero.element_type() != scale.element_type() || zero.element_count() != scale.element_count()))) {
-    return ffi::Error::InvalidArgument("matmul_quant_rows: x must be [M <= 8, K]; q, scale (and zero) [(L,) ., .]");
+  if (xd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || xd[1] != w.K) {
+    return ffi::Error::InvalidArgument("matmul_quant_rows: x must be [M <= 8, K]");
   }
-  const int64_t M = xd[0], K = xd[1], per_byte = bits == 4 ? 2 : 1;
-  const int64_t N = transposed ? qr : qc, kq = transposed ? qc : qr, G = K / group;
-  const bool ok = kq * per_byte == K && K % group == 0 && group % per_byte == 0 &&
-                  (transposed ? sr == N && sc == G && (group * bits / 8) % kWide == 0 : sr == G && sc == N) &&
-                  (bits == 4 ? q.element_type() == ffi::DataType::U8 : q.element_type() == ffi::DataType::S8);
-  if (!ok) {
-    return ffi::Error::InvalidArgument("matmul_quant_rows: shapes or dtypes do not match (4-bit: uint8 pairs along K; "
-                                       "8-bit: int8; scales [K / group, N], transposed [N, K / group] with group "
-                                       "a multiple of 16 bytes)");
-  }
+  const int64_t M = xd[0], K = w.K, N = w.N, G = w.G;
   // Per row: sums of x over each group, and (4-bit transposed) x's even and odd elements apart.
   std::vector<float> xsum(M * G, 0.0f), xe, xo;
   const float* xp = x.typed_data();
@@ -1158,10 +1185,7 @@ ffi::Error QuantRowsImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuff
       xo[i] = xp[2 * i + 1];
     }
   }
-  const S* sp = reinterpret_cast<const S*>(scale.untyped_data()) + soff;
-  QMat<S> a{static_cast<const uint8_t*>(q.untyped_data()) + qoff, sp,
-            has_zero ? reinterpret_cast<const S*>(zero.untyped_data()) + soff : nullptr, xp, xsum.data(), xe.data(),
-            xo.data(), K, N, group, offset, out};
+  QMat<S> a{w.q, w.scale, w.zero, xp, xsum.data(), xe.data(), xo.data(), K, N, group, offset, out};
   // Chunks of 128 columns ([K', N]) or 256 matrix rows (transposed): a 576-column layer still splits in 5.
   const int64_t chunk = transposed ? 256 : 128, chunks = (N + chunk - 1) / chunk;
   RunChunks(pool, chunks, chunks / 2, [&, M, transposed](int64_t c) {
@@ -1188,7 +1212,6 @@ ffi::Error MatmulQuantRows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBu
       return ffi::Error::InvalidArgument("matmul_quant_rows: scales must be float32 or float16");
   }
 }
-
 
 // ---- Dequantization for steps of more than 8 rows: the layer's float weight, written once for XLA's product (its own
 // dequantizing fusion made a whole-model 4-bit step 36 ms slower than float32 weights at 64 rows).
@@ -1298,37 +1321,24 @@ template <typename S, typename O>
 ffi::Error DequantImpl(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero, int64_t layer, int64_t bits,
                        int64_t group, int64_t offset, bool transposed, ffi::ThreadPool& pool,
                        ffi::Result<ffi::AnyBuffer> out) {
-  int64_t qoff, qr, qc, soff, sr, sc;
-  const bool has_zero = zero.element_count() > 0;
-  if ((bits != 4 && bits != 8) || group < 1 || !LayerOf(q.dimensions(), layer, &qoff, &qr, &qc) ||
-      !LayerOf(scale.dimensions(), layer, &soff, &sr, &sc) ||
-      (has_zero && (zero.element_type() != scale.element_type() || zero.element_count() != scale.element_count()))) {
-    return ffi::Error::InvalidArgument("dequantize: q, scale (and zero) must be [(L,) ., .] with layer < L");
+  QuantLayer<S> w;
+  if (const char* bad = ResolveQuant(q, scale, zero, layer, bits, group, transposed, &w)) {
+    return ffi::Error::InvalidArgument(std::string("dequantize: ") + bad);
   }
-  const int64_t per_byte = bits == 4 ? 2 : 1;
-  const int64_t N = transposed ? qr : qc, K = (transposed ? qc : qr) * per_byte, G = K / group;
+  const int64_t K = w.K, N = w.N, G = w.G;
   auto od = out->dimensions();
-  const bool ok = K % group == 0 && group % per_byte == 0 && od.size() == 2 &&
-                  od[0] == (transposed ? N : K) && od[1] == (transposed ? K : N) &&
-                  (transposed ? sr == N && sc == G && (group * bits / 8) % kWide == 0 : sr == G && sc == N) &&
-                  (bits == 4 ? q.element_type() == ffi::DataType::U8 : q.element_type() == ffi::DataType::S8);
-  if (!ok) {
-    return ffi::Error::InvalidArgument("dequantize: shapes or dtypes do not match (4-bit: uint8 pairs along K; 8-bit: "
-                                       "int8; scales [K / group, N], transposed [N, K / group] with group a multiple "
-                                       "of 16 bytes; out [K, N], transposed [N, K])");
+  if (od.size() != 2 || od[0] != (transposed ? N : K) || od[1] != (transposed ? K : N)) {
+    return ffi::Error::InvalidArgument("dequantize: out must be [K, N], transposed [N, K]");
   }
-  const void* qp = static_cast<const uint8_t*>(q.untyped_data()) + qoff;
-  const S* sp = reinterpret_cast<const S*>(scale.untyped_data()) + soff;
-  const S* zp = has_zero ? reinterpret_cast<const S*>(zero.untyped_data()) + soff : nullptr;
   O* op = reinterpret_cast<O*>(out->untyped_data());
   // Work items: one group of rows each ([K', N]), or 64 matrix rows (transposed).
   const int64_t per = transposed ? 64 : 1, rows = transposed ? N : G, chunks = (rows + per - 1) / per;
   RunChunks(pool, chunks, chunks / 2, [=](int64_t c) {
     const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
     if (bits == 4) {
-      DequantRows<4, S, O>(qp, sp, zp, K, N, group, offset, transposed, r0, r1, op);
+      DequantRows<4, S, O>(w.q, w.scale, w.zero, K, N, group, offset, transposed, r0, r1, op);
     } else {
-      DequantRows<8, S, O>(qp, sp, zp, K, N, group, offset, transposed, r0, r1, op);
+      DequantRows<8, S, O>(w.q, w.scale, w.zero, K, N, group, offset, transposed, r0, r1, op);
     }
   });
   return ffi::Error::Success();
