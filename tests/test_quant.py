@@ -293,8 +293,20 @@ def test_quantized_under_tensor_parallelism_equals_one_device(default_loaded, mo
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     one = LLM(default_loaded, quantization=mode, **ENGINE)
     tp = LLM(default_loaded, quantization=mode, tensor_parallel_size=3, **ENGINE)
-    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    runs = one.generate(prompts, params, use_tqdm=False)
+    if mode != "w8a8":
+        assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in runs]
+    # Teacher-forced on one device's tokens, the two give the same log-probabilities. W8A8 is compared only so: its
+    # per-token activation quantization turns float32 noise into whole rounding steps, so free-running decodes can
+    # part where the attention's summation order differs (the C++ kernel on one device, XLA's under tensor
+    # parallelism): on one device, the reference attention instead of the C++ one moved a logprob by 0.05.
+    texts = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in runs]
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    for ids, a, b in zip(texts, one.generate(texts, score, use_tqdm=False), tp.generate(texts, score, use_tqdm=False)):
+        want = [lp[t].logprob for lp, t in zip(a.prompt_logprobs[1:], ids[1:])]
+        got = [lp[t].logprob for lp, t in zip(b.prompt_logprobs[1:], ids[1:])]
+        np.testing.assert_allclose(got, want, atol=1e-3)
     wo = tp.engine.runner.state["wo"].get_value()
     assert isinstance(wo, quant.QArray) and wo.q.sharding.spec[1] == "model"  # row-parallel: split input rows
     # int4's group scales are split with their rows; a per-channel scale (one row) is replicated.
