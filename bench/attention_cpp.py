@@ -68,11 +68,12 @@ def main() -> None:
     for dtype in args.dtypes:
         kc, vc = caches(rng, pages, dtype)
 
-        def attend(layer, kc=kc, vc=vc):
-            return cpu_ffi.paged_attention(q, kc, vc, layer, lens, table, cu, args.seqs, 0, sm_scale=D**-0.5,
+        def attend(layer, qi=q, kc=kc, vc=vc):
+            return cpu_ffi.paged_attention(qi, kc, vc, layer, lens, table, cu, args.seqs, 0, sm_scale=D**-0.5,
                                            soft_cap=None)
 
-        step = jax.jit(lambda: sum(attend(i % args.layers) for i in range(LAYERS)))
+        # each call its own queries: XLA would merge identical calls (same layer, same inputs) into one
+        step = jax.jit(lambda: sum(attend(i % args.layers, q * (1 + i / 1024)) for i in range(LAYERS)))
         step().block_until_ready()
         times = []
         for _ in range(args.runs):
