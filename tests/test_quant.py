@@ -73,7 +73,8 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
     """The C++ product of a few rows by quantized weights (one request's decode steps on one CPU device), reading
     the values packed, one matrix of a stack in place: numpy's float64 product by the weights the jnp reference
     (``quant.dequantize``) gives, within float32 accumulation error. 200 columns: not a multiple of the 64-column
-    strips (the scalar tail); the [V, D] embedding's ``x @ E.T`` too; scales float32 (int8) and float16 (int4)."""
+    strips nor of 16 (the scalar tails); 4-bit products of up to 4 rows sum ranges of groups apart (12 groups in 4);
+    the [V, D] embedding's ``x @ E.T`` too; scales float32 (int8) and float16 (int4)."""
     from jaxserve.kernels import cpu_ffi
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
@@ -83,6 +84,11 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
     for layer in (0, 2):
         got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), stack, jnp.int32(layer)))
         want = x.astype(np.float64) @ np.asarray(quant.dequantize(stack)[layer], np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if mode == "int4":  # groups of 6: 3 bytes a column, an odd count (up to 4 rows stream two byte rows at a time)
+        odd = quant.quantize(rng.normal(size=(2, 384, 200)).astype(np.float32), mode, group=6)
+        got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), odd, jnp.int32(1)))
+        want = x.astype(np.float64) @ np.asarray(quant.dequantize(odd)[1], np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     embed = quant.quantize(rng.normal(size=(300, 384)).astype(np.float32), mode, axis=-1, group=64)
     got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), embed))
