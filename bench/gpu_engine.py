@@ -13,7 +13,10 @@ Runs, each engine in this process one after the other:
      attention impl: run once to compile the shapes it meets, then timed; output tok/s, steps, the split of
      step time between host packing, device (dispatch to results on the host) and the rest of the host loop.
      The first impl runs again with async_scheduling=False (steps one after the other) for the host's share;
-  3. one stream: 4 requests one at a time, plain (async and sync) vs n-gram speculation (k=3), tok/s, ms/step.
+  3. one stream: 4 requests one at a time, plain (async and sync) vs n-gram speculation (k=3), tok/s, ms/step;
+  4. with ``--quant-sweep bf16,int8,fp8,int4`` (and ``--concurrency 1,64,256``): the weights quantized on load in
+     each mode ("bf16": not quantized), output tok/s with that many concurrent requests (prompts 64-256 tokens,
+     ``--output-len`` out), each mode and count once compiled, then timed (``bash bench/gpu_quant.sh``: Llama-3-8B).
 A table is printed last. Every engine here is the sharded path at TP 1: one SPMD program over a one-GPU mesh,
 weights placed by their logical axes, the kernels under shard_map, the logits gathered before sampling.
 
@@ -183,6 +186,44 @@ def single_stream(loaded, impl: str, out_len: int, k: int = 3) -> None:
         f"{rates['plain'] / rates['plain sync']:.2f}x")
 
 
+def quant_sweep(loaded, impl: str, modes: list[str], counts: list[int], out_len: int, deadline: float) -> None:
+    """Output tok/s per quantization mode and number of concurrent requests (bf16 activations and KV)."""
+    from jaxserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    for mode in modes:
+        llm = None
+        for n in counts:
+            if time.perf_counter() > deadline:
+                ROWS.append(f"| quantized {mode}, {n} requests | {impl} | skipped (time budget) | |")
+                continue
+            prompts = workload(n, 64, 256, loaded.config.vocab_size, seed=4)
+            try:
+                if llm is None:  # one engine per mode, sized for the largest count
+                    top = max(counts)
+                    llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=top * 24 + 1,
+                              max_num_seqs=top, max_num_batched_tokens=512, max_model_len=512,
+                              compilation_cache=False, enable_prefix_caching=False,
+                              quantization=None if mode == "bf16" else mode)
+                llm.generate(prompts, params, use_tqdm=False)  # compiles the shapes this count meets
+                runner = llm.engine.runner
+                runner.reset_timers()
+                t = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                e = time.perf_counter() - t
+                assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
+            except Exception as ex:  # noqa: BLE001
+                log(f"quantized {mode}, {n} requests: ERROR {type(ex).__name__}: {str(ex)[:1500]}")
+                ROWS.append(f"| quantized {mode}, {n} requests | {impl} | ERROR {type(ex).__name__} | |")
+                break
+            steps = runner.num_steps
+            log(f"quantized {mode}, {n} requests: {n * out_len / e:.0f} output tok/s, {steps} steps, "
+                f"{1e3 * e / steps:.2f} ms/step")
+            ROWS.append(f"| quantized {mode}, {n} requests | {impl} | {n * out_len / e:.0f} out tok/s | "
+                        f"{1e3 * e / steps:.2f} ms/step |")
+        del llm
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=".gpu/tokenizer.gguf")
@@ -196,6 +237,8 @@ def main() -> int:
     ap.add_argument("--skip-single-stream", action="store_true", help="skip one stream, plain vs n-gram speculation")
     ap.add_argument("--preset", default="smollm2-135m", help="model shapes for the throughput runs")
     ap.add_argument("--zeros-on-device", action="store_true", help="bf16 zero weights made on the device")
+    ap.add_argument("--quant-sweep", default="", help="quantization modes to time, e.g. bf16,int8,fp8,int4")
+    ap.add_argument("--concurrency", default="1,64,256", help="concurrent requests for --quant-sweep")
     a = ap.parse_args()
     if a.write_tokenizer:
         write_tokenizer(a.write_tokenizer)
@@ -217,6 +260,9 @@ def main() -> int:
             throughput(loaded, impl, a.num_requests, a.output_len, async_scheduling=False)
     if not a.skip_single_stream and time.perf_counter() - t0 < a.time_budget:
         single_stream(loaded, impls[0], a.output_len)
+    if a.quant_sweep:
+        quant_sweep(loaded, impls[0], a.quant_sweep.split(","), [int(c) for c in a.concurrency.split(",")],
+                    a.output_len, t0 + a.time_budget)
     log(f"\n{loaded.name}; {a.num_requests} requests, prompts 64-512, {a.output_len} out, "
         f"greedy, ignore_eos; {time.perf_counter() - t0:.0f}s in all")
     log("| check | impl | result | step time |\n|---|---|---|---|")
