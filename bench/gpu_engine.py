@@ -109,6 +109,22 @@ def agreement(loaded, impls: list[str]) -> None:
     jax.config.update("jax_default_matmul_precision", None)
 
 
+def timed_run(llm, prompts, params, out_len: int) -> tuple[float, int, float]:
+    """Runs the prompts once (compiling the shapes they meet), then again with the runner's timers reset: seconds of
+    the second run, compiled step variants after the first, seconds of the first."""
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    first = time.perf_counter() - t
+    runner = llm.engine.runner
+    compiled = runner.num_compilations
+    runner.reset_timers()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    e = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
+    return e, compiled, first
+
+
 def throughput(loaded, impl: str, n: int, out_len: int, async_scheduling: bool = True) -> None:
     from jaxserve import LLM, SamplingParams
 
@@ -121,15 +137,10 @@ def throughput(loaded, impl: str, n: int, out_len: int, async_scheduling: bool =
         llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=n * 48 + 1, max_num_seqs=n,
                   max_num_batched_tokens=512, max_model_len=768, compilation_cache=False,
                   enable_prefix_caching=False, async_scheduling=async_scheduling)
-        llm.generate(prompts, params, use_tqdm=False)  # compiles the shapes this workload meets
-        first = time.perf_counter() - t
+        built = time.perf_counter() - t
+        e, compiled, first = timed_run(llm, prompts, params, out_len)
+        first += built
         runner = llm.engine.runner
-        compiled = runner.num_compilations
-        runner.reset_timers()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        e = time.perf_counter() - t
-        assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
     except Exception as ex:  # noqa: BLE001
         log(f"throughput {impl} {mode}: ERROR {type(ex).__name__}: {str(ex)[:1500]}")
         ROWS.append(f"| throughput bf16 {mode} | {impl} | ERROR {type(ex).__name__} | |")
@@ -205,13 +216,8 @@ def quant_sweep(loaded, impl: str, modes: list[str], counts: list[int], out_len:
                               max_num_seqs=top, max_num_batched_tokens=512, max_model_len=512,
                               compilation_cache=False, enable_prefix_caching=False,
                               quantization=None if mode == "bf16" else mode)
-                llm.generate(prompts, params, use_tqdm=False)  # compiles the shapes this count meets
+                e = timed_run(llm, prompts, params, out_len)[0]
                 runner = llm.engine.runner
-                runner.reset_timers()
-                t = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                e = time.perf_counter() - t
-                assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
             except Exception as ex:  # noqa: BLE001
                 log(f"quantized {mode}, {n} requests: ERROR {type(ex).__name__}: {str(ex)[:1500]}")
                 ROWS.append(f"| quantized {mode}, {n} requests | {impl} | ERROR {type(ex).__name__} | |")

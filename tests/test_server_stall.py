@@ -24,7 +24,8 @@ from jaxserve import LLMEngine  # noqa: E402
 from jaxserve.server.app import build_app  # noqa: E402
 from jaxserve.server.launch import ServerThread  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# serial: token gaps are timed, so ``make test`` runs this file alone, after the two workers are done
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 WORDS = "river city light north stone garden music paper window seven quiet market winter".split()
 
