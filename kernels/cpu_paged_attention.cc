@@ -1069,6 +1069,9 @@ constexpr int64_t kQTile = 2048;
 constexpr int64_t kQStreamAhead = 4096;
 constexpr int64_t kStreamRows = 4;
 
+// Whether a [K', N] product of m rows by bits-bit weights streams (QRowsKNStream) or walks strips (QRowsKN).
+constexpr bool Streams(int64_t bits, int64_t m) { return bits == 4 && m <= kStreamRows; }
+
 template <int M, typename S>
 void QRowsKNStream(const QMat<S>& a, int64_t g0, int64_t g1, int64_t n0, int64_t n1, float* out) {
   const int64_t K = a.K, N = a.N, g = a.group, G = K / g, W = n1 - n0, Wv = W / kWide * kWide;
@@ -1176,7 +1179,7 @@ void QRowsNK(const QMat<S>& a, int64_t n0, int64_t n1) {
 template <int M, int Bits, typename S>
 void QRows(const QMat<S>& a, bool transposed, int64_t g0, int64_t g1, int64_t n0, int64_t n1, float* out) {
   if (transposed) return QRowsNK<M, Bits, S>(a, n0, n1);
-  if (Bits == 4 && M <= kStreamRows) return QRowsKNStream<M, S>(a, g0, g1, n0, n1, out);
+  if (Streams(Bits, M)) return QRowsKNStream<M, S>(a, g0, g1, n0, n1, out);
   QRowsKN<M, (M <= 2 ? 4 : M <= 4 ? 2 : 1), Bits, S>(a, n0, n1);
 }
 
@@ -1255,11 +1258,10 @@ ffi::Error QuantRowsImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuff
   // Transposed: chunks of 256 matrix rows, each contiguous. [K', N]: ranges of groups (whole rows: contiguous) by
   // tiles of at most kQTile columns, at least 4 items (a [576, N <= 2048] matrix in 4 ranges of groups): each
   // range's partial sums apart, added up after.
-  const bool stream = !transposed && bits == 4 && M <= kStreamRows;
-  const int64_t kChunkOf = transposed ? 256 : 128;
-  const int64_t tiles = !stream ? (N + kChunkOf - 1) / kChunkOf : (N + kQTile - 1) / kQTile;
-  const int64_t width = !stream ? kChunkOf : ((N + tiles - 1) / tiles + kWide - 1) / kWide * kWide;
-  const int64_t ranges = !stream ? 1 : std::min(G, (4 + tiles - 1) / tiles);
+  const bool stream = !transposed && Streams(bits, M);
+  const int64_t chunk = stream ? kQTile : transposed ? 256 : 128, tiles = (N + chunk - 1) / chunk;
+  const int64_t width = stream ? ((N + tiles - 1) / tiles + kWide - 1) / kWide * kWide : chunk;
+  const int64_t ranges = stream ? std::min(G, (4 + tiles - 1) / tiles) : 1;
   std::vector<float> partial(ranges > 1 ? (ranges - 1) * M * N : 0);
   const int64_t items = tiles * ranges;
   RunChunks(pool, items, items / 2, [&, M, transposed](int64_t c) {

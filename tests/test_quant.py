@@ -81,14 +81,12 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
     rng = np.random.default_rng(m)
     stack = quant.quantize(rng.normal(size=(3, 384, 200)).astype(np.float32), mode, group=32)
     x = rng.normal(size=(m, 384)).astype(np.float32)
-    for layer in (0, 2):
-        got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), stack, jnp.int32(layer)))
-        want = x.astype(np.float64) @ np.asarray(quant.dequantize(stack)[layer], np.float64)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    cases = [(stack, 0), (stack, 2)]
     if mode == "int4":  # groups of 6: 3 bytes a column, an odd count (up to 4 rows stream two byte rows at a time)
-        odd = quant.quantize(rng.normal(size=(2, 384, 200)).astype(np.float32), mode, group=6)
-        got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), odd, jnp.int32(1)))
-        want = x.astype(np.float64) @ np.asarray(quant.dequantize(odd)[1], np.float64)
+        cases.append((quant.quantize(rng.normal(size=(2, 384, 200)).astype(np.float32), mode, group=6), 1))
+    for w, layer in cases:
+        got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), w, jnp.int32(layer)))
+        want = x.astype(np.float64) @ np.asarray(quant.dequantize(w)[layer], np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     embed = quant.quantize(rng.normal(size=(300, 384)).astype(np.float32), mode, axis=-1, group=64)
     got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), embed))
