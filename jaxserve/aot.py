@@ -265,8 +265,7 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         if config.quantization:
             from jaxserve import quant
 
-            params = {n: jax.eval_shape(lambda x, n=n: quant.quantize(x, config.quantization,
-                                                                     axis=quant.weight_axis(n)), p)
+            params = {n: jax.eval_shape(lambda x, n=n: quant.quantize_param(n, x, config.quantization), p)
                       if n in quant.QUANTIZED_PARAMS else p for n, p in params.items()}
         weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)) // tp
     if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:

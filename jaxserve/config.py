@@ -442,9 +442,9 @@ class EngineConfig:
               "faster on the CPU; with --quantization, steps of more than 8 tokens dequantize to bfloat16; w8a8 "
               "refuses it; default: exact, in --dtype)", choices=_DTYPES)
     quantization: str | None = _setting(
-        None, "quantize the weights on load: int8 (per output channel), int4 (groups of 128, with min), w8a8 (int8 "
-              "weights and per-token int8 activations), fp8 (e4m3; GPUs/TPUs with fp8); gguf: serve a GGUF file's "
-              "Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices as stored (default: float weights)",
+        None, "quantize the weights on load: int8 (per output channel), int4 (groups of 32, with min; 8-bit "
+              "scale codes), w8a8 (int8 weights and per-token int8 activations), fp8 (e4m3; GPUs/TPUs with fp8); "
+              "gguf: serve a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices as stored (default: float weights)",
         choices=("int8", "int4", "w8a8", "fp8", "gguf"))
     kv_cache_dtype: str | None = _setting(
         None, "the KV page pool's dtype (default: --dtype's); bfloat16 halves the memory attention reads, fp8 "

@@ -301,10 +301,10 @@ class ModelRunner:
             n = w.shape[axis]
             split = sharding.spec[len(w.shape) + axis] if len(sharding.spec) > len(w.shape) + axis else None
             try:
-                group = quant.pick_group(n // tp if split else n, quant.INT4_GROUP) if mode == "int4" else None
+                group = quant.pick_group(n // tp if split else n, quant.int4_group(name)) if mode == "int4" else None
             except ValueError as e:
                 raise ValueError(f"quantization={mode!r} of {name!r} under tensor_parallel_size={tp}: {e}") from None
-            fn = functools.partial(quant.quantize, mode=mode, axis=axis, group=group)
+            fn = functools.partial(quant.quantize_param, name, mode=mode, group=group)
             shapes = jax.eval_shape(fn, w)
             leaf_shardings = jax.tree.map(lambda x: fit_sharding(sharding, x.shape), shapes)
             if self.abstract:

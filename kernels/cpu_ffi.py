@@ -237,16 +237,19 @@ def matmul_rows(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
 
 
 def quant_rows_serves(w) -> bool:
-    """Whether ``matmul_quant_rows`` takes this ``QArray``: int8 or 4-bit values, float32 or float16 scales, not
-    W8A8 (whose products quantize their activations); the transposed [V, D] embedding needs groups of a multiple of
-    16 bytes."""
+    """Whether ``matmul_quant_rows`` takes this ``QArray``: int8 or 4-bit values, float32 or float16 scales (or
+    uint8 codes with their multipliers), not W8A8 (whose products quantize their activations); the transposed
+    [V, D] embedding needs groups of a multiple of 16 bytes, or of 8 in rows of a multiple of 16."""
     from jaxserve.quant import QArray
 
-    if not isinstance(w, QArray) or w.act_quant or w.scale.dtype not in (jnp.float32, jnp.float16):
+    if not isinstance(w, QArray) or w.act_quant:
+        return False
+    if w.scale.dtype not in ((jnp.uint8,) if w.scale_mul is not None else (jnp.float32, jnp.float16)):
         return False
     if (w.bits, w.q.dtype) not in ((8, jnp.int8), (4, jnp.uint8)) or w.q.ndim not in (2, 3):
         return False
-    return w.axis == -2 or (w.axis == -1 and (w.group * w.bits // 8) % 16 == 0)
+    group_bytes, row_bytes = w.group * w.bits // 8, w.q.shape[-1]
+    return w.axis == -2 or (w.axis == -1 and (group_bytes % 16 == 0 or (group_bytes == 8 and row_bytes % 16 == 0)))
 
 
 def matmul_quant_rows(x: jax.Array, w, layer=None) -> jax.Array:
@@ -276,9 +279,14 @@ def _quantized_call(name: str, target: str, out: jax.ShapeDtypeStruct, w, layer,
     if not quant_rows_serves(w):
         raise ValueError(f"{name}: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales, no "
                          f"activation quantization): {w!r:.200}")
+    empty = jnp.zeros((0,), jnp.float32)
     zero = w.zero if w.zero is not None else jnp.zeros((0,), w.scale.dtype)
+    if w.scale_mul is None:  # float scales: zeros in their dtype, no multipliers
+        zero, smul, zmul = zero.astype(w.scale.dtype), empty, empty
+    else:  # codes: int8 zero codes, float32 multipliers
+        smul, zmul = w.scale_mul, w.zero_mul if w.zero_mul is not None else empty
     call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
-    return call(*lead, w.q, w.scale, zero.astype(w.scale.dtype), _layer(layer), bits=np.int64(w.bits),
+    return call(*lead, w.q, w.scale, zero, smul, zmul, _layer(layer), bits=np.int64(w.bits),
                 group=np.int64(w.group), offset=np.int64(w.offset), transposed=w.axis == -1)
 
 
@@ -370,10 +378,7 @@ def _output_by_blocks(x: jax.Array, w, blocks: int) -> jax.Array:
     whatever ``w.dot_dtype``: XLA:CPU's bfloat16 product with a [V, D] matrix transposed ran at a sixth of its rate).
     One block's buffer is reused: a whole float copy (113 MB for SmolLM2) was a fresh allocation each step, and
     touching its pages took longer than the product (26 ms at 64 rows)."""
-    import dataclasses
-
-    split = lambda a: None if a is None else a.reshape(blocks, a.shape[0] // blocks, a.shape[1])  # noqa: E731
-    wb = dataclasses.replace(w, q=split(w.q), scale=split(w.scale), zero=split(w.zero))
+    wb = jax.tree.map(lambda a: a.reshape(blocks, a.shape[0] // blocks, a.shape[1]), w)  # every leaf is [V, .]
 
     def block(_, b):
         return None, x.astype(jnp.float32) @ dequantize(wb, b, jnp.float32).T

@@ -781,7 +781,8 @@ ffi::Error PagedAttentionInt8(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
 //   model's layers at twice XLA's rate (its product on the scan's slices: 19.4 against 9.9 ms a token here).
 // - MatmulQuantRows: quantized weights (jaxserve.quant.QArray): int8 or 4-bit values packed two per byte along K
 //   (k = 2i in the low nibble of byte i, 2i + 1 in the high one), a float16 / float32 scale per group of ``group``
-//   values along K, an optional additive zero, an ``offset`` subtracted from the values. w = (q - offset) * s + z,
+//   values along K (or an 8-bit code times a float32 per output channel: GroupScales), an optional additive zero,
+//   an ``offset`` subtracted from the values. w = (q - offset) * s + z,
 //   and per group sum_k x_k w_k = s * sum_k x_k q_k + (z - s * offset) * sum_k x_k: the values are widened to float32
 //   in registers and never written out, the scales applied once per group. Either layout: [K', N] (the layers'
 //   [in, out] matrices, grouped along rows) or transposed [N, K'] (the [V, D] embedding as the tied output
@@ -952,6 +953,54 @@ AJ_INLINE float ScaleAt(const Half* p, int64_t i) {
 #endif
 }
 
+AJ_INLINE V16 LoadUint8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (V16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const U8x16*>(p), U16x16u), V16);
+#endif
+}
+
+// The zeros' type beside scales of type S: coded scales (uint8 codes) have int8 codes for zeros.
+template <typename S>
+struct ZeroOf {
+  using type = S;
+};
+template <>
+struct ZeroOf<uint8_t> {
+  using type = int8_t;
+};
+
+// A quantized matrix's scales and zeros (nullptr: none), [groups, N] or, transposed, [N, groups]: float32 or float16
+// numbers, or (S = uint8_t) codes times a float32 multiplier per output channel (smul, zmul [N]): the product in
+// float32, as jaxserve.quant.group_scales. Element i, of output channel c; 16 at a time: channels c to c + 15.
+template <typename S>
+struct GroupScales {
+  const S* scale;
+  const typename ZeroOf<S>::type* zero;
+  const float* smul;
+  const float* zmul;
+
+  AJ_INLINE float Scale(int64_t i, int64_t c) const {
+    if constexpr (std::is_same_v<S, uint8_t>) return static_cast<float>(scale[i]) * smul[c];
+    else return ScaleAt(scale, i);
+  }
+  AJ_INLINE float Zero(int64_t i, int64_t c) const {
+    if (!zero) return 0.0f;
+    if constexpr (std::is_same_v<S, uint8_t>) return static_cast<float>(zero[i]) * zmul[c];
+    else return ScaleAt(zero, i);
+  }
+  AJ_INLINE V16 Scale16(int64_t i, int64_t c) const {
+    if constexpr (std::is_same_v<S, uint8_t>) return LoadUint8(scale + i) * Load16(smul + c);
+    else return LoadScale16(scale + i);
+  }
+  AJ_INLINE V16 Zero16(int64_t i, int64_t c) const {
+    if (!zero) return V16{};
+    if constexpr (std::is_same_v<S, uint8_t>) return LoadInt8(zero + i) * Load16(zmul + c);
+    else return LoadScale16(zero + i);
+  }
+};
+
 AJ_INLINE float HSum(V16 v) {
   float lanes[kWide];
   std::memcpy(lanes, &v, sizeof(v));
@@ -961,14 +1010,13 @@ AJ_INLINE float HSum(V16 v) {
   return lanes[0];
 }
 
-// One quantized matrix of a call: values (of this layer), scales and zeros (nullptr: none) [groups, N] or, transposed,
-// [N, groups]; x [M, K] and, per row and group, the sum of its x (``xsum`` [M, K / group], for zeros and offsets);
-// for 4-bit transposed matrices x's even and odd elements apart (``xe``, ``xo`` [M, K / 2]).
+// One quantized matrix of a call: values (of this layer), its scales; x [M, K] and, per row and group, the sum of its
+// x (``xsum`` [M, K / group], for zeros and offsets); for 4-bit transposed matrices x's even and odd elements apart
+// (``xe``, ``xo`` [M, K / 2]).
 template <typename S>
 struct QMat {
   const void* q;
-  const S* scale;
-  const S* zero;
+  GroupScales<S> sc;
   const float* x;
   const float* xsum;
   const float* xe;
@@ -979,17 +1027,15 @@ struct QMat {
 
 // Per group: s * part + (z - s * offset) * xsum.
 template <typename S>
-AJ_INLINE V16 ZeroTerm(const QMat<S>& a, V16 s, int64_t at) {
-  V16 z = s * static_cast<float>(-a.offset);
-  if (a.zero) z += LoadScale16(a.zero + at);
-  return z;
+AJ_INLINE V16 ZeroTerm(const QMat<S>& a, V16 s, int64_t at, int64_t c) {
+  return s * static_cast<float>(-a.offset) + a.sc.Zero16(at, c);
 }
 
 // [K', N] layout, columns [n0, n1): strips of B x 16 columns.
 template <int M, int B, int Bits, typename S>
 void QRowsKN(const QMat<S>& a, int64_t n0, int64_t n1) {
   const int64_t K = a.K, N = a.N, g = a.group, G = K / g;
-  const bool affine = a.zero != nullptr || a.offset != 0;
+  const bool affine = a.sc.zero != nullptr || a.offset != 0;
   const float* x = a.x;
   int64_t j = n0;
   for (; j + B * kWide <= n1; j += B * kWide) {
@@ -1024,8 +1070,8 @@ void QRowsKN(const QMat<S>& a, int64_t n0, int64_t n1) {
       }
       for (int b = 0; b < B; ++b) {
         const int64_t at = gi * N + j + b * kWide;
-        const V16 s = LoadScale16(a.scale + at);
-        const V16 z = affine ? ZeroTerm(a, s, at) : V16{};
+        const V16 s = a.sc.Scale16(at, j + b * kWide);
+        const V16 z = affine ? ZeroTerm(a, s, at, j + b * kWide) : V16{};
         for (int m = 0; m < M; ++m) {
           acc[m][b] += part[m][b] * s;
           if (affine) acc[m][b] += z * a.xsum[m * G + gi];
@@ -1050,8 +1096,8 @@ void QRowsKN(const QMat<S>& a, int64_t n0, int64_t n1) {
         }
         for (int m = 0; m < M; ++m) part[m] += x[m * K + k] * v;
       }
-      const float s = ScaleAt(a.scale, gi * N + j);
-      const float z = (a.zero ? ScaleAt(a.zero, gi * N + j) : 0.0f) - s * static_cast<float>(a.offset);
+      const float s = a.sc.Scale(gi * N + j, j);
+      const float z = a.sc.Zero(gi * N + j, j) - s * static_cast<float>(a.offset);
       for (int m = 0; m < M; ++m) acc[m] += part[m] * s + z * a.xsum[m * G + gi];
     }
     for (int m = 0; m < M; ++m) a.out[m * N + j] = acc[m];
@@ -1072,10 +1118,37 @@ constexpr int64_t kStreamRows = 4;
 // Whether a [K', N] product of m rows by bits-bit weights streams (QRowsKNStream) or walks strips (QRowsKN).
 constexpr bool Streams(int64_t bits, int64_t m) { return bits == 4 && m <= kStreamRows; }
 
+// The work items of a streamed [K', N] product: ranges of its ``units`` blocks of whole rows (4-bit: groups; W8A8:
+// 4 rows) by tiles of at most kQTile columns, ``align`` columns wide at a time; at least 4 items (a [576, N <= 2048]
+// matrix in 4 ranges), so both threads share even one tile. Each range's partial sums are kept apart and added up
+// after.
+struct StreamSplit {
+  int64_t N, units, tiles, width, ranges;
+  StreamSplit(int64_t n, int64_t u, int64_t align)
+      : N(n), units(u), tiles((n + kQTile - 1) / kQTile),
+        width(((n + tiles - 1) / tiles + align - 1) / align * align), ranges(std::min(u, (4 + tiles - 1) / tiles)) {}
+  // One range in chunks of ``chunk`` columns (the products that do not stream).
+  static StreamSplit Chunks(int64_t n, int64_t chunk) {
+    StreamSplit split(n, 1, chunk);
+    split.tiles = (n + chunk - 1) / chunk;
+    split.width = chunk;
+    return split;
+  }
+  int64_t items() const { return tiles * ranges; }
+  // Item c: range *r, its units [*u0, *u1), columns [*n0, *n1).
+  void Item(int64_t c, int64_t* r, int64_t* u0, int64_t* u1, int64_t* n0, int64_t* n1) const {
+    *r = c % ranges;
+    *u0 = *r * units / ranges;
+    *u1 = (*r + 1) * units / ranges;
+    *n0 = (c / ranges) * width;
+    *n1 = std::min(N, *n0 + width);
+  }
+};
+
 template <int M, typename S>
 void QRowsKNStream(const QMat<S>& a, int64_t g0, int64_t g1, int64_t n0, int64_t n1, float* out) {
   const int64_t K = a.K, N = a.N, g = a.group, G = K / g, W = n1 - n0, Wv = W / kWide * kWide;
-  const bool affine = a.zero != nullptr || a.offset != 0;
+  const bool affine = a.sc.zero != nullptr || a.offset != 0;
   thread_local std::vector<float> buffer;  // part, then acc: grown once per thread
   if (buffer.size() < 2 * M * kQTile) buffer.resize(2 * M * kQTile);
   float* part = buffer.data();
@@ -1120,8 +1193,8 @@ void QRowsKNStream(const QMat<S>& a, int64_t g0, int64_t g1, int64_t n0, int64_t
     const int64_t at = gi * N + n0;
     int64_t c = 0;
     for (; c < Wv; c += kWide) {
-      const V16 s = LoadScale16(a.scale + at + c);
-      const V16 z = affine ? ZeroTerm(a, s, at + c) : V16{};
+      const V16 s = a.sc.Scale16(at + c, n0 + c);
+      const V16 z = affine ? ZeroTerm(a, s, at + c, n0 + c) : V16{};
       for (int m = 0; m < M; ++m) {
         V16 r = Load16(acc + m * kQTile + c) + Load16(part + m * kQTile + c) * s;
         if (affine) r += z * a.xsum[m * G + gi];
@@ -1129,19 +1202,63 @@ void QRowsKNStream(const QMat<S>& a, int64_t g0, int64_t g1, int64_t n0, int64_t
       }
     }
     for (; c < W; ++c) {
-      const float s = ScaleAt(a.scale, at + c);
-      const float z = (a.zero ? ScaleAt(a.zero, at + c) : 0.0f) - s * static_cast<float>(a.offset);
+      const float s = a.sc.Scale(at + c, n0 + c);
+      const float z = a.sc.Zero(at + c, n0 + c) - s * static_cast<float>(a.offset);
       for (int m = 0; m < M; ++m) acc[m * kQTile + c] += part[m * kQTile + c] * s + z * a.xsum[m * G + gi];
     }
   }
   for (int m = 0; m < M; ++m) std::copy(acc + m * kQTile, acc + m * kQTile + W, out + m * N + n0);
 }
 
-// Transposed [N, K'] layout, output columns (matrix rows) [n0, n1). group * Bits / 8 is a multiple of 16 bytes.
+// Transposed rows are read 16 bytes at a time: a group is a whole number of such chunks or, 8 bytes (int4's
+// vocabulary groups of 16), half of one, two groups a chunk with their scales side by side in a vector.
+constexpr bool TransposedGroupsFit(int64_t group_bytes, int64_t row_bytes) {
+  return group_bytes % kWide == 0 || (group_bytes == kWide / 2 && row_bytes % kWide == 0);
+}
+
+// a in lanes 0-7, b in lanes 8-15.
+AJ_INLINE V16 PairOfGroups(float a, float b) {
+  return __builtin_shuffle(V16{} + a, V16{} + b, I32x16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23});
+}
+
+// Transposed, 8-byte groups: rows [n0, n1), a 16-byte chunk (two groups) at a time.
+template <int M, int Bits, typename S>
+void QRowsNKPairs(const QMat<S>& a, int64_t n0, int64_t n1) {
+  const int64_t K = a.K, N = a.N, g = a.group, G = K / g, row_bytes = K * Bits / 8;
+  const bool affine = a.sc.zero != nullptr || a.offset != 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = static_cast<const uint8_t*>(a.q) + n * row_bytes;
+    V16 acc[M] = {};
+    float zacc[M] = {};
+    for (int64_t gi = 0; gi < G; gi += 2) {
+      const int64_t c = gi * g * Bits / 8;  // the chunk's first byte
+      const V16 s = PairOfGroups(a.sc.Scale(n * G + gi, n), a.sc.Scale(n * G + gi + 1, n));
+      if constexpr (Bits == 4) {
+        V16 lo, hi;
+        LoadNibbles(row + c, &lo, &hi);
+        for (int m = 0; m < M; ++m) {
+          acc[m] += (lo * Load16(a.xe + m * K / 2 + c) + hi * Load16(a.xo + m * K / 2 + c)) * s;
+        }
+      } else {
+        const V16 v = LoadInt8(reinterpret_cast<const int8_t*>(row) + c);
+        for (int m = 0; m < M; ++m) acc[m] += v * Load16(a.x + m * K + c) * s;
+      }
+      for (int64_t h = gi; affine && h < gi + 2; ++h) {
+        const float sh = a.sc.Scale(n * G + h, n);
+        const float z = a.sc.Zero(n * G + h, n) - sh * static_cast<float>(a.offset);
+        for (int m = 0; m < M; ++m) zacc[m] += z * a.xsum[m * G + h];
+      }
+    }
+    for (int m = 0; m < M; ++m) a.out[m * N + n] = HSum(acc[m]) + zacc[m];
+  }
+}
+
+// Transposed [N, K'] layout, output columns (matrix rows) [n0, n1); see TransposedGroupsFit.
 template <int M, int Bits, typename S>
 void QRowsNK(const QMat<S>& a, int64_t n0, int64_t n1) {
   const int64_t K = a.K, N = a.N, g = a.group, G = K / g, row_bytes = K * Bits / 8;
-  const bool affine = a.zero != nullptr || a.offset != 0;
+  if (g * Bits / 8 == kWide / 2) return QRowsNKPairs<M, Bits, S>(a, n0, n1);
+  const bool affine = a.sc.zero != nullptr || a.offset != 0;
   for (int64_t n = n0; n < n1; ++n) {
     V16 acc[M] = {};
     float zacc[M] = {};
@@ -1164,8 +1281,8 @@ void QRowsNK(const QMat<S>& a, int64_t n0, int64_t n1) {
           for (int m = 0; m < M; ++m) part[m] += v * Load16(a.x + m * K + k);
         }
       }
-      const float s = ScaleAt(a.scale, n * G + gi);
-      const float z = affine ? (a.zero ? ScaleAt(a.zero, n * G + gi) : 0.0f) - s * static_cast<float>(a.offset) : 0.0f;
+      const float s = a.sc.Scale(n * G + gi, n);
+      const float z = affine ? a.sc.Zero(n * G + gi, n) - s * static_cast<float>(a.offset) : 0.0f;
       for (int m = 0; m < M; ++m) {
         acc[m] += part[m] * s;
         if (affine) zacc[m] += z * a.xsum[m * G + gi];
@@ -1197,42 +1314,79 @@ void QRowsAny(int64_t M, const QMat<S>& a, bool transposed, int64_t g0, int64_t 
 template <typename S>
 struct QuantLayer {
   const void* q;
-  const S* scale;
-  const S* zero;
+  GroupScales<S> sc;
   int64_t K, N, G;
 };
 
-// Resolves matrix ``layer`` of q, scale (and zero, empty: none) into ``w``; returns nullptr, or what does not match.
+// Matrix ``layer`` of a stack of per-channel multipliers ([(L,) 1, N] or [(L,) N, 1]), or nullptr if it has no N.
+const float* MultiplierOf(ffi::AnyBuffer mul, int64_t layer, int64_t N) {
+  int64_t off, r, c;
+  if (mul.element_type() != ffi::DataType::F32 || !LayerOf(mul.dimensions(), layer, &off, &r, &c) || r * c != N) {
+    return nullptr;
+  }
+  return static_cast<const float*>(mul.untyped_data()) + off;
+}
+
+// Resolves matrix ``layer`` of q, scale (and zero, empty: none) into ``w``; uint8 scales are codes (int8 zeros) times
+// smul (and zmul); returns nullptr, or what does not match.
 template <typename S>
-const char* ResolveQuant(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero, int64_t layer, int64_t bits,
-                         int64_t group, bool transposed, QuantLayer<S>* w) {
+const char* ResolveQuant(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::AnyBuffer smul,
+                         ffi::AnyBuffer zmul, int64_t layer, int64_t bits, int64_t group, bool transposed,
+                         QuantLayer<S>* w) {
+  constexpr bool coded = std::is_same_v<S, uint8_t>;
   int64_t qoff, qr, qc, soff, sr, sc;
   const bool has_zero = zero.element_count() > 0;
+  const auto zero_type = coded ? ffi::DataType::S8 : scale.element_type();
   if ((bits != 4 && bits != 8) || group < 1 || !LayerOf(q.dimensions(), layer, &qoff, &qr, &qc) ||
       !LayerOf(scale.dimensions(), layer, &soff, &sr, &sc) ||
-      (has_zero && (zero.element_type() != scale.element_type() || zero.element_count() != scale.element_count()))) {
-    return "q, scale (and zero) must be [(L,) ., .] with layer < L, 4 or 8 bits";
+      (has_zero && (zero.element_type() != zero_type || zero.element_count() != scale.element_count()))) {
+    return "q, scale (and zero) must be [(L,) ., .] with layer < L, 4 or 8 bits (uint8 scales: int8 zeros)";
   }
   const int64_t per_byte = bits == 4 ? 2 : 1;
   const int64_t N = transposed ? qr : qc, K = (transposed ? qc : qr) * per_byte, G = K / group;
+  const int64_t group_bytes = group * bits / 8;
   const bool ok = K % group == 0 && group % per_byte == 0 &&
-                  (transposed ? sr == N && sc == G && (group * bits / 8) % kWide == 0 : sr == G && sc == N) &&
+                  (transposed ? sr == N && sc == G && TransposedGroupsFit(group_bytes, K * bits / 8)
+                              : sr == G && sc == N) &&
                   (bits == 4 ? q.element_type() == ffi::DataType::U8 : q.element_type() == ffi::DataType::S8);
   if (!ok) {
     return "shapes or dtypes do not match (4-bit: uint8 pairs along K; 8-bit: int8; scales [K / group, N], "
-           "transposed [N, K / group] with group a multiple of 16 bytes)";
+           "transposed [N, K / group] with groups of a multiple of 16 bytes, or of 8 in rows of a multiple of 16)";
   }
-  *w = {static_cast<const uint8_t*>(q.untyped_data()) + qoff, reinterpret_cast<const S*>(scale.untyped_data()) + soff,
-        has_zero ? reinterpret_cast<const S*>(zero.untyped_data()) + soff : nullptr, K, N, G};
+  using Z = typename ZeroOf<S>::type;
+  const float* sm = coded ? MultiplierOf(smul, layer, N) : nullptr;
+  const float* zm = coded && has_zero ? MultiplierOf(zmul, layer, N) : nullptr;
+  if (coded && (!sm || (has_zero && !zm))) {
+    return "coded (uint8) scales need float32 multipliers [(L,) 1, N] (transposed [(L,) N, 1]) for scales and zeros";
+  }
+  *w = {static_cast<const uint8_t*>(q.untyped_data()) + qoff,
+        {reinterpret_cast<const S*>(scale.untyped_data()) + soff,
+         has_zero ? reinterpret_cast<const Z*>(zero.untyped_data()) + soff : nullptr, sm, zm},
+        K, N, G};
   return nullptr;
+}
+
+// Calls fn(S{}) for the scales' type S: float32, float16 (Half), or uint8 codes.
+template <typename Fn>
+ffi::Error WithScaleType(ffi::DataType t, const char* what, Fn fn) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return fn(float{});
+    case ffi::DataType::F16:
+      return fn(Half{});
+    case ffi::DataType::U8:
+      return fn(uint8_t{});
+    default:
+      return ffi::Error::InvalidArgument(std::string(what) + ": scales must be float32, float16 or uint8 codes");
+  }
 }
 
 template <typename S>
 ffi::Error QuantRowsImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero,
-                         int64_t layer, int64_t bits, int64_t group, int64_t offset, bool transposed,
-                         ffi::ThreadPool& pool, float* out) {
+                         ffi::AnyBuffer smul, ffi::AnyBuffer zmul, int64_t layer, int64_t bits, int64_t group,
+                         int64_t offset, bool transposed, ffi::ThreadPool& pool, float* out) {
   QuantLayer<S> w;
-  if (const char* bad = ResolveQuant(q, scale, zero, layer, bits, group, transposed, &w)) {
+  if (const char* bad = ResolveQuant(q, scale, zero, smul, zmul, layer, bits, group, transposed, &w)) {
     return ffi::Error::InvalidArgument(std::string("matmul_quant_rows: ") + bad);
   }
   auto xd = x.dimensions();
@@ -1254,19 +1408,16 @@ ffi::Error QuantRowsImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuff
       xo[i] = xp[2 * i + 1];
     }
   }
-  QMat<S> a{w.q, w.scale, w.zero, xp, xsum.data(), xe.data(), xo.data(), K, N, group, offset, out};
-  // Transposed: chunks of 256 matrix rows, each contiguous. [K', N]: ranges of groups (whole rows: contiguous) by
-  // tiles of at most kQTile columns, at least 4 items (a [576, N <= 2048] matrix in 4 ranges of groups): each
-  // range's partial sums apart, added up after.
-  const bool stream = !transposed && Streams(bits, M);
-  const int64_t chunk = stream ? kQTile : transposed ? 256 : 128, tiles = (N + chunk - 1) / chunk;
-  const int64_t width = stream ? ((N + tiles - 1) / tiles + kWide - 1) / kWide * kWide : chunk;
-  const int64_t ranges = stream ? std::min(G, (4 + tiles - 1) / tiles) : 1;
+  QMat<S> a{w.q, w.sc, xp, xsum.data(), xe.data(), xo.data(), K, N, group, offset, out};
+  // Streamed: see StreamSplit (ranges of groups). Otherwise one range, in chunks of 128 columns (transposed: 256
+  // matrix rows, each contiguous).
+  const StreamSplit split = !transposed && Streams(bits, M) ? StreamSplit(N, G, kWide)
+                                                            : StreamSplit::Chunks(N, transposed ? 256 : 128);
+  const int64_t ranges = split.ranges;
   std::vector<float> partial(ranges > 1 ? (ranges - 1) * M * N : 0);
-  const int64_t items = tiles * ranges;
-  RunChunks(pool, items, items / 2, [&, M, transposed](int64_t c) {
-    const int64_t r = c % ranges, n0 = (c / ranges) * width, n1 = std::min(N, n0 + width);
-    const int64_t g0 = r * G / ranges, g1 = (r + 1) * G / ranges;
+  RunChunks(pool, split.items(), split.items() / 2, [&, M, transposed](int64_t c) {
+    int64_t r, g0, g1, n0, n1;
+    split.Item(c, &r, &g0, &g1, &n0, &n1);
     float* dst = r == 0 ? out : partial.data() + (r - 1) * M * N;
     if (bits == 4) {
       QRowsAny<4, S>(M, a, transposed, g0, g1, n0, n1, dst);
@@ -1282,17 +1433,14 @@ ffi::Error QuantRowsImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuff
 }
 
 ffi::Error MatmulQuantRows(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero,
-                           ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group, int64_t offset, bool transposed,
-                           ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::AnyBuffer smul, ffi::AnyBuffer zmul, ffi::Buffer<ffi::S32> layer, int64_t bits,
+                           int64_t group, int64_t offset, bool transposed, ffi::ThreadPool pool,
+                           ffi::ResultBuffer<ffi::F32> out) {
   const int64_t l = layer.typed_data()[0];
-  switch (scale.element_type()) {
-    case ffi::DataType::F32:
-      return QuantRowsImpl<float>(x, q, scale, zero, l, bits, group, offset, transposed, pool, out->typed_data());
-    case ffi::DataType::F16:
-      return QuantRowsImpl<Half>(x, q, scale, zero, l, bits, group, offset, transposed, pool, out->typed_data());
-    default:
-      return ffi::Error::InvalidArgument("matmul_quant_rows: scales must be float32 or float16");
-  }
+  return WithScaleType(scale.element_type(), "matmul_quant_rows", [&](auto tag) {
+    return QuantRowsImpl<decltype(tag)>(x, q, scale, zero, smul, zmul, l, bits, group, offset, transposed, pool,
+                                        out->typed_data());
+  });
 }
 
 // ---- Dequantization for steps of more than 8 rows: the layer's float weight, written once for XLA's product (its own
@@ -1332,7 +1480,7 @@ AJ_INLINE void StoreOne(uint16_t* p, float v) {
 
 // Rows [g0, g1) of groups of a [K', N] matrix (not transposed) or rows [g0, g1) of an [N, K'] one (transposed).
 template <int Bits, typename S, typename O>
-void DequantRows(const void* q, const S* scale, const S* zero, int64_t K, int64_t N, int64_t group, int64_t offset,
+void DequantRows(const void* q, const GroupScales<S>& sc, int64_t K, int64_t N, int64_t group, int64_t offset,
                  bool transposed, int64_t r0, int64_t r1, O* out) {
   const int64_t G = K / group;
   const V16 off = V16{} + static_cast<float>(offset);
@@ -1341,8 +1489,7 @@ void DequantRows(const void* q, const S* scale, const S* zero, int64_t K, int64_
       for (int64_t k = gi * group; k < (gi + 1) * group; k += Bits == 4 ? 2 : 1) {
         int64_t j = 0;
         for (; j + kWide <= N; j += kWide) {
-          const V16 s = LoadScale16(scale + gi * N + j);
-          const V16 z = zero ? LoadScale16(zero + gi * N + j) : V16{};
+          const V16 s = sc.Scale16(gi * N + j, j), z = sc.Zero16(gi * N + j, j);
           if constexpr (Bits == 4) {
             V16 lo, hi;
             LoadNibbles(static_cast<const uint8_t*>(q) + (k / 2) * N + j, &lo, &hi);
@@ -1353,7 +1500,7 @@ void DequantRows(const void* q, const S* scale, const S* zero, int64_t K, int64_
           }
         }
         for (; j < N; ++j) {  // the last N % 16 columns
-          const float s = ScaleAt(scale, gi * N + j), z = zero ? ScaleAt(zero, gi * N + j) : 0.0f;
+          const float s = sc.Scale(gi * N + j, j), z = sc.Zero(gi * N + j, j);
           for (int64_t t = 0; t < (Bits == 4 ? 2 : 1); ++t) {
             float v;
             if constexpr (Bits == 4) {
@@ -1371,38 +1518,42 @@ void DequantRows(const void* q, const S* scale, const S* zero, int64_t K, int64_
     }
     return;
   }
-  const int64_t row_bytes = K * Bits / 8;
+  const int64_t row_bytes = K * Bits / 8, chunks = row_bytes / kWide, per_group = group * Bits / 8;
   for (int64_t n = r0; n < r1; ++n) {
-    for (int64_t gi = 0; gi < G; ++gi) {
-      const V16 s = V16{} + ScaleAt(scale, n * G + gi), z = V16{} + (zero ? ScaleAt(zero, n * G + gi) : 0.0f);
+    const uint8_t* row = static_cast<const uint8_t*>(q) + n * row_bytes;
+    V16 s = {}, z = {};
+    for (int64_t c = 0; c < chunks; ++c) {  // 16 bytes: within one group, or two (8-byte groups)
+      const int64_t gi = c * kWide / per_group;
+      if (per_group == kWide / 2) {
+        s = PairOfGroups(sc.Scale(n * G + gi, n), sc.Scale(n * G + gi + 1, n));
+        z = PairOfGroups(sc.Zero(n * G + gi, n), sc.Zero(n * G + gi + 1, n));
+      } else if (c * kWide % per_group == 0) {
+        s = V16{} + sc.Scale(n * G + gi, n);
+        z = V16{} + sc.Zero(n * G + gi, n);
+      }
       if constexpr (Bits == 4) {  // byte i: elements 2i and 2i + 1, interleaved back
-        const uint8_t* row = static_cast<const uint8_t*>(q) + n * row_bytes;
-        for (int64_t i = gi * group / 2; i < (gi + 1) * group / 2; i += kWide) {
-          V16 lo, hi;
-          LoadNibbles(row + i, &lo, &hi);
-          lo = Affine(lo - off, s, z);
-          hi = Affine(hi - off, s, z);
-          StoreOut(out + n * K + 2 * i, __builtin_shuffle(lo, hi, I32x16{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
-                                                                          22, 7, 23}));
-          StoreOut(out + n * K + 2 * i + kWide, __builtin_shuffle(lo, hi, I32x16{8, 24, 9, 25, 10, 26, 11, 27, 12,
-                                                                                 28, 13, 29, 14, 30, 15, 31}));
-        }
+        V16 lo, hi;
+        LoadNibbles(row + c * kWide, &lo, &hi);
+        lo = Affine(lo - off, s, z);
+        hi = Affine(hi - off, s, z);
+        O* dst = out + n * K + 2 * c * kWide;
+        StoreOut(dst, __builtin_shuffle(lo, hi, I32x16{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}));
+        StoreOut(dst + kWide, __builtin_shuffle(lo, hi, I32x16{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                                               15, 31}));
       } else {
-        const int8_t* row = static_cast<const int8_t*>(q) + n * row_bytes;
-        for (int64_t k = gi * group; k < (gi + 1) * group; k += kWide) {
-          StoreOut(out + n * K + k, Affine(LoadInt8(row + k) - off, s, z));
-        }
+        const V16 v = LoadInt8(reinterpret_cast<const int8_t*>(row) + c * kWide);
+        StoreOut(out + n * K + c * kWide, Affine(v - off, s, z));
       }
     }
   }
 }
 
 template <typename S, typename O>
-ffi::Error DequantImpl(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero, int64_t layer, int64_t bits,
-                       int64_t group, int64_t offset, bool transposed, ffi::ThreadPool& pool,
-                       ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error DequantImpl(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::AnyBuffer smul,
+                       ffi::AnyBuffer zmul, int64_t layer, int64_t bits, int64_t group, int64_t offset, bool transposed,
+                       ffi::ThreadPool& pool, ffi::Result<ffi::AnyBuffer> out) {
   QuantLayer<S> w;
-  if (const char* bad = ResolveQuant(q, scale, zero, layer, bits, group, transposed, &w)) {
+  if (const char* bad = ResolveQuant(q, scale, zero, smul, zmul, layer, bits, group, transposed, &w)) {
     return ffi::Error::InvalidArgument(std::string("dequantize: ") + bad);
   }
   const int64_t K = w.K, N = w.N, G = w.G;
@@ -1416,31 +1567,28 @@ ffi::Error DequantImpl(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer ze
   RunChunks(pool, chunks, chunks / 2, [=](int64_t c) {
     const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
     if (bits == 4) {
-      DequantRows<4, S, O>(w.q, w.scale, w.zero, K, N, group, offset, transposed, r0, r1, op);
+      DequantRows<4, S, O>(w.q, w.sc, K, N, group, offset, transposed, r0, r1, op);
     } else {
-      DequantRows<8, S, O>(w.q, w.scale, w.zero, K, N, group, offset, transposed, r0, r1, op);
+      DequantRows<8, S, O>(w.q, w.sc, K, N, group, offset, transposed, r0, r1, op);
     }
   });
   return ffi::Error::Success();
 }
 
-ffi::Error Dequantize(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> layer,
-                      int64_t bits, int64_t group, int64_t offset, bool transposed, ffi::ThreadPool pool,
-                      ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error Dequantize(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::AnyBuffer smul,
+                      ffi::AnyBuffer zmul, ffi::Buffer<ffi::S32> layer, int64_t bits, int64_t group, int64_t offset,
+                      bool transposed, ffi::ThreadPool pool, ffi::Result<ffi::AnyBuffer> out) {
   const int64_t l = layer.typed_data()[0];
-  const auto st = scale.element_type(), ot = out->element_type();
-  if ((st != ffi::DataType::F32 && st != ffi::DataType::F16) ||
-      (ot != ffi::DataType::F32 && ot != ffi::DataType::BF16)) {
-    return ffi::Error::InvalidArgument("dequantize: scales must be float32 or float16, out float32 or bfloat16");
+  const auto ot = out->element_type();
+  if (ot != ffi::DataType::F32 && ot != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("dequantize: out must be float32 or bfloat16");
   }
-  if (st == ffi::DataType::F32) {
+  return WithScaleType(scale.element_type(), "dequantize", [&](auto tag) {
+    using S = decltype(tag);
     return ot == ffi::DataType::F32
-               ? DequantImpl<float, float>(q, scale, zero, l, bits, group, offset, transposed, pool, out)
-               : DequantImpl<float, uint16_t>(q, scale, zero, l, bits, group, offset, transposed, pool, out);
-  }
-  return ot == ffi::DataType::F32
-             ? DequantImpl<Half, float>(q, scale, zero, l, bits, group, offset, transposed, pool, out)
-             : DequantImpl<Half, uint16_t>(q, scale, zero, l, bits, group, offset, transposed, pool, out);
+               ? DequantImpl<S, float>(q, scale, zero, smul, zmul, l, bits, group, offset, transposed, pool, out)
+               : DequantImpl<S, uint16_t>(q, scale, zero, smul, zmul, l, bits, group, offset, transposed, pool, out);
+  });
 }
 
 
@@ -1448,6 +1596,30 @@ ffi::Error Dequantize(ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer zer
 // int32 sums are exact, then (acc * xs) * scale in float32, as quant._matmul_w8a8 computes it. AVX-512 VNNI's
 // vpdpbusd multiplies unsigned by signed bytes, four per 32-bit lane: the weights go in as w ^ 0x80 = w + 128
 // (unsigned), the activations signed, and 128 * sum(xq) comes back off each row's sums.
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Four rows of 64 weight bytes (r: unsigned) regrouped for vpdpbusd: per 128-bit lane l, u[q] holds, for columns
+// 16 l + 4 q + c (c < 4), the bytes of the four rows.
+AJ_INLINE void Regroup4(const __m512i r[4], __m512i u[4]) {
+  const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+  const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+  u[0] = _mm512_unpacklo_epi16(t0, t2);
+  u[1] = _mm512_unpackhi_epi16(t0, t2);
+  u[2] = _mm512_unpacklo_epi16(t1, t3);
+  u[3] = _mm512_unpackhi_epi16(t1, t3);
+}
+
+// The sums of 64 columns in Regroup4's order (a[q]), written to dst[0, 64) in column order.
+AJ_INLINE void StoreRegrouped(const __m512i a[4], int32_t* dst) {
+  int32_t lanes[4][16];
+  for (int q = 0; q < 4; ++q) _mm512_storeu_si512(lanes[q], a[q]);
+  for (int l = 0; l < 4; ++l) {
+    for (int q = 0; q < 4; ++q) {
+      for (int c = 0; c < 4; ++c) dst[16 * l + 4 * q + c] = lanes[q][4 * l + c];
+    }
+  }
+}
+#endif
 
 // Rows [0, M) of xq [M, K] by columns [n0, n1) of w [K, N]: the int32 sums, column n of row m at acc[m * S + n - n0]
 // (of the unsigned weights).
@@ -1470,11 +1642,8 @@ void W8A8SumsKN(const int8_t* xq, const int8_t* w, int64_t K, int64_t N, int64_t
         __builtin_prefetch(row + kQAhead * N, 0, 1);
         r[i] = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
       }
-      // Per 128-bit lane l: u[q] holds, for columns 16 l + 4 q + c (c < 4), the bytes of rows k .. k + 3.
-      const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
-      const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
-      const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
-                            _mm512_unpacklo_epi16(t1, t3), _mm512_unpackhi_epi16(t1, t3)};
+      __m512i u[4];
+      Regroup4(r, u);
       for (int m = 0; m < M; ++m) {
         int32_t x4;
         std::memcpy(&x4, xq + m * K + k, sizeof(x4));
@@ -1483,13 +1652,7 @@ void W8A8SumsKN(const int8_t* xq, const int8_t* w, int64_t K, int64_t N, int64_t
       }
     }
     for (int m = 0; m < M; ++m) {
-      int32_t lanes[4][16];
-      for (int q = 0; q < 4; ++q) _mm512_storeu_si512(lanes[q], a[m][q]);
-      for (int l = 0; l < 4; ++l) {
-        for (int q = 0; q < 4; ++q) {
-          for (int c = 0; c < 4; ++c) acc[m * S + j - n0 + 16 * l + 4 * q + c] = lanes[q][4 * l + c];
-        }
-      }
+      StoreRegrouped(a[m], acc + m * S + j - n0);
       for (int64_t k = K4; k < K; ++k) {  // the last K % 4 rows, unsigned as above
         for (int64_t c = j; c < j + 64; ++c) acc[m * S + c - n0] += xq[m * K + k] * (w[k * N + c] + 128);
       }
@@ -1504,6 +1667,61 @@ void W8A8SumsKN(const int8_t* xq, const int8_t* w, int64_t K, int64_t N, int64_t
     }
   }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kW8A8Streams = true;
+// Rows [k0, k1) (multiples of 4) of w [K, N] by columns [n0, n1) (a multiple of 64 wide, at most kQTile), for up to
+// kStreamRows rows, streamed as QRowsKNStream: four whole rows at a time, row after row (each a contiguous run),
+// prefetched kQStreamAhead bytes ahead, the sums in L1 in the regrouped order of W8A8SumsKN's registers. Writes the
+// range's int32 sums (of the unsigned weights) to out [M, N].
+template <int M>
+void W8A8SumsKNStream(const int8_t* xq, const int8_t* w, int64_t K, int64_t N, int64_t k0, int64_t k1, int64_t n0,
+                      int64_t n1, int32_t* out) {
+  const int64_t W = n1 - n0, V = W / 16;  // V registers of sums per row
+  thread_local std::vector<__m512i> buffer;
+  if (static_cast<int64_t>(buffer.size()) < M * kQTile / 16) buffer.resize(M * kQTile / 16);
+  __m512i* acc = buffer.data();
+  for (int64_t i = 0; i < M * V; ++i) acc[i] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t k = k0; k < k1; k += 4) {
+    const int8_t* r0 = w + k * N + n0;
+    __m512i xb[M];
+    for (int m = 0; m < M; ++m) {
+      int32_t x4;
+      std::memcpy(&x4, xq + m * K + k, sizeof(x4));
+      xb[m] = _mm512_set1_epi32(x4);
+    }
+    for (int64_t c = 0; c < W; c += 64) {
+      __m512i r[4];
+      for (int i = 0; i < 4; ++i) {
+        __builtin_prefetch(r0 + i * N + c + kQStreamAhead, 0, 1);
+        r[i] = _mm512_xor_si512(_mm512_loadu_si512(r0 + i * N + c), flip);
+      }
+      __m512i u[4];
+      Regroup4(r, u);
+      for (int m = 0; m < M; ++m) {
+        __m512i* a = acc + m * V + c / 16;
+        for (int q = 0; q < 4; ++q) a[q] = _mm512_dpbusd_epi32(a[q], u[q], xb[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < W; c += 64) StoreRegrouped(acc + m * V + c / 16, out + m * N + n0 + c);
+  }
+}
+
+void W8A8SumsStream(int64_t M, const int8_t* xq, const int8_t* w, int64_t K, int64_t N, int64_t k0, int64_t k1,
+                    int64_t n0, int64_t n1, int32_t* out) {
+  using Fn = void (*)(const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*);
+  constexpr Fn kFns[kStreamRows] = {W8A8SumsKNStream<1>, W8A8SumsKNStream<2>, W8A8SumsKNStream<3>,
+                                    W8A8SumsKNStream<4>};
+  kFns[M - 1](xq, w, K, N, k0, k1, n0, n1, out);
+}
+#else
+constexpr bool kW8A8Streams = false;
+void W8A8SumsStream(int64_t, const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    int32_t*) {}
+#endif
 
 // Rows [n0, n1) of the transposed w [N, K] (the [V, D] embedding as the output projection), acc as above.
 template <int M>
@@ -1581,6 +1799,26 @@ ffi::Error MatmulW8A8Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; ++k) x128[m] += 128 * xp[m * K + k];
   }
+  if (kW8A8Streams && !transposed && M <= kStreamRows && N % 64 == 0 && K % 4 == 0) {
+    // As the 4-bit products of few rows (StreamSplit: ranges of 4-row steps, tiles 64 columns at a time); the
+    // ranges' int32 sums are added up after (exactly: integers).
+    const StreamSplit split(N, K / 4, 64);
+    const int64_t ranges = split.ranges;
+    std::vector<int32_t> sums(ranges * M * N);
+    RunChunks(pool, split.items(), split.items() / 2, [&](int64_t c) {
+      int64_t r, s0, s1, n0, n1;
+      split.Item(c, &r, &s0, &s1, &n0, &n1);
+      W8A8SumsStream(M, xp, wp, K, N, 4 * s0, 4 * s1, n0, n1, sums.data() + r * M * N);
+    });
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) {
+        int32_t total = -x128[m];
+        for (int64_t r = 0; r < ranges; ++r) total += sums[(r * M + m) * N + n];
+        op[m * N + n] = static_cast<float>(total) * xsp[m] * sp[n];
+      }
+    }
+    return ffi::Error::Success();
+  }
   const int64_t chunk = transposed ? 256 : 128, chunks = (N + chunk - 1) / chunk;
   RunChunks(pool, chunks, chunks / 2, [&](int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
@@ -1649,8 +1887,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulRows, MatmulRows,
 template <typename Binding>
 auto BindQuantized(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // q [(L,) K', N] or [(L,) N, K']: int8, or uint8 pairs
-      .template Arg<ffi::AnyBuffer>()  // scale, float16 or float32
-      .template Arg<ffi::AnyBuffer>()  // zero: as scale, or empty
+      .template Arg<ffi::AnyBuffer>()  // scale: float16 or float32, or uint8 codes
+      .template Arg<ffi::AnyBuffer>()  // zero: as scale (int8 codes beside uint8 ones), or empty
+      .template Arg<ffi::AnyBuffer>()  // coded scales' float32 multipliers [(L,) 1, N] or [(L,) N, 1], or empty
+      .template Arg<ffi::AnyBuffer>()  // coded zeros' multipliers, or empty
       .template Arg<ffi::Buffer<ffi::S32>>()  // layer
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("group")

@@ -142,7 +142,7 @@ def convert(src: str | Path | None, dst: str | Path, dtype: str = "float32",
 
         from jaxserve import quant
 
-        params = {name: jax.tree.map(np.asarray, quant.quantize(value, quantization, axis=quant.weight_axis(name)))
+        params = {name: jax.tree.map(np.asarray, quant.quantize_param(name, value, quantization))
                   if name in quant.QUANTIZED_PARAMS else value for name, value in params.items()}
     orbax_ckpt.save(dst, loaded.config, params, dtype)
     orbax_ckpt.copy_tokenizer(path, Path(dst).resolve())

@@ -44,8 +44,8 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict[str, np.ndarray], dtype
     tree, quantized = {}, {}
     for name, value in params.items():
         if is_quantized(value):
-            tree[name] = {k: v for k, v in (("q", value.q), ("scale", value.scale), ("zero", value.zero))
-                          if v is not None}
+            tree[name] = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+                          if not f.metadata.get("static") and getattr(value, f.name) is not None}
             quantized[name] = _static(value)
         else:
             tree[name] = value
@@ -59,8 +59,8 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict[str, np.ndarray], dtype
 def _rebuild(params: dict, quantized: dict) -> dict:
     from jaxserve.quant import QArray
 
-    return {name: QArray(value["q"], value["scale"], value.get("zero"), **quantized[name]) if name in quantized
-            else value for name, value in params.items()}
+    return {name: QArray(**{"zero": None} | value, **quantized[name]) if name in quantized else value  # zero: optional
+            for name, value in params.items()}
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
