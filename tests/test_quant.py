@@ -132,10 +132,11 @@ def _int8_rows(x):
 
 @pytest.mark.parametrize("m", [1, 3, 5, 8])
 def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
-    """W8A8 steps of up to 8 rows in C++ (AVX-512 VNNI): the activations quantized per row, the int8 x int8 sums in
-    int32, then ``sums * x_scale * w_scale`` in float32: bit for bit numpy's quantization and int64 sums scaled in the
-    same order, and XLA's product (quant.matmul, the larger steps').
-    K = 386 and N = 200 leave tails of both blocks (4 rows of K, 64 columns); a stack's layers and the transposed
+    """W8A8 steps of up to 8 rows in C++ (AVX-512 VNNI, AVX2, else plain loops): the activations quantized per row,
+    the int8 x int8 sums in int32, then ``sums * x_scale * w_scale`` in float32: bit for bit numpy's quantization and
+    int64 sums scaled in the same order, and XLA's product (quant.matmul, the larger steps').
+    K = 387 and N = 200 leave tails of every block (VNNI's 4 rows of K and 64 columns, AVX2's 2 rows and 32 columns,
+    the transposed rows' 64 or 16 values); a stack's layers and the transposed
     [V, D] embedding; 5 rows split in blocks of 4 and 1; and a [384, 192] stack (K a multiple of 4, N of 64),
     which up to 4 rows stream in ranges of rows."""
     from jaxserve.kernels import cpu_ffi
@@ -143,7 +144,7 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
     rng = np.random.default_rng(m)
-    x = (rng.normal(size=(m, 386)) * rng.uniform(0.1, 10, size=(m, 1))).astype(np.float32)
+    x = (rng.normal(size=(m, 387)) * rng.uniform(0.1, 10, size=(m, 1))).astype(np.float32)
     if m > 1:
         x[1] = 0  # a zero row: scale 1
     xq, xs = _int8_rows(x)
@@ -154,8 +155,8 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     def want(q, scale):  # q [K, N] int8, scale [N]
         return (xq @ np.asarray(q, np.int64)).astype(np.float32) * xs.astype(np.float32) * scale.astype(np.float32)
 
-    stack = quant.quantize(rng.normal(size=(3, 386, 200)).astype(np.float32), "w8a8")
-    embed = quant.quantize(rng.normal(size=(300, 386)).astype(np.float32), "w8a8", axis=-1)
+    stack = quant.quantize(rng.normal(size=(3, 387, 200)).astype(np.float32), "w8a8")
+    embed = quant.quantize(rng.normal(size=(300, 387)).astype(np.float32), "w8a8", axis=-1)
     assert cpu_ffi.ROWS.serves(stack, m) and cpu_ffi.ROWS.serves(embed, m) and not cpu_ffi.ROWS.serves(stack, 9)
     for layer in (0, 2):
         got = np.asarray(matmul(jnp.asarray(x), stack, cpu_ffi.ROWS, jnp.int32(layer)))
