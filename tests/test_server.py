@@ -481,12 +481,18 @@ FUZZ_EXAMPLES = int(os.environ.get("JAXSERVE_FUZZ_EXAMPLES", 30))  # per operati
 
 
 def _cheap(body) -> None:
-    """Keeps a generated request cheap, valid values staying valid: at most 4 tokens and 2 choices."""
+    """Keeps a generated request cheap, valid values staying valid and invalid ones invalid: at most 4 tokens and 2
+    choices. A value past its field's schema maximum is left as it is (a negative case: capping it would make the
+    request valid while schemathesis still expects it rejected)."""
+    from jaxserve.server.protocol import INT32_MAX, MAX_N
+
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "min_tokens"):
+    maximum = {"max_tokens": None, "max_completion_tokens": None, "max_output_tokens": None, "n": MAX_N,
+               "min_tokens": INT32_MAX}
+    for key, top in maximum.items():
         v = body.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 2:
+        if isinstance(v, int) and not isinstance(v, bool) and 2 < v <= (top or v):
             body[key] = 2 if key == "n" else FUZZ_MAX_TOKENS
     if "input" in body:  # /v1/responses
         if body.get("max_output_tokens") is None:
