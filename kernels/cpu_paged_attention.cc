@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -1658,54 +1658,8 @@ void W8A8SumsKN(const int8_t* xq, const int8_t* w, int64_t K, int64_t N, int64_t
       }
     }
   }
-#elif defined(__AVX2__)
-  // AVX2 without VNNI: 32 columns, two rows at a time. The rows' bytes interleaved (per 128-bit lane) and widened to
-  // int16 pairs (w[k, c], w[k + 1, c]), vpmaddwd by the activations' pair (xq[k], xq[k + 1]) gives 8 columns' sums
-  // of the two products in int32, exactly. The weights stay signed: 128 * sum(xq) goes on at the end, as acc holds
-  // the sums of the unsigned weights.
-  const int64_t K2 = K / 2 * 2;
-  int32_t x128[M];
-  for (int m = 0; m < M; ++m) {
-    x128[m] = 0;
-    for (int64_t k = 0; k < K; ++k) x128[m] += 128 * xq[m * K + k];
-  }
-  for (; j + 32 <= n1; j += 32) {
-    __m256i a[M][4];  // columns j + {0-7, 16-23, 8-15, 24-31}: the lanes' order after the unpacks
-    for (int m = 0; m < M; ++m) {
-      for (int q = 0; q < 4; ++q) a[m][q] = _mm256_setzero_si256();
-    }
-    for (int64_t k = 0; k < K2; k += 2) {
-      const int8_t* row = w + k * N + j;
-      __builtin_prefetch(row + kQAhead * N, 0, 1);
-      __builtin_prefetch(row + (kQAhead + 1) * N, 0, 1);
-      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + N));
-      const __m256i lo = _mm256_unpacklo_epi8(b0, b1), hi = _mm256_unpackhi_epi8(b0, b1);
-      const __m256i p[4] = {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)),
-                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)),
-                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)),
-                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1))};
-      for (int m = 0; m < M; ++m) {
-        const uint32_t pair = static_cast<uint16_t>(xq[m * K + k]) |
-                              (static_cast<uint32_t>(static_cast<uint16_t>(xq[m * K + k + 1])) << 16);
-        const __m256i xb = _mm256_set1_epi32(static_cast<int32_t>(pair));
-        for (int q = 0; q < 4; ++q) a[m][q] = _mm256_add_epi32(a[m][q], _mm256_madd_epi16(p[q], xb));
-      }
-    }
-    constexpr int kCols[4] = {0, 16, 8, 24};
-    for (int m = 0; m < M; ++m) {
-      int32_t* dst = acc + m * S + j - n0;
-      for (int q = 0; q < 4; ++q) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kCols[q]),
-                            _mm256_add_epi32(a[m][q], _mm256_set1_epi32(x128[m])));
-      }
-      for (int64_t k = K2; k < K; ++k) {  // an odd K's last row (its 128 * xq is in x128 already)
-        for (int64_t c = 0; c < 32; ++c) dst[c] += xq[m * K + k] * w[k * N + j + c];
-      }
-    }
-  }
 #endif
-  for (; j < n1; ++j) {  // the rest (every column without AVX2), unsigned as above
+  for (; j < n1; ++j) {  // the rest (every column without VNNI), unsigned as above
     for (int m = 0; m < M; ++m) {
       int32_t s = 0;
       for (int64_t k = 0; k < K; ++k) s += xq[m * K + k] * (w[k * N + j] + 128);
@@ -1773,14 +1727,6 @@ void W8A8SumsStream(int64_t, const int8_t*, const int8_t*, int64_t, int64_t, int
 template <int M>
 void W8A8SumsNK(const int8_t* xq, const int8_t* w, int64_t K, int64_t, int64_t n0, int64_t n1, int32_t* acc,
                 int64_t S) {
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-  const int64_t K16 = K / 16 * 16;  // AVX2 sums the first K16 columns with signed weights: what unsigned ones add
-  int32_t x128[M];
-  for (int m = 0; m < M; ++m) {
-    x128[m] = 0;
-    for (int64_t k = 0; k < K16; ++k) x128[m] += 128 * xq[m * K + k];
-  }
-#endif
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * K;
     int32_t s[M] = {};
@@ -1794,23 +1740,6 @@ void W8A8SumsNK(const int8_t* xq, const int8_t* w, int64_t K, int64_t, int64_t n
       for (int m = 0; m < M; ++m) a[m] = _mm512_dpbusd_epi32(a[m], v, _mm512_loadu_si512(xq + m * K + k));
     }
     for (int m = 0; m < M; ++m) s[m] = _mm512_reduce_add_epi32(a[m]);
-#elif defined(__AVX2__)
-    // 16 bytes at a time widened to int16, vpmaddwd: signed weights, each sum's 128 * sum(xq) added after
-    __m256i a[M];
-    for (int m = 0; m < M; ++m) a[m] = _mm256_setzero_si256();
-    for (; k < K16; k += 16) {
-      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
-      for (int m = 0; m < M; ++m) {
-        const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + m * K + k)));
-        a[m] = _mm256_add_epi32(a[m], _mm256_madd_epi16(v, x));
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      int32_t lanes[8];
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), a[m]);
-      s[m] = x128[m];
-      for (int l = 0; l < 8; ++l) s[m] += lanes[l];
-    }
 #endif
     for (; k < K; ++k) {
       for (int m = 0; m < M; ++m) s[m] += xq[m * K + k] * (row[k] + 128);

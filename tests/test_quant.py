@@ -132,11 +132,11 @@ def _int8_rows(x):
 
 @pytest.mark.parametrize("m", [1, 3, 5, 8])
 def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
-    """W8A8 steps of up to 8 rows in C++ (AVX-512 VNNI, AVX2, else plain loops): the activations quantized per row,
-    the int8 x int8 sums in int32, then ``sums * x_scale * w_scale`` in float32: bit for bit numpy's quantization and
-    int64 sums scaled in the same order, and XLA's product (quant.matmul, the larger steps').
-    K = 387 and N = 200 leave tails of every block (VNNI's 4 rows of K and 64 columns, AVX2's 2 rows and 32 columns,
-    the transposed rows' 64 or 16 values); a stack's layers and the transposed
+    """W8A8 steps of up to 8 rows in C++ (AVX-512 VNNI, else plain loops): the activations quantized per row, the
+    int8 x int8 sums in int32, then ``sums * x_scale * w_scale`` in float32: bit for bit numpy's quantization and int64
+    sums scaled in the same order, and XLA's product (quant.matmul, the larger steps').
+    K = 387 and N = 200 leave tails of every block (VNNI's 4 rows of K, 64 columns, the transposed rows' 64 values;
+    K odd); a stack's layers and the transposed
     [V, D] embedding; 5 rows split in blocks of 4 and 1; and a [384, 192] stack (K a multiple of 4, N of 64),
     which up to 4 rows stream in ranges of rows."""
     from jaxserve.kernels import cpu_ffi
