@@ -26,7 +26,8 @@ install-dev: $(VENV)/.dev
 run: $(VENV)/.base
 	$(VENV)/bin/jaxserve generate --chat "$(PROMPT)"
 
-# Two workers, each taking whole test files (module fixtures built once): 25-33 minutes here against 43 for one; then
+# Two workers, each taking whole test files (module fixtures built once): 25-33 minutes on a 2-core Intel VM (43 for one),
+# 51 on a 2-core AMD EPYC without AVX-512; then
 # the tests that time something (marked serial) alone, as the other worker's load would skew them.
 test: $(VENV)/.dev
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial"

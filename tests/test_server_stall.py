@@ -4,7 +4,7 @@ One long greedy stream runs on a warmed-up server while 20 short requests arrive
 option at varied sizes (logit_bias of 33-1024 keys, penalties over prompts of 40-300 words, logprobs 1-20, prompt
 logprobs through echo, n=2, seeds, stop strings, min_tokens). Before the fix, each new size compiled a new step
 variant and froze every stream for seconds. Now: the engine compiles nothing after warm-up, and at most one token gap
-of the long stream (a pause of the shared host) exceeds 3x its median, none 2 s. The step budget is small (32 tokens) so a mixed prefill step costs about a
+of the long stream (a pause of the shared host) exceeds 5x its median, none 2 s. The step budget is small (32 tokens) so a mixed prefill step costs about a
 decode step; a larger budget makes prefill steps legitimately slower than decodes.
 """
 
@@ -100,8 +100,11 @@ def test_no_request_stalls_a_running_stream(warm_server):
     assert len(gaps) > 150
     median = statistics.median(gaps)
     # A stall caused by requests repeats (20 side requests, most of them of new sizes); a pause of the shared host
-    # happens once (seen: one 1.35 s gap against a 38 ms median, in one full-suite run of many). So: at most one gap
-    # over 3x the median, and none over 2 s. A compile (the cause this test was written for) is caught above.
-    slow = sorted(g for g in gaps if g > 3 * median)
+    # happens once (seen: one 1.35 s gap against a 38 ms median, in one full-suite run of many). A step that
+    # prefills a 32-token chunk beside the decode legitimately costs more than a decode alone: about as much on an
+    # AVX-512 CPU, 3-3.5x on an AVX2 one (seen: ten gaps of 250-286 ms against an 83 ms median, the long prompts'
+    # chunks). So: at most one gap over 5x the median, and none over 2 s. A compile (the cause this test was written
+    # for) is caught above.
+    slow = sorted(g for g in gaps if g > 5 * median)
     assert len(slow) <= 1 and max(gaps) <= 2.0, \
-        f"gaps over 3x the {median * 1e3:.0f} ms median: {[round(g * 1e3) for g in slow]} ms"
+        f"gaps over 5x the {median * 1e3:.0f} ms median: {[round(g * 1e3) for g in slow]} ms"
