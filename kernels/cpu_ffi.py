@@ -277,8 +277,8 @@ def _quantized_call(name: str, target: str, out: jax.ShapeDtypeStruct, w, layer,
     if not _load():
         raise RuntimeError(f"{name}: the C++ library is unavailable: {_error}")
     if not quant_rows_serves(w):
-        raise ValueError(f"{name}: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales, no "
-                         f"activation quantization): {w!r:.200}")
+        raise ValueError(f"{name}: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales or uint8 "
+                         f"codes with multipliers, no activation quantization): {w!r:.200}")
     empty = jnp.zeros((0,), jnp.float32)
     zero = w.zero if w.zero is not None else jnp.zeros((0,), w.scale.dtype)
     if w.scale_mul is None:  # float scales: zeros in their dtype, no multipliers

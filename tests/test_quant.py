@@ -136,9 +136,8 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     int8 x int8 sums in int32, then ``sums * x_scale * w_scale`` in float32: bit for bit numpy's quantization and int64
     sums scaled in the same order, and XLA's product (quant.matmul, the larger steps').
     K = 387 and N = 200 leave tails of every block (VNNI's 4 rows of K, 64 columns, the transposed rows' 64 values;
-    K odd); a stack's layers and the transposed
-    [V, D] embedding; 5 rows split in blocks of 4 and 1; and a [384, 192] stack (K a multiple of 4, N of 64),
-    which up to 4 rows stream in ranges of rows."""
+    K odd); a stack's layers and the transposed [V, D] embedding; 5 rows split in blocks of 4 and 1; and a [384, 192]
+    stack (K a multiple of 4, N of 64), which up to 4 rows stream in ranges of rows."""
     from jaxserve.kernels import cpu_ffi
     from jaxserve.models.llama import matmul
 
