@@ -583,9 +583,10 @@ def _byte_level_backend(tokens: Sequence[str], types: Sequence[int], merges: Seq
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    from jaxserve.loading.gguf import read_metadata
+    from jaxserve.loading.gguf import GGUFCheckpoint
 
-    meta = read_metadata(path)
+    with GGUFCheckpoint(path) as ckpt:  # our header parser: gguf.GGUFReader takes ~2 s over a 49k vocabulary
+        meta = ckpt.metadata
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or not tokens:
