@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test install install-dev bench clean
+.PHONY: run test test-fast lint install install-dev bench clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,15 +26,29 @@ install-dev: $(VENV)/.dev
 run: $(VENV)/.base
 	$(VENV)/bin/jaxserve generate --chat "$(PROMPT)"
 
-# Two workers, each taking whole test files (module fixtures built once): 25-33 minutes on a 2-core Intel VM (43 for one),
-# 51 on a 2-core AMD EPYC without AVX-512; then
-# the tests that time something (marked serial) alone, as the other worker's load would skew them.
+# One XLA compilation cache for the whole run, inside the clone (.ci/run empties it first): a step compiled by one
+# test, worker or subprocess (docs blocks, notebooks, servers, multi-process groups) is loaded by the next.
+export JAXSERVE_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
+
+# Two workers, each taking whole test files (module fixtures built once); then the tests that time something
+# (marked serial) alone, as the other worker's load would skew them. docs/development.md has the times.
 test: $(VENV)/.dev
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial"
-	$(VENV)/bin/pytest -q -m serial
+	@start=$$(date +%s); \
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial" && \
+	$(VENV)/bin/pytest -q -m serial; rc=$$?; \
+	echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
+
+# The inner loop (under 5 minutes): host logic, kernels against their references, one end-to-end generation on
+# the default model, the server's contract.
+test-fast: $(VENV)/.dev
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "fast"
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(VENV)/.dev
 	$(PY) bench/first_numbers.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .cache

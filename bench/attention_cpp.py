@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from jaxserve.kernels import Int8Pages, cpu_ffi, reference  # noqa: E402
 from jaxserve.kernels._common import quantize_rows  # noqa: E402
 

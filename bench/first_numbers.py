@@ -69,8 +69,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    from jaxserve.tokenizer import load_tokenizer
     from jaxserve.defaults import default_model_path
+    from jaxserve.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
     prompt = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse keeper "

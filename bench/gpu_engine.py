@@ -79,9 +79,9 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[i
 
 
 def agreement(loaded, impls: list[str]) -> None:
-    from jaxserve import LLM, SamplingParams
-
     import jax
+
+    from jaxserve import LLM, SamplingParams
 
     # IEEE float32 products everywhere (a GPU's default lets XLA use TF32, and reference vs xla then differ at the
     # 1e-3 level, which flips near-ties of random weights); the Triton kernel asks for HIGHEST itself.

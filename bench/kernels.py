@@ -21,19 +21,19 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-from operator import itemgetter
 import sys
 import time
 import traceback
+from operator import itemgetter
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-from jaxserve import kernels
 from jaxserve.kernels import reference
 from jaxserve.kernels._common import quantize_rows
+
+from jaxserve import kernels
 
 ROWS: list[dict] = []
 

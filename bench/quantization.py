@@ -24,8 +24,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from bench.throughput import make_workload  # noqa: E402
 from test_quant import _score as score  # noqa: E402 - perplexity and top-1 under teacher forcing
+
+from bench.throughput import make_workload  # noqa: E402
 
 MODES = {
     "float32": {},
@@ -47,8 +48,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     args = ap.parse_args()
 
-    import jax
     from pydoc_data.topics import topics
+
+    import jax
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.loading import load_model

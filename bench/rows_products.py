@@ -51,7 +51,6 @@ def weights(mode: str) -> dict:
 def step_fn(mode: str):
     import jax
     import jax.numpy as jnp
-
     from jaxserve.kernels import cpu_ffi
 
     def layer(h, mul):

@@ -41,10 +41,9 @@ def plumbing(args) -> None:
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.config import ModelConfig
+    from jaxserve.defaults import default_model_path
     from jaxserve.loading import LoadedModel
     from jaxserve.models.llama import param_schema
-
-    from jaxserve.defaults import default_model_path
 
     cfg = ModelConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
                       num_kv_heads=8, head_dim=64, max_position_embeddings=1024)
@@ -79,8 +78,8 @@ def throughput(args) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from throughput import make_workload, run_jaxserve
 
-    from jaxserve.tokenizer import load_tokenizer
     from jaxserve.defaults import default_model_path
+    from jaxserve.tokenizer import load_tokenizer
 
     prompts = make_workload(load_tokenizer(default_model_path()), args.num_requests, 64, 512)
     print(f"\n## Throughput: {args.num_requests} requests, prompts 64-512 tokens, {args.output_len} output tokens, "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 import numbers
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from tqdm.auto import tqdm

@@ -48,8 +48,17 @@ from jaxserve.request import PENDING_TOKEN
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
-from jaxserve.sharding import (KV_POOL_SPEC, KV_SCALES_SPEC, VOCAB_SPEC, fit_sharding, kv_heads_for, make_mesh,
-                               param_shardings, replicate_kv_heads, shard_kernels)
+from jaxserve.sharding import (
+    KV_POOL_SPEC,
+    KV_SCALES_SPEC,
+    VOCAB_SPEC,
+    fit_sharding,
+    kv_heads_for,
+    make_mesh,
+    param_shardings,
+    replicate_kv_heads,
+    shard_kernels,
+)
 from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
 from jaxserve.utils import cdiv, next_pow2
@@ -248,7 +257,6 @@ class ModelRunner:
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         if jax.process_count() > 1:  # every process must allocate the same pool: the smallest any can hold
             self.num_pages = int(np.min(multihost_utils.process_allgather(np.int32(self.num_pages))))
-        shape = self._pool_shape(self.num_pages)
         if self.abstract:
             self.k_cache = self.v_cache = jax.tree.map(
                 lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f.sharding),
@@ -306,7 +314,7 @@ class ModelRunner:
                 raise ValueError(f"quantization={mode!r} of {name!r} under tensor_parallel_size={tp}: {e}") from None
             fn = functools.partial(quant.quantize_param, name, mode=mode, group=group)
             shapes = jax.eval_shape(fn, w)
-            leaf_shardings = jax.tree.map(lambda x: fit_sharding(sharding, x.shape), shapes)
+            leaf_shardings = jax.tree.map(lambda x, s=sharding: fit_sharding(s, x.shape), shapes)
             if self.abstract:
                 out[name] = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                                          leaf_shardings)

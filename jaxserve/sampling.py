@@ -25,10 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling_params import (  # noqa: F401
-    GREEDY_EPS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, PAD_ID, TOP_K_CAP, SamplingParams,
+    GREEDY_EPS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    PAD_ID,
+    TOP_K_CAP,
+    SamplingParams,
 )
 from jaxserve.utils import next_pow2
-
 
 _F32_MAX = float(np.finfo(np.float32).max)
 

@@ -17,8 +17,14 @@ from typing import Any
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
-from jaxserve.request import (FINISH_STATUS, PENDING_TOKEN, Request, RequestStatus, check_prompt_length,
-                              max_computed_tokens)
+from jaxserve.request import (
+    FINISH_STATUS,
+    PENDING_TOKEN,
+    Request,
+    RequestStatus,
+    check_prompt_length,
+    max_computed_tokens,
+)
 from jaxserve.speculative import PLACEHOLDER, propose_ngram, speculates
 
 

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
 PLACEHOLDER = -1  # a token the scheduler reserves for a draft model's proposal, before it is made
 
 

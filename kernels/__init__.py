@@ -24,7 +24,6 @@ and one float32 scale per token and KV head) that every implementation below rea
 from __future__ import annotations
 
 import jax
-
 from jaxserve.kernels import cpu_ffi
 from jaxserve.kernels._common import Int8Pages, is_fp8, is_int8_pages, validate_attention_inputs
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu

@@ -37,7 +37,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jaxserve.kernels._common import FP8_DTYPES, Int8Pages, is_int8_pages, quantize_rows
 
 TARGET = "jaxserve_paged_attention"

@@ -28,9 +28,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxserve.kernels._common import (
+    num_seq_q_blocks,
+    seq_q_blocks,
+    split_pool,
+    valid_token_mask,
+    validate_attention_inputs,
+    widen_fp8,
+)
 
-from jaxserve.kernels._common import (num_seq_q_blocks, seq_q_blocks, split_pool, valid_token_mask,
-                                      validate_attention_inputs, widen_fp8)
 from jaxserve.utils import cdiv, next_pow2
 
 # Enough programs to fill an H100-class GPU (132 SMs) about twice over before splitting contexts further.

@@ -28,9 +28,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jaxserve.kernels._common import (
+    is_fp8,
+    is_int8_pages,
+    settle_tpu_interpret,
+    split_pool,
+    validate_attention_inputs,
+    widen_fp8,
+)
 
-from jaxserve.kernels._common import (is_fp8, is_int8_pages, settle_tpu_interpret, split_pool,
-                                      validate_attention_inputs, widen_fp8)
 from jaxserve.utils import cdiv
 
 _LANES = 128

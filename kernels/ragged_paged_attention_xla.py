@@ -39,9 +39,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-
 from jaxserve.kernels import cpu_ffi
 from jaxserve.kernels._common import is_int8_pages, valid_token_mask, validate_attention_inputs
+
 from jaxserve.utils import cdiv, next_pow2
 
 # Heuristics measured with bench/attention_cpu.py (an AVX-512 CPU). One block costs about one context

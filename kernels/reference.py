@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from jaxserve.kernels._common import Int8Pages, dequantize_rows, is_int8_pages, quantize_rows
 
 # Below this many sequences in a step, attend densely over every sequence's gathered context and mask;

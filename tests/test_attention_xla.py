@@ -16,12 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxserve import kernels
+from helpers import Batch, make_batch
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from jaxserve.kernels.reference import ragged_paged_attention_ref
 
-from helpers import Batch, make_batch
+from jaxserve import kernels
 
 PAGE = 16
 TOL = 1e-5

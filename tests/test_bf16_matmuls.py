@@ -50,7 +50,6 @@ def test_bf16_matmuls_track_hf(default_loaded, default_model_path, hf_default, k
     "gguf": the file's own quantized blocks, each layer dequantized to bfloat16 for the products (no copies)."""
     import torch
 
-    from jaxserve import quant
     from jaxserve.loading import load_model
 
     model = load_model(default_model_path, "float32", keep_quantized=True) if quantization else default_loaded

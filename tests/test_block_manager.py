@@ -1,8 +1,8 @@
 """BlockManager: accounting, ref counts, prefix cache hits, LRU eviction, fork and copy-on-write. No jax."""
 
 import pytest
-
 from helpers import SP
+
 from jaxserve.block_manager import NULL_PAGE, BlockManager, hash_page
 from jaxserve.request import Request
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import hf_greedy
+
 from jaxserve import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from helpers import hf_greedy
+
 from jaxserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -22,16 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Batch, make_batch
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
-from jaxserve import kernels
 from jaxserve.kernels import reference
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
-from helpers import Batch, make_batch
+from jaxserve import kernels
 
 PAGE = 16
 F32_TOL = 1e-5

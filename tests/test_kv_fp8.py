@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from helpers import make_batch
-
-from jaxserve import kernels
 from jaxserve.kernels import cpu_ffi, reference
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+
+from jaxserve import kernels
 
 FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 SM_SCALE = 0.125

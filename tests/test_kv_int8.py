@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import make_batch
-
-from jaxserve import LLM, SamplingParams, kernels
 from jaxserve.kernels import Int8Pages, reference
 from jaxserve.kernels._common import quantize_rows
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+
+from jaxserve import LLM, SamplingParams, kernels
 
 SM_SCALE = 0.125
 TOL = 2e-5  # float32 products over the same dequantized values

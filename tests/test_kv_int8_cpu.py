@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import Batch, make_batch
-
 from jaxserve.kernels import cpu_ffi
 from jaxserve.kernels._common import Int8Pages, quantize_rows
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch", reason="HF transformers' reference needs to
 transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
 
 from helpers import hf_greedy  # noqa: E402
+
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.cli import main as cli_main  # noqa: E402
 

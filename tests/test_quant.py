@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
-
+import numpy as np
+import pytest
 from helpers import hf_greedy
+
 from jaxserve import LLM, SamplingParams, quant
 
 # ---------------------------------------------------------------------------------------------- formats
@@ -139,6 +138,7 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     K odd); a stack's layers and the transposed [V, D] embedding; 5 rows split in blocks of 4 and 1; and a [384, 192]
     stack (K a multiple of 4, N of 64), which up to 4 rows stream in ranges of rows."""
     from jaxserve.kernels import cpu_ffi
+
     from jaxserve.models.llama import matmul
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
@@ -237,6 +237,7 @@ def test_rows_product_of_many_rows_dequantizes_in_cpp(dot_dtype):
     accumulation error; bfloat16: within the rounding of both operands, 2**-8 relative each). The tied output
     projection by the [V, D] embedding dequantizes 4,096 rows at a time (three blocks here)."""
     from jaxserve.kernels import cpu_ffi
+
     from jaxserve.models.llama import matmul
 
     rng = np.random.default_rng(9)
@@ -380,8 +381,8 @@ def _random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
 def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
     gguf_quants = pytest.importorskip("gguf.quants")
     from gguf import GGMLQuantizationType
-
     from jaxserve.kernels import cpu_ffi
+
     from jaxserve.loading.gguf import repack
     from jaxserve.loading.weights import _quantized_parts
 

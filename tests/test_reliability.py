@@ -272,7 +272,7 @@ def test_cpu_pool_sized_from_available_memory(monkeypatch, tmp_path, caplog):
     sched = SchedulerConfig(max_num_seqs=64, max_model_len=2048)  # wants 64 * 128 + 1 pages
     pages = lambda **kw: ModelRunner._pages_from_memory(_FakeRunner(), CacheConfig(**kw), sched)  # noqa: E731
     for available, expected in ((2 << 30, 512), (64 << 30, 4096), (1 << 40, 4096), (8 << 20, 2)):
-        monkeypatch.setattr(runner_mod, "available_host_memory", lambda: available)
+        monkeypatch.setattr(runner_mod, "available_host_memory", lambda a=available: a)
         with caplog.at_level("INFO", logger="jaxserve.runner"):
             assert pages() == expected  # a quarter of what is available, at most 4 GiB
         assert f"KV pool: {expected} pages of 16 tokens = {expected * 16} tokens" in caplog.text

@@ -8,10 +8,10 @@ page or missing copy changes the sampled tokens and shows up against ``reference
 import dataclasses
 
 import pytest
+from helpers import SP
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import SP
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
 from jaxserve.request import PENDING_TOKEN, Request, RequestStatus

@@ -164,7 +164,7 @@ def test_logprobs(served):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
     assert "".join(lp.tokens) == r.choices[0].text
-    for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for p, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert p <= 0 and len(top) >= 3 and max(top.values()) == pytest.approx(p)  # greedy picks the top token
     chat = c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                      temperature=0, logprobs=True, top_logprobs=2)

@@ -28,6 +28,7 @@ from jaxserve.server.launch import ServerThread, free_port
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # the fake engine's module (pytest imports test modules by path, not by name)
 from test_server_fake_engine import FakeEngine  # noqa: E402
+
 HEALTH_LIMIT_S = 0.2
 
 

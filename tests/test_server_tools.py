@@ -229,7 +229,7 @@ def _render(tokenizer, messages, tools=None, template=None):
 def test_tools_and_replayed_calls_render_in_the_default_template(tokenizer):
     """SmolLM2's template knows neither tools nor tool calls: the tools go to a system prompt, the replayed call
     into the assistant's turn as text, the tool's result stays a tool turn."""
-    with pytest.raises(Exception):  # what the template does with the raw messages (content None)
+    with pytest.raises(Exception):  # noqa: B017 - what the template does with the raw messages (content None)
         tokenizer.apply_chat_template(REPLAY)
     text = _render(tokenizer, REPLAY, tools=[WEATHER])
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text.split("\n</tools>")[0]

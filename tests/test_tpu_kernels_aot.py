@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
 from jaxserve.kernels import Int8Pages, ragged_paged_attention_tpu, write_kv_tpu
 from jaxserve.kernels.ragged_paged_attention_tpu import (
     _VMEM_BUDGET,
@@ -45,7 +44,7 @@ def _no_persistent_cache():
         yield
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mesh(topology: str) -> jax.sharding.Mesh:
     """A one-chip mesh of ``topology``. A missing libtpu is an install error (it is in the dev extra): fail."""
     if importlib.util.find_spec("libtpu") is None:

@@ -8,7 +8,7 @@ streams them into preallocated stacked arrays (``[L, ...]`` per layer weight, li
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import ml_dtypes
 import numpy as np

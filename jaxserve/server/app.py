@@ -18,7 +18,6 @@ from jaxserve.server.chat import create_chat_completion, render_chat
 from jaxserve.server.completions import create_completion
 from jaxserve.server.errors import JSONResponse, error_response, install_error_handlers
 from jaxserve.server.params import check_token_ids
-from jaxserve.server.responses import create_response
 from jaxserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -36,6 +35,7 @@ from jaxserve.server.protocol import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
+from jaxserve.server.responses import create_response
 from jaxserve.server.serving import LONG_INPUT, ServerState
 from jaxserve.server.tools import PARSERS
 
