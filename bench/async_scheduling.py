@@ -47,15 +47,19 @@ def main() -> None:
     kw = dict(max_num_seqs=max(8, args.batch), max_model_len=1024, num_pages=256, matmul_dtype=args.matmul_dtype)
     engines = {mode: LLM(loaded, async_scheduling=mode, **kw) for mode in (False, True)}
     chat = lambda text: engines[False].tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": text}], add_generation_prompt=True)
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     one = [chat("Tell me a long story about a lighthouse keeper and a storm.")]
     many = [chat(f"Write a short poem about the number {i}.") for i in range(args.batch)]
     for llm in engines.values():  # compile what these prompts use, unmeasured
         for prompts in (one, many):
             llm.generate(prompts, params, use_tqdm=False)
-    print(f"# async scheduling; {platform.node()}, {os.cpu_count()} CPUs; greedy, {args.output_len} tokens per "
-          f"request, matmul_dtype={args.matmul_dtype}; medians of {args.rounds} rounds", flush=True)
+    print(
+        f"# async scheduling; {platform.node()}, {os.cpu_count()} CPUs; greedy, {args.output_len} tokens per "
+        f"request, matmul_dtype={args.matmul_dtype}; medians of {args.rounds} rounds",
+        flush=True,
+    )
     print("| workload | mode | tok/s | ms per step | device ms per step | host ms per step | identical |")
     print("|---|---|---|---|---|---|---|")
     for name, prompts in (("one request", one), (f"{args.batch} requests", many)):
@@ -75,8 +79,11 @@ def main() -> None:
             wall, dev = statistics.median(per_step[mode]), statistics.median(device[mode])
             # Async: the device time is no longer separable (the host works while the device runs).
             dev_s, host_s = (f"{1e3 * dev:.2f}", f"{1e3 * (wall - dev):.2f}") if not mode else ("-", "-")
-            print(f"| {name} | {'async' if mode else 'sync'} | {tokens / statistics.median(times[mode]):.1f} | "
-                  f"{1e3 * wall:.2f} | {dev_s} | {host_s} | {identical} |", flush=True)
+            print(
+                f"| {name} | {'async' if mode else 'sync'} | {tokens / statistics.median(times[mode]):.1f} | "
+                f"{1e3 * wall:.2f} | {dev_s} | {host_s} | {identical} |",
+                flush=True,
+            )
         sync_dev, async_wall = statistics.median(device[False]), statistics.median(per_step[True])
         print(f"| {name} | async wall / sync device | {async_wall / sync_dev:.3f} | | | | |", flush=True)
 

@@ -69,8 +69,16 @@ def make_inputs(t, s, p, q_lens, *, pool, layers=2, seed=0):
     kv = np.zeros(s, np.int32)
     kv[:n] = p * PAGE
     q = rng.standard_normal((t, HQ, D), dtype=np.float32)
-    args = (jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.int32(1), jnp.asarray(kv),
-            jnp.asarray(table, jnp.int32), jnp.asarray(cu, jnp.int32), jnp.int32(n))
+    args = (
+        jnp.asarray(q),
+        jnp.asarray(k_cache),
+        jnp.asarray(v_cache),
+        jnp.int32(1),
+        jnp.asarray(kv),
+        jnp.asarray(table, jnp.int32),
+        jnp.asarray(cu, jnp.int32),
+        jnp.int32(n),
+    )
     kv_bytes = 2 * n * p * PAGE * HK * D * 4
     return args, kv_bytes
 
@@ -83,7 +91,9 @@ def per_layer(fn, mode, layers):
     def looped(q, k_cache, v_cache, layer, *rest):
         def body(i, acc):  # alternate layers so nothing is loop-invariant
             return acc + fn(q, k_cache, v_cache, i % k_cache.shape[0], *rest)
+
         return lax.fori_loop(0, layers, body, jnp.zeros_like(q))
+
     return jax.jit(looped), layers
 
 
@@ -105,8 +115,12 @@ def main():
     ap.add_argument("--mode", choices=("call", "scan"), default="call")
     ap.add_argument("--layers", type=int, default=4, help="layers per timed loop in --mode scan")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--hint", choices=("chunk", "none", "tokens"), default="chunk",
-                    help="max_q_len for the XLA version: longest chunk (pow2), None, or T (a loose bound)")
+    ap.add_argument(
+        "--hint",
+        choices=("chunk", "none", "tokens"),
+        default="chunk",
+        help="max_q_len for the XLA version: longest chunk (pow2), None, or T (a loose bound)",
+    )
     ap.add_argument("--block-q", type=int, default=None)
     ap.add_argument("--ctx-chunk", type=int, default=None)
     ap.add_argument("--decode-chunk", type=int, default=None)
@@ -122,8 +136,14 @@ def main():
         hint = {"chunk": next_pow2(max(q_lens)), "none": None, "tokens": t}[a.hint]
         fns = {
             "reference": functools.partial(ragged_paged_attention_ref, sm_scale=SM_SCALE),
-            "xla": functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, max_q_len=hint,
-                                     block_q=a.block_q, ctx_chunk=a.ctx_chunk, decode_chunk=a.decode_chunk),
+            "xla": functools.partial(
+                ragged_paged_attention_xla,
+                sm_scale=SM_SCALE,
+                max_q_len=hint,
+                block_q=a.block_q,
+                ctx_chunk=a.ctx_chunk,
+                decode_chunk=a.decode_chunk,
+            ),
         }
         ms, outs = {}, {}
         for impl in impls:
@@ -133,8 +153,10 @@ def main():
         ref_ms, xla_ms = ms.get("reference", float("nan")), ms.get("xla", float("nan"))
         err = float(jnp.max(jnp.abs(outs["reference"] - outs["xla"]))) if len(outs) == 2 else float("nan")
         gbs = kv_bytes / (xla_ms * 1e6) if name == "decode" else float("nan")
-        print(f"{label:30s} {hint!s:>4s} {ref_ms:8.2f} {xla_ms:8.2f} {ref_ms / xla_ms:7.1f}x {gbs:8.1f} {err:8.1e}",
-              flush=True)
+        print(
+            f"{label:30s} {hint!s:>4s} {ref_ms:8.2f} {xla_ms:8.2f} {ref_ms / xla_ms:7.1f}x {gbs:8.1f} {err:8.1e}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ def bench_hf(prompt_ids: list[int], max_tokens: int, runs: int) -> dict:
 
     path = default_model_path()
     t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     load = time.perf_counter() - t0
     ids = torch.tensor([prompt_ids])
     ttfts, rates = [], []
@@ -73,13 +74,23 @@ def main() -> None:
     from jaxserve.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse keeper "
-                                       "who finds a message in a bottle. Describe the sea, the weather and the "
-                                       "keeper's thoughts in detail."}], tokenize=True)
+    prompt = tok.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": "Write a short story about a lighthouse keeper "
+                "who finds a message in a bottle. Describe the sea, the weather and the "
+                "keeper's thoughts in detail.",
+            }
+        ],
+        tokenize=True,
+    )
     js = bench_jaxserve(prompt, args.max_tokens, args.runs)
     hf = bench_hf(prompt, args.max_tokens, args.runs)
-    print(f"machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores; "
-          f"prompt {len(prompt)} tokens, {args.max_tokens} new tokens, greedy, median of {args.runs}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores; "
+        f"prompt {len(prompt)} tokens, {args.max_tokens} new tokens, greedy, median of {args.runs}"
+    )
     print("| metric | jaxserve | HF transformers | ratio (jaxserve/HF) |")
     print("|---|---|---|---|")
     for key, better in (("load_s", "lower"), ("ttft_s", "lower"), ("decode_tok_s", "higher")):

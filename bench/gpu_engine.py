@@ -92,8 +92,16 @@ def agreement(loaded, impls: list[str]) -> None:
     for impl in ["reference"] + [i for i in impls if i != "reference"]:
         t = time.perf_counter()
         try:
-            llm = LLM(loaded, dtype="float32", attention_impl=impl, num_pages=512, max_num_seqs=8,
-                      max_num_batched_tokens=256, max_model_len=512, compilation_cache=False)
+            llm = LLM(
+                loaded,
+                dtype="float32",
+                attention_impl=impl,
+                num_pages=512,
+                max_num_seqs=8,
+                max_num_batched_tokens=256,
+                max_model_len=512,
+                compilation_cache=False,
+            )
             toks[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             del llm
         except Exception as e:  # noqa: BLE001 - report and go on
@@ -103,8 +111,10 @@ def agreement(loaded, impls: list[str]) -> None:
         ref = toks["reference"]
         same = sum(a == b for x, y in zip(toks[impl], ref) for a, b in zip(x, y))
         first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(toks[impl], ref)]
-        log(f"agreement {impl}: {same}/{sum(map(len, ref))} tokens equal the reference; first differing index per "
-            f"prompt {first_diff}; {time.perf_counter() - t:.0f}s")
+        log(
+            f"agreement {impl}: {same}/{sum(map(len, ref))} tokens equal the reference; first differing index per "
+            f"prompt {first_diff}; {time.perf_counter() - t:.0f}s"
+        )
         ROWS.append(f"| agreement f32 | {impl} | {same}/{sum(map(len, ref))} tokens = reference | |")
     jax.config.update("jax_default_matmul_precision", None)
 
@@ -134,9 +144,18 @@ def throughput(loaded, impl: str, n: int, out_len: int, async_scheduling: bool =
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     try:
         t = time.perf_counter()
-        llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=n * 48 + 1, max_num_seqs=n,
-                  max_num_batched_tokens=512, max_model_len=768, compilation_cache=False,
-                  enable_prefix_caching=False, async_scheduling=async_scheduling)
+        llm = LLM(
+            loaded,
+            dtype="bfloat16",
+            attention_impl=impl,
+            num_pages=n * 48 + 1,
+            max_num_seqs=n,
+            max_num_batched_tokens=512,
+            max_model_len=768,
+            compilation_cache=False,
+            enable_prefix_caching=False,
+            async_scheduling=async_scheduling,
+        )
         built = time.perf_counter() - t
         e, compiled, first = timed_run(llm, prompts, params, out_len)
         first += built
@@ -149,13 +168,17 @@ def throughput(loaded, impl: str, n: int, out_len: int, async_scheduling: bool =
     steps = runner.num_steps
     other = e - runner.device_seconds - runner.pack_seconds
     # Async: "device" spans launch to results, overlapping the host's work on the next step.
-    log(f"throughput {impl} {mode}: {e:.2f}s, {n_out / e:.0f} output tok/s, {(n_in + n_out) / e:.0f} total tok/s; "
+    log(
+        f"throughput {impl} {mode}: {e:.2f}s, {n_out / e:.0f} output tok/s, {(n_in + n_out) / e:.0f} total tok/s; "
         f"{steps} steps, {1e3 * e / steps:.2f} ms/step: device {1e3 * runner.device_seconds / steps:.2f}, "
         f"packing {1e3 * runner.pack_seconds / steps:.2f}, other host {1e3 * other / steps:.2f}; first run "
-        f"(with compiles) {first:.0f}s, {compiled} step variants, {runner.num_compilations - compiled} recompiles")
-    ROWS.append(f"| throughput bf16 {mode} | {impl} | {n_out / e:.0f} out tok/s, {(n_in + n_out) / e:.0f} total "
-                f"tok/s | {1e3 * e / steps:.2f} ms/step (device {1e3 * runner.device_seconds / steps:.2f}, packing "
-                f"{1e3 * runner.pack_seconds / steps:.2f}) |")
+        f"(with compiles) {first:.0f}s, {compiled} step variants, {runner.num_compilations - compiled} recompiles"
+    )
+    ROWS.append(
+        f"| throughput bf16 {mode} | {impl} | {n_out / e:.0f} out tok/s, {(n_in + n_out) / e:.0f} total "
+        f"tok/s | {1e3 * e / steps:.2f} ms/step (device {1e3 * runner.device_seconds / steps:.2f}, packing "
+        f"{1e3 * runner.pack_seconds / steps:.2f}) |"
+    )
 
 
 def single_stream(loaded, impl: str, out_len: int, k: int = 3) -> None:
@@ -168,12 +191,24 @@ def single_stream(loaded, impl: str, out_len: int, k: int = 3) -> None:
     prompts = workload(4, 64, 256, loaded.config.vocab_size, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     rates = {}
-    for name, spec, overlap in (("plain", None, True), ("plain sync", None, False),
-                                ("ngram", {"method": "ngram", "num_speculative_tokens": k}, False)):
+    for name, spec, overlap in (
+        ("plain", None, True),
+        ("plain sync", None, False),
+        ("ngram", {"method": "ngram", "num_speculative_tokens": k}, False),
+    ):
         try:
-            llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=256, max_num_seqs=4,
-                      max_num_batched_tokens=512, max_model_len=768, compilation_cache=False,
-                      speculative_config=spec, async_scheduling=overlap)
+            llm = LLM(
+                loaded,
+                dtype="bfloat16",
+                attention_impl=impl,
+                num_pages=256,
+                max_num_seqs=4,
+                max_num_batched_tokens=512,
+                max_model_len=768,
+                compilation_cache=False,
+                speculative_config=spec,
+                async_scheduling=overlap,
+            )
             llm.generate(prompts[:1], params, use_tqdm=False)  # compiles
             before = llm.engine.get_stats()
             t = time.perf_counter()
@@ -189,12 +224,18 @@ def single_stream(loaded, impl: str, out_len: int, k: int = 3) -> None:
         drafted = stats["spec_draft_tokens"] - before["spec_draft_tokens"]
         accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
         rates[name] = len(prompts) * out_len / e
-        log(f"single stream {impl} {name}: {rates[name]:.0f} tok/s, {steps} steps, {1e3 * e / steps:.2f} ms/step, "
-            f"accepted {accepted}/{drafted}")
-        ROWS.append(f"| one stream bf16 {name} | {impl} | {rates[name]:.0f} tok/s, accepted {accepted}/{drafted} | "
-                    f"{1e3 * e / steps:.2f} ms/step |")
-    log(f"single stream {impl}: ngram / plain {rates['ngram'] / rates['plain']:.2f}x, async / sync "
-        f"{rates['plain'] / rates['plain sync']:.2f}x")
+        log(
+            f"single stream {impl} {name}: {rates[name]:.0f} tok/s, {steps} steps, {1e3 * e / steps:.2f} ms/step, "
+            f"accepted {accepted}/{drafted}"
+        )
+        ROWS.append(
+            f"| one stream bf16 {name} | {impl} | {rates[name]:.0f} tok/s, accepted {accepted}/{drafted} | "
+            f"{1e3 * e / steps:.2f} ms/step |"
+        )
+    log(
+        f"single stream {impl}: ngram / plain {rates['ngram'] / rates['plain']:.2f}x, async / sync "
+        f"{rates['plain'] / rates['plain sync']:.2f}x"
+    )
 
 
 def quant_sweep(loaded, impl: str, modes: list[str], counts: list[int], out_len: int, deadline: float) -> None:
@@ -212,10 +253,18 @@ def quant_sweep(loaded, impl: str, modes: list[str], counts: list[int], out_len:
             try:
                 if llm is None:  # one engine per mode, sized for the largest count
                     top = max(counts)
-                    llm = LLM(loaded, dtype="bfloat16", attention_impl=impl, num_pages=top * 24 + 1,
-                              max_num_seqs=top, max_num_batched_tokens=512, max_model_len=512,
-                              compilation_cache=False, enable_prefix_caching=False,
-                              quantization=None if mode == "bf16" else mode)
+                    llm = LLM(
+                        loaded,
+                        dtype="bfloat16",
+                        attention_impl=impl,
+                        num_pages=top * 24 + 1,
+                        max_num_seqs=top,
+                        max_num_batched_tokens=512,
+                        max_model_len=512,
+                        compilation_cache=False,
+                        enable_prefix_caching=False,
+                        quantization=None if mode == "bf16" else mode,
+                    )
                 e = timed_run(llm, prompts, params, out_len)[0]
                 runner = llm.engine.runner
             except Exception as ex:  # noqa: BLE001
@@ -223,10 +272,14 @@ def quant_sweep(loaded, impl: str, modes: list[str], counts: list[int], out_len:
                 ROWS.append(f"| quantized {mode}, {n} requests | {impl} | ERROR {type(ex).__name__} | |")
                 break
             steps = runner.num_steps
-            log(f"quantized {mode}, {n} requests: {n * out_len / e:.0f} output tok/s, {steps} steps, "
-                f"{1e3 * e / steps:.2f} ms/step")
-            ROWS.append(f"| quantized {mode}, {n} requests | {impl} | {n * out_len / e:.0f} out tok/s | "
-                        f"{1e3 * e / steps:.2f} ms/step |")
+            log(
+                f"quantized {mode}, {n} requests: {n * out_len / e:.0f} output tok/s, {steps} steps, "
+                f"{1e3 * e / steps:.2f} ms/step"
+            )
+            ROWS.append(
+                f"| quantized {mode}, {n} requests | {impl} | {n * out_len / e:.0f} out tok/s | "
+                f"{1e3 * e / steps:.2f} ms/step |"
+            )
         del llm
 
 
@@ -267,10 +320,18 @@ def main() -> int:
     if not a.skip_single_stream and time.perf_counter() - t0 < a.time_budget:
         single_stream(loaded, impls[0], a.output_len)
     if a.quant_sweep:
-        quant_sweep(loaded, impls[0], a.quant_sweep.split(","), [int(c) for c in a.concurrency.split(",")],
-                    a.output_len, t0 + a.time_budget)
-    log(f"\n{loaded.name}; {a.num_requests} requests, prompts 64-512, {a.output_len} out, "
-        f"greedy, ignore_eos; {time.perf_counter() - t0:.0f}s in all")
+        quant_sweep(
+            loaded,
+            impls[0],
+            a.quant_sweep.split(","),
+            [int(c) for c in a.concurrency.split(",")],
+            a.output_len,
+            t0 + a.time_budget,
+        )
+    log(
+        f"\n{loaded.name}; {a.num_requests} requests, prompts 64-512, {a.output_len} out, "
+        f"greedy, ignore_eos; {time.perf_counter() - t0:.0f}s in all"
+    )
     log("| check | impl | result | step time |\n|---|---|---|---|")
     for r in ROWS:
         log(r)

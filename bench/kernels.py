@@ -55,8 +55,12 @@ def decode_batch(batch, context, *, hq, hk, d, page, dtype, layers=2, seed=0):
     table = jax.random.permutation(kp, num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
     q = jax.random.normal(kq, (batch, hq, d), jnp.float32).astype(dtype)
     return dict(
-        q=q, k_cache=k_cache, v_cache=v_cache, kv_lens=jnp.full((batch,), context, jnp.int32),
-        page_indices=table.astype(jnp.int32), cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        kv_lens=jnp.full((batch,), context, jnp.int32),
+        page_indices=table.astype(jnp.int32),
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
         num_seqs=jnp.int32(batch),
     )
 
@@ -84,14 +88,30 @@ def edge_batch(q_lens, kv_lens, *, hq, hk, d, page=16, dtype=jnp.float32, seed=0
     kvl = np.zeros(len(table), np.int32)
     kvl[: len(kv_lens)] = kv_lens
     q = rng.standard_normal((sum(q_lens) + pad_tokens, hq, d)).astype(np.float32)
-    return dict(q=jnp.asarray(q, dtype), k_cache=jnp.asarray(kc, dtype), v_cache=jnp.asarray(vc, dtype),
-                kv_lens=jnp.asarray(kvl), page_indices=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
-                num_seqs=jnp.int32(len(q_lens)))
+    return dict(
+        q=jnp.asarray(q, dtype),
+        k_cache=jnp.asarray(kc, dtype),
+        v_cache=jnp.asarray(vc, dtype),
+        kv_lens=jnp.asarray(kvl),
+        page_indices=jnp.asarray(table),
+        cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.int32(len(q_lens)),
+    )
 
 
 def attend(impl, b, layer, **kw):
-    return kernels.ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], layer, b["kv_lens"],
-                                          b["page_indices"], b["cu_q_lens"], b["num_seqs"], impl=impl, **kw)
+    return kernels.ragged_paged_attention(
+        b["q"],
+        b["k_cache"],
+        b["v_cache"],
+        layer,
+        b["kv_lens"],
+        b["page_indices"],
+        b["cu_q_lens"],
+        b["num_seqs"],
+        impl=impl,
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------------------------------ correctness
@@ -132,6 +152,7 @@ def fp8_pages(b: dict, kv) -> dict:
 
 def int8_pages(b: dict) -> dict:
     """kv_cache_dtype="int8": the batch's pools as Int8Pages; NaN rows (poison) keep int8 values and a NaN scale."""
+
     def quantize(cache):
         x = cache.astype(jnp.float32)
         values, scales = quantize_rows(jnp.nan_to_num(x))
@@ -149,8 +170,10 @@ def check_write(label, backend, pools) -> bool:
         args = (*pools(b), jnp.int32(1), new, -new, slots)
         exp = reference.write_kv_ref(*args)
         got = jax.jit(functools.partial(kernels.write_kv, impl="pallas", backend=backend))(*args)
-        ok = all(np.array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32), equal_nan=True)
-                 for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(exp), strict=True))
+        ok = all(
+            np.array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32), equal_nan=True)
+            for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(exp), strict=True)
+        )
         log(f"{label}: {'OK' if ok else 'FAIL'}")
         ROWS.append(dict(case=label, impl="pallas", result="OK" if ok else "FAIL"))
         return ok
@@ -170,16 +193,19 @@ def run_checks(backend):
                 make = functools.partial(edge_batch, q_lens, kv_lens, hq=hq, hk=hk, d=d, dtype=dtype)
                 failures += not check_case(f"check {name} {jnp.dtype(dtype).name}", make, backend, tol, kw)
         for kv in (jnp.float8_e4m3fn, jnp.float8_e5m2):  # kv_cache_dtype="fp8_e4m3" / "fp8_e5m2" under bf16 queries
-            batch = functools.partial(edge_batch, [17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128,
-                                      dtype=jnp.bfloat16)
+            batch = functools.partial(
+                edge_batch, [17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128, dtype=jnp.bfloat16
+            )
             make = lambda kv=kv, batch=batch: fp8_pages(batch(), kv)  # noqa: E731
             failures += not check_case(f"check fp8 pages {jnp.dtype(kv).name}", make, backend, 2e-2, {})
-        batch = functools.partial(edge_batch, [17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128,
-                                  dtype=jnp.bfloat16)  # kv_cache_dtype="int8": Int8Pages under bf16 queries
+        batch = functools.partial(
+            edge_batch, [17, 1, 5, 40], [17, 300, 25, 90], hq=32, hk=8, d=128, dtype=jnp.bfloat16
+        )  # kv_cache_dtype="int8": Int8Pages under bf16 queries
         failures += not check_case("check int8 pages", lambda: int8_pages(batch()), backend, 2e-2, {})
         failures += not check_write("check write_kv bf16", backend, lambda b: (b["k_cache"], b["v_cache"]))
-        failures += not check_write("check write_kv int8 pages", backend,
-                                    lambda b: itemgetter("k_cache", "v_cache")(int8_pages(b)))
+        failures += not check_write(
+            "check write_kv int8 pages", backend, lambda b: itemgetter("k_cache", "v_cache")(int8_pages(b))
+        )
     return failures
 
 
@@ -252,16 +278,18 @@ def bench_case(impl, batch, context, a, copy_bw):
         if impl == "jax_paged":
             step, args = jax_paged_step(b, sm_scale)
         else:
-            def step(i, q, kc, vc, kv_lens, table, cu, n):  # alternate layers, as lax.scan over layers would
-                return kernels.ragged_paged_attention(q, kc, vc, i % 2, kv_lens, table, cu, n, sm_scale=sm_scale,
-                                                      impl=impl, backend=a.backend)
 
-            args = (b["q"], b["k_cache"], b["v_cache"], b["kv_lens"], b["page_indices"], b["cu_q_lens"],
-                    b["num_seqs"])
+            def step(i, q, kc, vc, kv_lens, table, cu, n):  # alternate layers, as lax.scan over layers would
+                return kernels.ragged_paged_attention(
+                    q, kc, vc, i % 2, kv_lens, table, cu, n, sm_scale=sm_scale, impl=impl, backend=a.backend
+                )
+
+            args = (b["q"], b["k_cache"], b["v_cache"], b["kv_lens"], b["page_indices"], b["cu_q_lens"], b["num_seqs"])
         sec = time_steps(step, args, a.iters)
         bw = kv_bytes / sec
-        row = dict(case=label, impl=impl, result="OK", us=sec * 1e6, gbs=bw / 1e9,
-                   frac=(bw / copy_bw) if copy_bw else None)
+        row = dict(
+            case=label, impl=impl, result="OK", us=sec * 1e6, gbs=bw / 1e9, frac=(bw / copy_bw) if copy_bw else None
+        )
         log(f"{label} {impl}: {sec * 1e6:.1f} us/step, {bw / 1e9:.1f} GB/s")
         ROWS.append(row)
         del b, args
@@ -273,8 +301,12 @@ def bench_case(impl, batch, context, a, copy_bw):
 
 def print_table(copy_bw):
     log("\n" + "=" * 96)
-    log(f"jax {jax.__version__} | device {jax.devices()[0].device_kind} | "
-        f"copy bandwidth (read+write) {copy_bw / 1e9:.0f} GB/s" if copy_bw else f"jax {jax.__version__}")
+    log(
+        f"jax {jax.__version__} | device {jax.devices()[0].device_kind} | "
+        f"copy bandwidth (read+write) {copy_bw / 1e9:.0f} GB/s"
+        if copy_bw
+        else f"jax {jax.__version__}"
+    )
     log(f"{'case':<38} {'impl':<10} {'result':<16} {'us/step':>10} {'KV GB/s':>9} {'% copy bw':>10} {'max err':>9}")
     for r in ROWS:
         us = f"{r['us']:.1f}" if "us" in r else ""

@@ -60,13 +60,19 @@ def main() -> None:
     text = "\n\n".join(topics[k] for k in sorted(topics))[:40000]
     rows, base = [], None
     for mode in args.modes:
-        llm = LLM(gguf_model if mode == "gguf" else float_model, max_model_len=1024, max_num_seqs=args.num_requests,
-                  max_num_batched_tokens=512, num_pages=800, **MODES[mode])
+        llm = LLM(
+            gguf_model if mode == "gguf" else float_model,
+            max_model_len=1024,
+            max_num_seqs=args.num_requests,
+            max_num_batched_tokens=512,
+            num_pages=800,
+            **MODES[mode],
+        )
         llm.engine.warmup()
         nbytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.state))
         page = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.k_cache)) // llm.engine.runner.num_pages
         ids = llm.tokenizer.encode(text)
-        chunks = [ids[i:i + 512] for i in range(0, 6 * 512, 512)]
+        chunks = [ids[i : i + 512] for i in range(0, 6 * 512, 512)]
         ppl, top = score(llm, chunks)
         if base is None:
             base = (nbytes, ppl, top, page)
@@ -78,15 +84,27 @@ def main() -> None:
         t = time.perf_counter()
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         offline = args.num_requests * 64 / (time.perf_counter() - t)
-        rows.append((mode, nbytes / base[0], page / base[3], ppl, ppl / base[1] - 1, float(np.mean(top == base[2])),
-                     decode, offline))
+        rows.append(
+            (
+                mode,
+                nbytes / base[0],
+                page / base[3],
+                ppl,
+                ppl / base[1] - 1,
+                float(np.mean(top == base[2])),
+                decode,
+                offline,
+            )
+        )
         print(rows[-1], flush=True)
         del llm
 
     print(f"\n## Quantized weights ({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs)\n")
     print(f"`python bench/quantization.py --modes {' '.join(args.modes)} --num-requests {args.num_requests}`\n")
-    print("| mode | weight bytes vs float32 | KV page bytes vs float32 | perplexity | vs float32 "
-          "| next-token agreement | one request decode tok/s | offline output tok/s |")
+    print(
+        "| mode | weight bytes vs float32 | KV page bytes vs float32 | perplexity | vs float32 "
+        "| next-token agreement | one request decode tok/s | offline output tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for mode, b, kv, ppl, d, agree, decode, offline in rows:
         print(f"| {mode} | {b:.3f}x | {kv:.3f}x | {ppl:.3f} | {d:+.1%} | {agree:.1%} | {decode:.1f} | {offline:.1f} |")

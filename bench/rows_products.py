@@ -24,8 +24,15 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 LAYERS = 30
-SHAPES = {"wq": (576, 576), "wk": (576, 192), "wv": (576, 192), "wo": (576, 576), "w_gate": (576, 1536),
-          "w_up": (576, 1536), "w_down": (1536, 576)}
+SHAPES = {
+    "wq": (576, 576),
+    "wk": (576, 192),
+    "wv": (576, 192),
+    "wo": (576, 576),
+    "w_gate": (576, 1536),
+    "w_up": (576, 1536),
+    "w_down": (1536, 576),
+}
 VOCAB = 49152
 
 
@@ -42,8 +49,10 @@ def weights(mode: str) -> dict:
             return pack_bf16(w) if axis == -2 else w.T.astype(jax.numpy.bfloat16)
         return quant.quantize(w, mode, axis=axis, group=32)
 
-    ws = {name: convert(jax.random.normal(jax.random.key(i), (LAYERS, k, n)), -2)
-          for i, (name, (k, n)) in enumerate(SHAPES.items())}
+    ws = {
+        name: convert(jax.random.normal(jax.random.key(i), (LAYERS, k, n)), -2)
+        for i, (name, (k, n)) in enumerate(SHAPES.items())
+    }
     ws["output"] = convert(jax.random.normal(jax.random.key(99), (VOCAB, 576)), -1)
     return ws
 

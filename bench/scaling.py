@@ -45,22 +45,42 @@ def plumbing(args) -> None:
     from jaxserve.loading import LoadedModel
     from jaxserve.models.llama import param_schema
 
-    cfg = ModelConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
-                      num_kv_heads=8, head_dim=64, max_position_embeddings=1024)
+    cfg = ModelConfig(
+        vocab_size=49152,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
     rng = np.random.default_rng(0)
-    params = {n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.05, s.shape).astype(np.float32))
-              for n, s in param_schema(cfg).items()}
+    params = {
+        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.05, s.shape).astype(np.float32))
+        for n, s in param_schema(cfg).items()
+    }
     model = LoadedModel("random-llama", cfg, params, default_model_path())
     prompts = [rng.integers(3, 49000, size=128).tolist() for _ in range(16)]
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    print(f"\n## Plumbing: {cfg.num_layers} layers, D={cfg.hidden_size}, 8 q / 8 kv heads, V={cfg.vocab_size}; "
-          f"16 prompts x 128 tokens, 32 output tokens; 8 simulated devices on {os.cpu_count()} cores\n")
+    print(
+        f"\n## Plumbing: {cfg.num_layers} layers, D={cfg.hidden_size}, 8 q / 8 kv heads, V={cfg.vocab_size}; "
+        f"16 prompts x 128 tokens, 32 output tokens; 8 simulated devices on {os.cpu_count()} cores\n"
+    )
     print("| TP x DP | weights / device (MiB) | KV pool / device (MiB) | decode step (ms) | tokens = TP 1 |")
     print("|---|---|---|---|---|")
     reference = None
     for tp, dp in LAYOUTS:
-        llm = LLM(model, tensor_parallel_size=tp, data_parallel_size=dp, num_pages=256, max_num_seqs=16,
-                  max_num_batched_tokens=256, max_model_len=512, compilation_cache=False)
+        llm = LLM(
+            model,
+            tensor_parallel_size=tp,
+            data_parallel_size=dp,
+            num_pages=256,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            max_model_len=512,
+            compilation_cache=False,
+        )
         llm.engine.warmup()
         for r in llm.engine.replicas:
             r.runner.reset_timers()
@@ -69,9 +89,12 @@ def plumbing(args) -> None:
         runner = llm.engine.runner
         steps = sum(r.runner.decode_steps for r in llm.engine.replicas)
         secs = sum(r.runner.decode_device_seconds for r in llm.engine.replicas)
-        print(f"| {tp} x {dp} | {_per_device_bytes(runner.state) / 2**20:.1f} | "
-              f"{_per_device_bytes((runner.k_cache, runner.v_cache)) / 2**20:.1f} | {1e3 * secs / max(steps, 1):.1f} | "
-              f"{'yes' if outs == reference else 'NO'} |", flush=True)
+        print(
+            f"| {tp} x {dp} | {_per_device_bytes(runner.state) / 2**20:.1f} | "
+            f"{_per_device_bytes((runner.k_cache, runner.v_cache)) / 2**20:.1f} | {1e3 * secs / max(steps, 1):.1f} | "
+            f"{'yes' if outs == reference else 'NO'} |",
+            flush=True,
+        )
 
 
 def throughput(args) -> None:
@@ -82,8 +105,10 @@ def throughput(args) -> None:
     from jaxserve.tokenizer import load_tokenizer
 
     prompts = make_workload(load_tokenizer(default_model_path()), args.num_requests, 64, 512)
-    print(f"\n## Throughput: {args.num_requests} requests, prompts 64-512 tokens, {args.output_len} output tokens, "
-          f"greedy (bench/throughput.py's workload), float32\n")
+    print(
+        f"\n## Throughput: {args.num_requests} requests, prompts 64-512 tokens, {args.output_len} output tokens, "
+        f"greedy (bench/throughput.py's workload), float32\n"
+    )
     print("| TP | wall (s) | output tok/s | vs TP 1 | warm-up (s) | recompiles | tokens = TP 1 |")
     print("|---|---|---|---|---|---|---|")
     base = None
@@ -91,9 +116,11 @@ def throughput(args) -> None:
         r = run_jaxserve(prompts, args.output_len, 512, {"tensor_parallel_size": tp})
         base = base or r
         rate = args.num_requests * args.output_len / r["elapsed"]
-        print(f"| {tp} | {r['elapsed']:.1f} | {rate:.0f} | {base['elapsed'] / r['elapsed']:.2f}x | "
-              f"{r['warmup_s']:.0f} | {r['recompiles']} | {'yes' if r['tokens'] == base['tokens'] else 'NO'} |",
-              flush=True)
+        print(
+            f"| {tp} | {r['elapsed']:.1f} | {rate:.0f} | {base['elapsed'] / r['elapsed']:.2f}x | "
+            f"{r['warmup_s']:.0f} | {r['recompiles']} | {'yes' if r['tokens'] == base['tokens'] else 'NO'} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -103,8 +130,10 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     args = p.parse_args()
-    print(f"# bench/scaling.py on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    print(
+        f"# bench/scaling.py on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}"
+    )
     if not args.skip_plumbing:
         plumbing(args)
     if not args.skip_throughput:

@@ -34,9 +34,24 @@ from jaxserve.server.launch import free_port
 
 def start_server(args, port: int, log_path: Path, max_waiting: int = 100_000) -> subprocess.Popen:
     """``jaxserve serve`` on ``port``, once /health answers (the bench measures latency, not admission)."""
-    cmd = [sys.executable, "-m", "jaxserve", "serve", "--port", str(port), "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-waiting-requests", str(max_waiting), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve",
+        "serve",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-waiting-requests",
+        str(max_waiting),
+        "--log-level",
+        "warning",
+    ]
     if args.model:
         cmd += ["--model", args.model]
     with log_path.open("w") as log:
@@ -85,8 +100,9 @@ async def sweep(ns) -> tuple[list[dict], list]:
     earlier rate). Returns the results and every prompt made."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30),
-                                 limits=httpx.Limits(max_connections=None)) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(3600, connect=30), limits=httpx.Limits(max_connections=None)
+    ) as client:
         model = (await client.get(f"{ns.base_url}/v1/models")).json()["data"][0]["id"]
         sizes = [requests_per_rate(ns, rate) for rate in ns.request_rate]
         ns.num_prompts = sum(sizes) or ns.num_prompts
@@ -94,7 +110,7 @@ async def sweep(ns) -> tuple[list[dict], list]:
         work = [(ids, ns.output_len, None) for ids, _ in prompts]  # fixed output length: TPOT is comparable
         results, start = [], 0
         for rate, n in zip(ns.request_rate, sizes):
-            results.append(await bench.run_rate(client, ns, model, work[start: start + n], {}, rate))
+            results.append(await bench.run_rate(client, ns, model, work[start : start + n], {}, rate))
             start += n
             bench.print_result(results[-1])
     return results, prompts
@@ -106,8 +122,12 @@ class Offline:
     def __init__(self, args):
         from jaxserve import LLM, SamplingParams
 
-        self.llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+        self.llm = LLM(
+            args.model,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
         self.llm.engine.warmup()
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
@@ -119,27 +139,45 @@ class Offline:
 
 
 def markdown(args, results: list[dict], over: dict | None, load: list[float]) -> str:
-    setup = (f"Machine: {platform.machine()}, {os.cpu_count()} cores, CPU only. "
-             f"Model: {args.model or 'SmolLM2-135M-Instruct (default)'}; "
-             f"engine max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
-             f"max_model_len={args.max_model_len}. Prompts {int(args.input_len * (1 - args.range_ratio))}-"
-             f"{int(args.input_len * (1 + args.range_ratio))} tokens, {args.output_len} output tokens (ignore_eos, "
-             f"greedy), streamed; Poisson arrivals for {args.seconds_per_rate:g} s per rate.")
-    lines = [f"### Online serving (`python bench/serve.py`), {time.strftime('%Y-%m-%d')}", setup, "",
-             "| rate (req/s) | done | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p99 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    setup = (
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, CPU only. "
+        f"Model: {args.model or 'SmolLM2-135M-Instruct (default)'}; "
+        f"engine max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
+        f"max_model_len={args.max_model_len}. Prompts {int(args.input_len * (1 - args.range_ratio))}-"
+        f"{int(args.input_len * (1 + args.range_ratio))} tokens, {args.output_len} output tokens (ignore_eos, "
+        f"greedy), streamed; Poisson arrivals for {args.seconds_per_rate:g} s per rate."
+    )
+    lines = [
+        f"### Online serving (`python bench/serve.py`), {time.strftime('%Y-%m-%d')}",
+        setup,
+        "",
+        "| rate (req/s) | done | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p99 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         rate = "all at once" if not math.isfinite(r["request_rate"]) else f"{r['request_rate']:g}"
-        lines.append(f"| {rate} | {r['completed']}/{r['completed'] + r['failed']} | {r['request_throughput']:.2f} | "
-                     f"{r['output_throughput']:.0f} | {r['ttft_ms']['median']:.0f} ms | {r['ttft_ms']['p99']:.0f} ms | "
-                     f"{r['tpot_ms']['median']:.0f} ms | {r['tpot_ms']['p99']:.0f} ms | {r['itl_ms']['p99']:.0f} ms |")
+        lines.append(
+            f"| {rate} | {r['completed']}/{r['completed'] + r['failed']} | {r['request_throughput']:.2f} | "
+            f"{r['output_throughput']:.0f} | {r['ttft_ms']['median']:.0f} ms | {r['ttft_ms']['p99']:.0f} ms | "
+            f"{r['tpot_ms']['median']:.0f} ms | {r['tpot_ms']['p99']:.0f} ms | {r['itl_ms']['p99']:.0f} ms |"
+        )
     if over:
         pairs = ", ".join(f"{o:.1f} s / {v:.1f} s" for o, v in zip(over["offline_s"], over["server_s"]))
-        lines += ["", (f"Server overhead: {over['n']} requests at once, streamed through the server vs offline "
-                       f"`LLM.generate` (same token ids and engine settings), alternated (offline / server: "
-                       f"{pairs}): server throughput = **{over['ratio']:.2f}x** offline (median of the pairs).")]
-    lines += ["", (f"1-minute load average of the machine at the start / end: {load[0]:.1f} / {load[1]:.1f} "
-                  f"(other jobs share it; above {os.cpu_count()} means contention).")]
+        lines += [
+            "",
+            (
+                f"Server overhead: {over['n']} requests at once, streamed through the server vs offline "
+                f"`LLM.generate` (same token ids and engine settings), alternated (offline / server: "
+                f"{pairs}): server throughput = **{over['ratio']:.2f}x** offline (median of the pairs)."
+            ),
+        ]
+    lines += [
+        "",
+        (
+            f"1-minute load average of the machine at the start / end: {load[0]:.1f} / {load[1]:.1f} "
+            f"(other jobs share it; above {os.cpu_count()} means contention)."
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -188,16 +226,27 @@ def main() -> None:
                 off_s.append(off["elapsed"])
                 srv_s.append(srv_run[0]["duration_s"])
                 srv_runs.append(srv_run[0])
-                print(f"overhead rep {rep}: offline {off_s[-1]:.1f}s, server {srv_s[-1]:.1f}s: "
-                      f"{off_s[-1] / srv_s[-1]:.2f}x", flush=True)
-            over = {"n": args.overhead_prompts, "offline_s": off_s, "server_s": srv_s,
-                    "ratio": statistics.median(o / v for o, v in zip(off_s, srv_s)), "server_runs": srv_runs}
+                print(
+                    f"overhead rep {rep}: offline {off_s[-1]:.1f}s, server {srv_s[-1]:.1f}s: "
+                    f"{off_s[-1] / srv_s[-1]:.2f}x",
+                    flush=True,
+                )
+            over = {
+                "n": args.overhead_prompts,
+                "offline_s": off_s,
+                "server_s": srv_s,
+                "ratio": statistics.median(o / v for o, v in zip(off_s, srv_s)),
+                "server_runs": srv_runs,
+            }
     finally:
         code = stop_server(proc)
     print(f"server exited with {code}")
     load.append(os.getloadavg()[0])
-    bench.plot(results, str(out / "latency_vs_rate.png"),
-               f"jaxserve serve, default model, {os.cpu_count()} CPUs: ~{args.input_len} in / {args.output_len} out tokens")
+    bench.plot(
+        results,
+        str(out / "latency_vs_rate.png"),
+        f"jaxserve serve, default model, {os.cpu_count()} CPUs: ~{args.input_len} in / {args.output_len} out tokens",
+    )
     (out / "serve_results.json").write_text(json.dumps({"sweep": results, "overhead": over}, indent=1))
     md = markdown(args, results, over, load)
     (out / "serve_results.md").write_text(md + "\n")

@@ -61,8 +61,11 @@ async def soak(args, port: int, pid: int) -> dict:
         cal = await bench.run_rate(client, ns, model, work[: args.calibration_prompts], {}, float("inf"))
         capacity = cal["request_throughput"]
         rate = args.rate or capacity * args.overload
-        print(f"capacity {capacity:.2f} req/s ({cal['output_throughput']:.0f} output tok/s); soaking at {rate:.2f} "
-              f"req/s for {args.duration:.0f}s", flush=True)
+        print(
+            f"capacity {capacity:.2f} req/s ({cal['output_throughput']:.0f} output tok/s); soaking at {rate:.2f} "
+            f"req/s for {args.duration:.0f}s",
+            flush=True,
+        )
         before = metrics((await client.get(f"{base}/metrics")).text)
 
         rss: list[tuple[float, float]] = []
@@ -75,11 +78,21 @@ async def soak(args, port: int, pid: int) -> dict:
         i = 0
         while time.monotonic() - t0 < args.duration:
             ids, out_len, _ = work[i % len(work)]
-            payload = {"model": model, "prompt": ids, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}}
+            payload = {
+                "model": model,
+                "prompt": ids,
+                "max_tokens": out_len,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             # asyncio.wait_for bounds each request: one still open after request_timeout counts as hung.
-            tasks.append(asyncio.create_task(asyncio.wait_for(
-                bench._request(client, url, payload, {}, len(ids)), args.request_timeout)))
+            tasks.append(
+                asyncio.create_task(
+                    asyncio.wait_for(bench._request(client, url, payload, {}, len(ids)), args.request_timeout)
+                )
+            )
             i += 1
             await asyncio.sleep(rng.expovariate(rate))
         sent_s = time.monotonic() - t0
@@ -94,20 +107,36 @@ async def soak(args, port: int, pid: int) -> dict:
     busy = [r for r in results if isinstance(r, bench.RequestResult) and r.error.startswith("HTTP 503")]
     hung = [r for r in results if isinstance(r, asyncio.TimeoutError)]
     failed = len(results) - len(ok) - len(busy) - len(hung)
-    errors = sorted({str(r.error if isinstance(r, bench.RequestResult) else repr(r)) for r in results
-                     if not (isinstance(r, bench.RequestResult) and (r.ok or r.error.startswith("HTTP 503")))})
+    errors = sorted(
+        {
+            str(r.error if isinstance(r, bench.RequestResult) else repr(r))
+            for r in results
+            if not (isinstance(r, bench.RequestResult) and (r.ok or r.error.startswith("HTTP 503")))
+        }
+    )
     steady = [m for t, m in rss if t >= 60.0] or [m for _, m in rss]
     growth = (steady[-1] - steady[0]) / steady[0] if steady else math.nan
     finished = sum(v - before.get(k, 0) for k, v in after.items() if k.startswith("jaxserve:request_success_total"))
     ttft = bench._stats([r.ttft for r in ok])
     return {
-        "capacity_req_s": capacity, "rate_req_s": rate, "duration_s": sent_s, "drained_s": drained_s,
-        "sent": len(results), "completed": len(ok), "rejected_503": len(busy), "hung": len(hung), "failed": failed,
-        "errors": errors[:5], "server_counted_finished": finished,
-        "completed_throughput_req_s": len(ok) / drained_s, "ttft_ms": ttft,
+        "capacity_req_s": capacity,
+        "rate_req_s": rate,
+        "duration_s": sent_s,
+        "drained_s": drained_s,
+        "sent": len(results),
+        "completed": len(ok),
+        "rejected_503": len(busy),
+        "hung": len(hung),
+        "failed": failed,
+        "errors": errors[:5],
+        "server_counted_finished": finished,
+        "completed_throughput_req_s": len(ok) / drained_s,
+        "ttft_ms": ttft,
         "tpot_ms": bench._stats([r.tpot for r in ok if r.tpot is not None]),
-        "rss_mib_first": rss[0][1] if rss else None, "rss_mib_at_60s": steady[0] if steady else None,
-        "rss_mib_last": rss[-1][1] if rss else None, "rss_growth_after_60s": growth,
+        "rss_mib_first": rss[0][1] if rss else None,
+        "rss_mib_at_60s": steady[0] if steady else None,
+        "rss_mib_last": rss[-1][1] if rss else None,
+        "rss_growth_after_60s": growth,
         "rss_samples": rss,
         "end_running": after.get("jaxserve:num_requests_running"),
         "end_waiting": after.get("jaxserve:num_requests_waiting"),
@@ -146,15 +175,23 @@ def main() -> int:
         r_code = stop_server(proc)
     r["server_exit_code"] = r_code
     (out / "soak_results.json").write_text(json.dumps(r, indent=1))
-    good = (r["hung"] == 0 and r["failed"] == 0 and r["end_used_pages"] == 0 and r["end_running"] == 0
-            and r["rss_growth_after_60s"] <= args.max_rss_growth and r_code == 0
-            and r["server_counted_finished"] == r["completed"])
+    good = (
+        r["hung"] == 0
+        and r["failed"] == 0
+        and r["end_used_pages"] == 0
+        and r["end_running"] == 0
+        and r["rss_growth_after_60s"] <= args.max_rss_growth
+        and r_code == 0
+        and r["server_counted_finished"] == r["completed"]
+    )
     print(json.dumps({k: v for k, v in r.items() if k != "rss_samples"}, indent=1))
-    print(f"\nsoak {'PASSED' if good else 'FAILED'}: {r['sent']} requests in {r['duration_s']:.0f}s at "
-          f"{r['rate_req_s']:.2f} req/s (capacity {r['capacity_req_s']:.2f}): {r['completed']} completed, "
-          f"{r['rejected_503']} turned away with 503, {r['hung']} hung, {r['failed']} failed; RSS "
-          f"{r['rss_mib_at_60s']:.0f} -> {r['rss_mib_last']:.0f} MiB after the first minute "
-          f"({r['rss_growth_after_60s']:+.1%}); KV pages in use at the end: {r['end_used_pages']:.0f}")
+    print(
+        f"\nsoak {'PASSED' if good else 'FAILED'}: {r['sent']} requests in {r['duration_s']:.0f}s at "
+        f"{r['rate_req_s']:.2f} req/s (capacity {r['capacity_req_s']:.2f}): {r['completed']} completed, "
+        f"{r['rejected_503']} turned away with 503, {r['hung']} hung, {r['failed']} failed; RSS "
+        f"{r['rss_mib_at_60s']:.0f} -> {r['rss_mib_last']:.0f} MiB after the first minute "
+        f"({r['rss_growth_after_60s']:+.1%}); KV pages in use at the end: {r['end_used_pages']:.0f}"
+    )
     return 0 if good else 1
 
 

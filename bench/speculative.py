@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-CODE = '''def moving_average(values, window):
+CODE = """def moving_average(values, window):
     result = []
     for i in range(len(values)):
         start = max(0, i - window + 1)
@@ -33,11 +33,13 @@ def normalize(values):
     if high == low:
         return [0.0 for _ in values]
     return [(v - low) / (high - low) for v in values]
-'''
-TEXT = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
-        "agreed to increase funding for the library by ten percent and to delay the renovation of the town hall "
-        "until the spring. The mayor thanked the volunteers who had organized the summer festival, which raised "
-        "more money than any festival before it.")
+"""
+TEXT = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
+    "agreed to increase funding for the library by ten percent and to delay the renovation of the town hall "
+    "until the spring. The mayor thanked the volunteers who had organized the summer festival, which raised "
+    "more money than any festival before it."
+)
 
 GROUNDED = [
     f"Add type hints to this Python code and return the whole code:\n\n{CODE}",
@@ -81,18 +83,30 @@ def main() -> None:
     loaded = load_model(None, args.dtype or "float32")
     kw = dict(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, num_pages=96)
     plain = LLM(loaded, **kw)
-    spec = LLM(loaded, speculative_config={"method": "ngram", "num_speculative_tokens": args.k,
-                                           "prompt_lookup_max": args.lookup_max}, **kw)
+    spec = LLM(
+        loaded,
+        speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max},
+        **kw,
+    )
     chat = lambda text: plain.tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": text}], add_generation_prompt=True)
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     for llm in (plain, spec):  # compile every shape these prompts use, unmeasured
-        llm.generate([chat(GROUNDED[0]), chat(FREE[0])], SamplingParams(temperature=0.0, max_tokens=args.output_len),
-                     use_tqdm=False)
-    print(f"# speculative decoding, n-gram k={args.k} lookup_max={args.lookup_max}; {platform.node()}, "
-          f"{os.cpu_count()} CPUs; one stream, greedy, up to {args.output_len} tokens", flush=True)
-    print("| workload | plain tok/s | spec tok/s | spec / plain | steps per token (plain, spec) | acceptance | "
-          "identical |")
+        llm.generate(
+            [chat(GROUNDED[0]), chat(FREE[0])],
+            SamplingParams(temperature=0.0, max_tokens=args.output_len),
+            use_tqdm=False,
+        )
+    print(
+        f"# speculative decoding, n-gram k={args.k} lookup_max={args.lookup_max}; {platform.node()}, "
+        f"{os.cpu_count()} CPUs; one stream, greedy, up to {args.output_len} tokens",
+        flush=True,
+    )
+    print(
+        "| workload | plain tok/s | spec tok/s | spec / plain | steps per token (plain, spec) | acceptance | "
+        "identical |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, texts in (("input-grounded", GROUNDED), ("free-form", FREE)):
         prompts = [chat(t) for t in texts]
@@ -111,9 +125,12 @@ def main() -> None:
             identical &= all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs_p, outs_s))
         rate_p, rate_s = tokens / times["plain"], tokens / times["spec"]
         accept = stats["spec"]["spec_accepted_tokens"] / max(stats["spec"]["spec_draft_tokens"], 1)
-        print(f"| {name} | {rate_p:.1f} | {rate_s:.1f} | {rate_s / rate_p:.2f}x | "
-              f"{stats['plain']['num_steps'] / tokens:.2f}, {stats['spec']['num_steps'] / tokens:.2f} | "
-              f"{accept:.0%} of {stats['spec']['spec_draft_tokens']} | {identical} |", flush=True)
+        print(
+            f"| {name} | {rate_p:.1f} | {rate_s:.1f} | {rate_s / rate_p:.2f}x | "
+            f"{stats['plain']['num_steps'] / tokens:.2f}, {stats['spec']['num_steps'] / tokens:.2f} | "
+            f"{accept:.0%} of {stats['spec']['spec_draft_tokens']} | {identical} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -24,10 +24,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.throughput import make_workload  # noqa: E402
 
-RECORDS = {"type": "array", "minItems": 12, "items": {
-    "type": "object", "additionalProperties": False, "required": ["name", "city", "age"],
-    "properties": {"name": {"type": "string", "maxLength": 16}, "city": {"type": "string", "maxLength": 16},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 99}}}}
+RECORDS = {
+    "type": "array",
+    "minItems": 12,
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "city", "age"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "city": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+    },
+}
 
 
 def main() -> None:
@@ -58,13 +68,21 @@ def main() -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            results[name].append({"elapsed": elapsed, "tokens": tokens, "tok_s": tokens / elapsed,
-                                  "fill_s": engine.structured.fill_seconds - fill0})
+            results[name].append(
+                {
+                    "elapsed": elapsed,
+                    "tokens": tokens,
+                    "tok_s": tokens / elapsed,
+                    "fill_s": engine.structured.fill_seconds - fill0,
+                }
+            )
     recompiles = engine.runner.num_compilations - compiled
 
     print(f"\n## Structured outputs ({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs)\n")
-    print(f"`python bench/structured.py --num-requests {args.num_requests} --output-len {args.output_len} "
-          f"--rounds {args.rounds}`; {recompiles} compiles after warm-up\n")
+    print(
+        f"`python bench/structured.py --num-requests {args.num_requests} --output-len {args.output_len} "
+        f"--rounds {args.rounds}`; {recompiles} compiles after warm-up\n"
+    )
     print("| run | output tokens | time (s) | output tok/s | mask fill (s) |")
     print("|---|---|---|---|---|")
     for name, rs in results.items():
@@ -72,8 +90,10 @@ def main() -> None:
             print(f"| {name} | {r['tokens']} | {r['elapsed']:.1f} | {r['tok_s']:.1f} | {r['fill_s']:.2f} |")
     best = {name: max(r["tok_s"] for r in rs) for name, rs in results.items()}
     med = {name: statistics.median(r["tok_s"] for r in rs) for name, rs in results.items()}
-    print(f"\nhalf constrained / plain, output tok/s: best {best['half constrained'] / best['plain']:.3f}, "
-          f"median {med['half constrained'] / med['plain']:.3f}")
+    print(
+        f"\nhalf constrained / plain, output tok/s: best {best['half constrained'] / best['plain']:.3f}, "
+        f"median {med['half constrained'] / med['plain']:.3f}"
+    )
 
     from tests.test_structured import SCHEMAS  # the ten schemas the tests validate against
 
@@ -92,9 +112,11 @@ def main() -> None:
         t = time.perf_counter()
         fresh.matchers(so)
         cached.append(time.perf_counter() - t)
-    print(f"\ngrammar engine tokenizer (once per engine): {build * 1e3:.0f} ms; per schema (10 schemas): cold "
-          f"median {statistics.median(cold) * 1e3:.2f} ms (max {max(cold) * 1e3:.2f}), cached median "
-          f"{statistics.median(cached) * 1e6:.0f} us (max {max(cached) * 1e6:.0f})")
+    print(
+        f"\ngrammar engine tokenizer (once per engine): {build * 1e3:.0f} ms; per schema (10 schemas): cold "
+        f"median {statistics.median(cold) * 1e3:.2f} ms (max {max(cold) * 1e3:.2f}), cached median "
+        f"{statistics.median(cached) * 1e6:.0f} us (max {max(cached) * 1e6:.0f})"
+    )
 
 
 if __name__ == "__main__":

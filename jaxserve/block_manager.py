@@ -177,7 +177,8 @@ class BlockManager:
         needed = self.pages_needed(start + num_new_tokens)
         table = table or []
         cow = [
-            i for i in range(start // self.page_size, min(needed, len(table)))
+            i
+            for i in range(start // self.page_size, min(needed, len(table)))
             if self.ref_counts[table[i]] > 1 or self.page_hash[table[i]] is not None
         ]
         num_fresh = max(0, needed - len(table) - len(cached_pages)) + len(cow)

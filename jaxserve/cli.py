@@ -18,8 +18,11 @@ def add_model_args(p: argparse.ArgumentParser, **defaults) -> None:
     serve. ``defaults`` overrides a setting's default for this command."""
     from jaxserve.config import EngineConfig
 
-    p.add_argument("--model", default=None,
-                   help="GGUF file, HF directory, orbax directory, preset or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, HF directory, orbax directory, preset or hub id (default: SmolLM2-135M-Instruct)",
+    )
     EngineConfig.add_cli_args(p, **defaults)
 
 
@@ -37,13 +40,21 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--json-schema", default=None, metavar="SCHEMA",
-                   help="constrain the output to JSON valid under this schema (JSON text, or @file.json)")
+    g.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="SCHEMA",
+        help="constrain the output to JSON valid under this schema (JSON text, or @file.json)",
+    )
     g.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
     g.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
     g.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
-    g.add_argument("--grammar", default=None, metavar="GRAMMAR",
-                   help="constrain the output to a Lark or GBNF grammar (text, or @file)")
+    g.add_argument(
+        "--grammar",
+        default=None,
+        metavar="GRAMMAR",
+        help="constrain the output to a Lark or GBNF grammar (text, or @file)",
+    )
 
 
 def _structured_outputs(args) -> dict | None:
@@ -66,9 +77,17 @@ def _structured_outputs(args) -> dict | None:
 def _sampling_params(args):
     from jaxserve import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=args.stop, structured_outputs=_structured_outputs(args))
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        structured_outputs=_structured_outputs(args),
+    )
 
 
 def _engine(args):
@@ -86,7 +105,7 @@ def _stream(engine, request_id: str, prompt, params, out=None) -> str:
     while engine.has_unfinished_requests():
         for o in engine.step():
             text = o.outputs[0].text
-            out.write(text[len(shown):])
+            out.write(text[len(shown) :])
             out.flush()
             shown = text
     return shown
@@ -129,8 +148,9 @@ def cmd_convert(args) -> int:
     from jaxserve.loading import convert
 
     config = convert(args.src, args.dst, args.dtype, args.quantization)
-    print(f"wrote {args.dst} ({config.architecture}, {args.dtype}"
-          f"{', ' + args.quantization if args.quantization else ''})")
+    print(
+        f"wrote {args.dst} ({config.architecture}, {args.dtype}{', ' + args.quantization if args.quantization else ''})"
+    )
     return 0
 
 
@@ -143,9 +163,15 @@ def cmd_plan(args) -> int:
     chips = parse_topology(args.topology)[1]
     settings = vars(args) | {"tensor_parallel_size": args.tensor_parallel_size or chips}
     config = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
-    result = plan(args.model, args.topology, config.tensor_parallel_size, config=config, seq_len=args.seq_len,
-                  compile=not args.no_compile,
-                  variants="all" if args.all_variants else "corners")
+    result = plan(
+        args.model,
+        args.topology,
+        config.tensor_parallel_size,
+        config=config,
+        seq_len=args.seq_len,
+        compile=not args.no_compile,
+        variants="all" if args.all_variants else "corners",
+    )
     print(result.summary())
     return 0
 
@@ -172,20 +198,27 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("src")
     v.add_argument("dst")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    v.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "gguf"],
-                   help="write quantized weights (gguf: a GGUF file's own Q8_0/Q4_x/Qn_K blocks); served quantized "
-                        "when loaded")
+    v.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "w8a8", "gguf"],
+        help="write quantized weights (gguf: a GGUF file's own Q8_0/Q4_x/Qn_K blocks); served quantized when loaded",
+    )
     v.set_defaults(func=cmd_convert)
 
     from jaxserve.config import EngineConfig
 
-    pl = sub.add_parser("plan", help="will a model fit a TPU/GPU slice? compile its steps for a TPU slice here",
-                        description="Plans one replica on a topology: per-chip weights, KV pool and activations, how "
-                                    "many sequences fit, a decode roofline; on a TPU topology it also compiles the "
-                                    "step for that TPU on this machine (needs libtpu: pip install 'jax[tpu]').")
+    pl = sub.add_parser(
+        "plan",
+        help="will a model fit a TPU/GPU slice? compile its steps for a TPU slice here",
+        description="Plans one replica on a topology: per-chip weights, KV pool and activations, how "
+        "many sequences fit, a decode roofline; on a TPU topology it also compiles the "
+        "step for that TPU on this machine (needs libtpu: pip install 'jax[tpu]').",
+    )
     pl.add_argument("--model", default="smollm2-135m", help="a preset (configs/) or an HF config.json / directory")
-    pl.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x4, v5p:2x2x1, v5e:4x4, ..., or h100:8 "
-                                                      "(GPUs: arithmetic only)")
+    pl.add_argument(
+        "--topology", required=True, help="v5e:2x4, v6e:2x4, v5p:2x2x1, v5e:4x4, ..., or h100:8 (GPUs: arithmetic only)"
+    )
     pl.add_argument("--seq-len", type=int, default=None, help="context per sequence (default: --max-model-len)")
     pl.add_argument("--all-variants", action="store_true", help="compile every bucket (default: the largest ones)")
     pl.add_argument("--no-compile", action="store_true", help="arithmetic only")
@@ -200,39 +233,75 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_parser(subparsers) -> None:
     from jaxserve.server import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_PROMPT_CHARS
 
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
-                              description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, "
-                                          "/v1/responses).")
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/responses).",
+    )
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients send as 'model' (default: the model's name)")
-    p.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests queued without a first token beyond which new ones get 503 + Retry-After")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients send as 'model' (default: the model's name)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="requests queued without a first token beyond which new ones get 503 + Retry-After",
+    )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
-    p.add_argument("--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS,
-                   help="longer prompts (chat: all messages' content together) get 400 before they are tokenized; "
-                        "0: no limit (default: %(default)s)")
-    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
-                   help="seconds a client may take to send a request's line and headers; then 408 and the "
-                        "connection is closed (default: %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
-                   help="the format the model writes tool calls in (<tool_call>{...}</tool_call>, Llama 3.1's JSON, "
-                        "[TOOL_CALLS][...]); auto: the one the chat template uses (default: %(default)s)")
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_CHARS,
+        help="longer prompts (chat: all messages' content together) get 400 before they are tokenized; "
+        "0: no limit (default: %(default)s)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds a client may take to send a request's line and headers; then 408 and the "
+        "connection is closed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        help="the format the model writes tool calls in (<tool_call>{...}</tool_call>, Llama 3.1's JSON, "
+        "[TOOL_CALLS][...]); auto: the one the chat template uses (default: %(default)s)",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m = p.add_argument_group("several hosts (one command per host; process 0 serves HTTP, the others follow)")
-    m.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="process 0's address for jax.distributed (with --num-processes and --process-id)")
+    m.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's address for jax.distributed (with --num-processes and --process-id)",
+    )
     m.add_argument("--num-processes", type=int, default=None)
     m.add_argument("--process-id", type=int, default=None)
-    m.add_argument("--distributed-auto", action="store_true",
-                   help="let jax.distributed.initialize() find the group itself (Cloud TPU VMs of a multi-host slice)")
+    m.add_argument(
+        "--distributed-auto",
+        action="store_true",
+        help="let jax.distributed.initialize() find the group itself (Cloud TPU VMs of a multi-host slice)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -248,9 +317,12 @@ def _add_bench_parser(subparsers) -> None:
 
     b = subparsers.add_parser("bench", help="benchmarks")
     sub = b.add_subparsers(dest="bench_command", required=True)
-    p = sub.add_parser("serve", help="online benchmark against a running server (Poisson arrivals)",
-                       description="Sends requests at Poisson-distributed times to a running OpenAI-compatible "
-                                   "server; reports TTFT, TPOT, ITL (mean/median/p99) and throughput per rate.")
+    p = sub.add_parser(
+        "serve",
+        help="online benchmark against a running server (Poisson arrivals)",
+        description="Sends requests at Poisson-distributed times to a running OpenAI-compatible "
+        "server; reports TTFT, TPOT, ITL (mean/median/p99) and throughput per rate.",
+    )
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.main)
 

@@ -30,8 +30,12 @@ def architecture_flags(architecture: str) -> dict[str, Any]:
     """The ``ModelConfig`` fields an architecture fixes, whatever its checkpoint's format (HF or GGUF): Gemma's
     GeGLU activation, ``1 + w`` norms and embedding scale, Gemma-2's sandwich norms; plain SwiGLU otherwise."""
     gemma = architecture in GEMMA_ARCHITECTURES
-    return {"hidden_act": "gelu_pytorch_tanh" if gemma else "silu", "norm_weight_offset": 1.0 if gemma else 0.0,
-            "scale_embeddings": gemma, "sandwich_norms": architecture == "gemma2"}
+    return {
+        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
+        "norm_weight_offset": 1.0 if gemma else 0.0,
+        "scale_embeddings": gemma,
+        "sandwich_norms": architecture == "gemma2",
+    }
 
 
 def gemma2_sliding_layers(num_layers: int) -> tuple[bool, ...]:
@@ -104,8 +108,17 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.architecture {self.architecture!r} is not supported; known: {', '.join(ARCHITECTURES)}"
             )
-        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "max_position_embeddings")
+        _positive(
+            self,
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -192,7 +205,10 @@ class ModelConfig:
             rope_type = rs.get("rope_type", rs.get("type"))
             if rope_type == "llama3":
                 rope_scaling = RopeScaling(
-                    "llama3", rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"],
+                    "llama3",
+                    rs["factor"],
+                    rs["low_freq_factor"],
+                    rs["high_freq_factor"],
                     rs["original_max_position_embeddings"],
                 )
             elif rope_type == "linear":
@@ -285,10 +301,13 @@ class CacheConfig:
         if self.dtype is not None and self.dtype not in KV_DTYPES:
             raise ValueError(f"CacheConfig.dtype must be one of {KV_DTYPES} or None, got {self.dtype!r}")
         m = self.kv_cache_memory
-        if m is not None and (isinstance(m, bool) or not (isinstance(m, int) and m > 0
-                                                          or isinstance(m, float) and 0 < m <= 1)):
-            raise ValueError(f"CacheConfig.kv_cache_memory must be bytes (an int > 0), a fraction of the available "
-                             f"memory (a float in (0, 1]) or None, got {m!r}")
+        if m is not None and (
+            isinstance(m, bool) or not (isinstance(m, int) and m > 0 or isinstance(m, float) and 0 < m <= 1)
+        ):
+            raise ValueError(
+                f"CacheConfig.kv_cache_memory must be bytes (an int > 0), a fraction of the available "
+                f"memory (a float in (0, 1]) or None, got {m!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,16 +359,23 @@ class SpeculativeConfig:
         if self.method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}")
         if (self.model is None) == (self.method == "draft_model"):
-            raise ValueError("speculative_config.model names the draft model of method 'draft_model' (and only of "
-                             f"it); got method {self.method!r} with model {self.model!r}")
-        for name, lo, hi in (("num_speculative_tokens", 1, 16), ("prompt_lookup_max", 1, 64),
-                             ("prompt_lookup_min", 1, 64)):
+            raise ValueError(
+                "speculative_config.model names the draft model of method 'draft_model' (and only of "
+                f"it); got method {self.method!r} with model {self.model!r}"
+            )
+        for name, lo, hi in (
+            ("num_speculative_tokens", 1, 16),
+            ("prompt_lookup_max", 1, 64),
+            ("prompt_lookup_min", 1, 64),
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"speculative_config.{name} must be an int in [{lo}, {hi}], got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -435,57 +461,96 @@ class EngineConfig:
         ValueError: a bad value, naming the field (at construction).
     """
 
-    dtype: str | None = _setting(None, "weights and activations (default: float32 on the CPU, bfloat16 on "
-                                       "GPU/TPU)", choices=_DTYPES)
+    dtype: str | None = _setting(
+        None, "weights and activations (default: float32 on the CPU, bfloat16 on GPU/TPU)", choices=_DTYPES
+    )
     matmul_dtype: str | None = _setting(
-        None, "bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation (about 2x "
-              "faster on the CPU; with --quantization, steps of more than 8 tokens dequantize to bfloat16; w8a8 "
-              "refuses it; default: exact, in --dtype)", choices=_DTYPES)
+        None,
+        "bfloat16: the weights' matrix products on bfloat16 inputs with float32 accumulation (about 2x "
+        "faster on the CPU; with --quantization, steps of more than 8 tokens dequantize to bfloat16; w8a8 "
+        "refuses it; default: exact, in --dtype)",
+        choices=_DTYPES,
+    )
     quantization: str | None = _setting(
-        None, "quantize the weights on load: int8 (per output channel), int4 (groups of 32, with min; 8-bit "
-              "scale codes), w8a8 (int8 weights and per-token int8 activations), fp8 (e4m3; GPUs/TPUs with fp8); "
-              "gguf: serve a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices as stored (default: float weights)",
-        choices=("int8", "int4", "w8a8", "fp8", "gguf"))
+        None,
+        "quantize the weights on load: int8 (per output channel), int4 (groups of 32, with min; 8-bit "
+        "scale codes), w8a8 (int8 weights and per-token int8 activations), fp8 (e4m3; GPUs/TPUs with fp8); "
+        "gguf: serve a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices as stored (default: float weights)",
+        choices=("int8", "int4", "w8a8", "fp8", "gguf"),
+    )
     kv_cache_dtype: str | None = _setting(
-        None, "the KV page pool's dtype (default: --dtype's); bfloat16 halves the memory attention reads, fp8 "
-              "(e4m3, or fp8_e5m2; no scales) quarters it against float32; int8 stores a float32 scale per token "
-              "and KV head besides (0.27x float32's bytes at head_dim 64, 0.26x at 128)",
-        choices=KV_DTYPES)
+        None,
+        "the KV page pool's dtype (default: --dtype's); bfloat16 halves the memory attention reads, fp8 "
+        "(e4m3, or fp8_e5m2; no scales) quarters it against float32; int8 stores a float32 scale per token "
+        "and KV head besides (0.27x float32's bytes at head_dim 64, 0.26x at 128)",
+        choices=KV_DTYPES,
+    )
     num_pages: int | None = _setting(None, "KV pages per data-parallel replica (default: from memory)", type=int)
     page_size: int = _setting(16, "tokens per KV page", type=int)
     kv_cache_memory_fraction: float = _setting(0.9, "share of free device memory the KV pool may take", type=float)
     kv_cache_memory: int | float | None = _setting(
-        None, "KV pool size: bytes (8000000000, 8G, 512MiB) or a fraction of the memory available at startup "
-              "(0.5); default: on the CPU at most min(4 GiB, a quarter of available memory)", type=bytes_or_fraction)
-    max_num_seqs: int | None = _setting(None, "most sequences in one step (default: per platform, see "
-                                              "batching_defaults: 64 on the CPU, 128-256 on GPUs / TPUs)", type=int)
+        None,
+        "KV pool size: bytes (8000000000, 8G, 512MiB) or a fraction of the memory available at startup "
+        "(0.5); default: on the CPU at most min(4 GiB, a quarter of available memory)",
+        type=bytes_or_fraction,
+    )
+    max_num_seqs: int | None = _setting(
+        None,
+        "most sequences in one step (default: per platform, see "
+        "batching_defaults: 64 on the CPU, 128-256 on GPUs / TPUs)",
+        type=int,
+    )
     max_num_batched_tokens: int | None = _setting(
-        None, "most tokens in one step, the token budget (default: per platform: 512 on the CPU, 2048-8192 on GPUs / "
-              "TPUs by memory)", type=int)
-    max_model_len: int | None = _setting(None, "longest prompt + output in tokens (default: the model's, at most "
-                                               "2048)", type=int)
-    enable_prefix_caching: bool = _setting(True, "reuse the KV pages of shared prompt prefixes",
-                                           flag="--no-prefix-caching", action="store_false")
-    policy: str = _setting("fcfs", "priority: requests' priority orders the queue (lower first)",
-                           flag="--scheduling-policy", choices=("fcfs", "priority"))
-    attention_impl: str = _setting("auto", "attention kernels (auto: Pallas on GPU/TPU, C++/XLA on the CPU)",
-                                   choices=("auto", "xla", "reference", "pallas"))
-    tensor_parallel_size: int = _setting(1, "devices each replica's weights, heads and KV pool are split over",
-                                         type=int)
-    data_parallel_size: int = _setting(1, "independent replicas (each on its own tensor_parallel_size devices) that "
-                                          "requests are balanced over", type=int)
+        None,
+        "most tokens in one step, the token budget (default: per platform: 512 on the CPU, 2048-8192 on GPUs / "
+        "TPUs by memory)",
+        type=int,
+    )
+    max_model_len: int | None = _setting(
+        None, "longest prompt + output in tokens (default: the model's, at most 2048)", type=int
+    )
+    enable_prefix_caching: bool = _setting(
+        True, "reuse the KV pages of shared prompt prefixes", flag="--no-prefix-caching", action="store_false"
+    )
+    policy: str = _setting(
+        "fcfs",
+        "priority: requests' priority orders the queue (lower first)",
+        flag="--scheduling-policy",
+        choices=("fcfs", "priority"),
+    )
+    attention_impl: str = _setting(
+        "auto",
+        "attention kernels (auto: Pallas on GPU/TPU, C++/XLA on the CPU)",
+        choices=("auto", "xla", "reference", "pallas"),
+    )
+    tensor_parallel_size: int = _setting(
+        1, "devices each replica's weights, heads and KV pool are split over", type=int
+    )
+    data_parallel_size: int = _setting(
+        1,
+        "independent replicas (each on its own tensor_parallel_size devices) that requests are balanced over",
+        type=int,
+    )
     speculative_config: dict | None = _setting(
-        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'
-              ' "prompt_lookup_min": 1} (default: off)', type=SpeculativeConfig.parse)
+        None,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'
+        ' "prompt_lookup_min": 1} (default: off)',
+        type=SpeculativeConfig.parse,
+    )
     async_scheduling: bool | None = _setting(
-        None, "schedule and pack each step while the previous one runs, its sampled tokens fed on the device "
-              "(default: on GPUs and TPUs; off on the CPU, where the host is ~2%% of a step and the overlap measured "
-              "slower; always off with speculative decoding or several processes)",
-        action=argparse.BooleanOptionalAction)
-    seed: int = _setting(0, "seeds the per-request seeds of requests that give none", flag="--engine-seed",
-                         type=int)
-    compilation_cache: bool = _setting(True, "JAX's persistent compilation cache (~/.cache/jaxserve/xla)",
-                                       flag="--no-compilation-cache", action="store_false")
+        None,
+        "schedule and pack each step while the previous one runs, its sampled tokens fed on the device "
+        "(default: on GPUs and TPUs; off on the CPU, where the host is ~2%% of a step and the overlap measured "
+        "slower; always off with speculative decoding or several processes)",
+        action=argparse.BooleanOptionalAction,
+    )
+    seed: int = _setting(0, "seeds the per-request seeds of requests that give none", flag="--engine-seed", type=int)
+    compilation_cache: bool = _setting(
+        True,
+        "JAX's persistent compilation cache (~/.cache/jaxserve/xla)",
+        flag="--no-compilation-cache",
+        action="store_false",
+    )
 
     def __post_init__(self):
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
@@ -514,18 +579,26 @@ class EngineConfig:
         return dataclasses.replace(config or cls(), **settings)
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(self.page_size, self.num_pages, self.kv_cache_memory_fraction, self.kv_cache_dtype,
-                           self.kv_cache_memory)
+        return CacheConfig(
+            self.page_size, self.num_pages, self.kv_cache_memory_fraction, self.kv_cache_dtype, self.kv_cache_memory
+        )
 
-    def scheduler_config(self, max_model_len: int, platform: str = "cpu",
-                         device_memory: int | None = None) -> SchedulerConfig:
+    def scheduler_config(
+        self, max_model_len: int, platform: str = "cpu", device_memory: int | None = None
+    ) -> SchedulerConfig:
         """The scheduler's settings; budgets left at None take ``batching_defaults(platform, device_memory)``."""
         seqs, tokens = batching_defaults(platform, device_memory)
         spec = SpeculativeConfig.parse(self.speculative_config)
-        return SchedulerConfig(self.max_num_seqs or seqs, self.max_num_batched_tokens or tokens, max_model_len,
-                               self.enable_prefix_caching, self.policy, spec,
-                               async_scheduling=spec is None and (platform != "cpu" if self.async_scheduling is None
-                                                                  else self.async_scheduling))
+        return SchedulerConfig(
+            self.max_num_seqs or seqs,
+            self.max_num_batched_tokens or tokens,
+            max_model_len,
+            self.enable_prefix_caching,
+            self.policy,
+            spec,
+            async_scheduling=spec is None
+            and (platform != "cpu" if self.async_scheduling is None else self.async_scheduling),
+        )
 
     # ------------------------------------------------------------------ command line
     @classmethod

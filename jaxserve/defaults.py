@@ -24,4 +24,6 @@ def default_model_path() -> Path:
         path = Path(location) / DEFAULT_MODEL_FILE
         if path.is_file():
             return path
-    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package; run: {INSTALL_HINT}")
+    raise FileNotFoundError(
+        f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package; run: {INSTALL_HINT}"
+    )

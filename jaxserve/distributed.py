@@ -30,8 +30,12 @@ class FollowerLost(RuntimeError):
     """A follower lost process 0 (dead, hung or unreachable)."""
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               heartbeat_timeout_s: int | None = None) -> None:
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat_timeout_s: int | None = None,
+) -> None:
     """Joins this process to a multi-process JAX runtime (before any other JAX call).
 
     With ``coordinator``, ``num_processes`` and ``process_id`` given, it joins that group (process 0 hosts the
@@ -51,10 +55,19 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ValueError(f"--process-id must be in [0, {num_processes}), got {process_id}")
     if jax.config.jax_platforms in (None, "", "cpu") and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id,
-                               heartbeat_timeout_seconds=heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S)
-    logger.info("process %d of %d; %d local / %d global devices", jax.process_index(), jax.process_count(),
-                jax.local_device_count(), jax.device_count())
+    jax.distributed.initialize(
+        coordinator,
+        num_processes,
+        process_id,
+        heartbeat_timeout_seconds=heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S,
+    )
+    logger.info(
+        "process %d of %d; %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def multi_process() -> bool:
@@ -99,7 +112,8 @@ class StepChannel:
                 break
             except Exception as e:  # noqa: BLE001 - the client raises a plain XlaRuntimeError
                 if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-                    raise FollowerLost(f"process {jax.process_index()} lost process 0 while waiting for step "
-                                       f"{self._next}: {e}") from e
+                    raise FollowerLost(
+                        f"process {jax.process_index()} lost process 0 while waiting for step {self._next}: {e}"
+                    ) from e
         self._next += 1
         return pickle.loads(zlib.decompress(data))

@@ -35,12 +35,26 @@ class DraftProposer:
         mesh, attention_impl: the target runner's.
     """
 
-    def __init__(self, runner_cls, draft, num_pages: int, page_size: int, sched_cfg: SchedulerConfig, mesh,
-                 attention_impl: str = "auto"):
-        cfg = SchedulerConfig(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len,
-                              sched_cfg.enable_prefix_caching, sched_cfg.policy)
-        self.runner = runner_cls(draft.config, draft.params, CacheConfig(page_size, num_pages), cfg, attention_impl,
-                                 mesh=mesh)
+    def __init__(
+        self,
+        runner_cls,
+        draft,
+        num_pages: int,
+        page_size: int,
+        sched_cfg: SchedulerConfig,
+        mesh,
+        attention_impl: str = "auto",
+    ):
+        cfg = SchedulerConfig(
+            sched_cfg.max_num_seqs,
+            sched_cfg.max_num_batched_tokens,
+            sched_cfg.max_model_len,
+            sched_cfg.enable_prefix_caching,
+            sched_cfg.policy,
+        )
+        self.runner = runner_cls(
+            draft.config, draft.params, CacheConfig(page_size, num_pages), cfg, attention_impl, mesh=mesh
+        )
         self.budget = cfg.max_num_batched_tokens
         self.max_seqs = cfg.max_num_seqs
         self.valid: dict[str, int] = {}  # request id -> positions [0, valid) hold the draft's KV for its tokens
@@ -57,8 +71,10 @@ class DraftProposer:
         if not jobs:
             return sched
         tables = scheduler.block_manager.page_tables
-        tokens = {s.req_id: scheduler.requests[s.req_id].prompt_token_ids
-                  + scheduler.requests[s.req_id].output_token_ids for s in jobs}
+        tokens = {
+            s.req_id: scheduler.requests[s.req_id].prompt_token_ids + scheduler.requests[s.req_id].output_token_ids
+            for s in jobs
+        }
         proposals: dict[str, list[int]] = {s.req_id: [] for s in jobs}
         # 1. Catch up to each sequence's next token (at s.start_pos), in budget-sized chunks; its sample is d1.
         pending = {s.req_id: (self.valid.get(s.req_id, 0), s.start_pos) for s in jobs}
@@ -68,7 +84,7 @@ class DraftProposer:
                 if budget == 0 or len(chunks) == self.max_seqs:
                     break
                 n = min(end + 1 - start, budget)
-                chunks.append((rid, tokens[rid][start: start + n], start, start + n == end + 1))
+                chunks.append((rid, tokens[rid][start : start + n], start, start + n == end + 1))
                 budget -= n
                 if start + n == end + 1:
                     del pending[rid]
@@ -82,7 +98,7 @@ class DraftProposer:
         for j in range(1, max(wanted.values())):
             live = [rid for rid in wanted if wanted[rid] > j]
             for i in range(0, len(live), self.max_seqs):
-                part = live[i: i + self.max_seqs]
+                part = live[i : i + self.max_seqs]
                 chunks = [(rid, [proposals[rid][-1]], pos[rid] + j, True) for rid in part]
                 for rid, token in self._run(chunks, tables).items():
                     proposals[rid].append(token)
@@ -91,17 +107,23 @@ class DraftProposer:
         for s in sched.scheduled:
             if s.req_id in by_id:
                 d = proposals[s.req_id][: len(s.draft_token_ids)]
-                s = dataclasses.replace(s, token_ids=s.token_ids[: len(s.token_ids) - len(d)] + d,
-                                        draft_token_ids=tuple(d))
+                s = dataclasses.replace(
+                    s, token_ids=s.token_ids[: len(s.token_ids) - len(d)] + d, draft_token_ids=tuple(d)
+                )
             scheduled.append(s)
         return dataclasses.replace(sched, scheduled=scheduled)
 
     def _run(self, chunks: list[tuple[str, list[int], int, bool]], tables: dict) -> dict[str, int]:
         """One draft step over (request id, tokens, start position, sample) chunks; the greedy samples."""
-        scheduled = [ScheduledRequest(rid, list(toks), start, sample, 0, list(tables[rid]),
-                                      NewRequestData(list(toks), [], _GREEDY)) for rid, toks, start, sample in chunks]
-        out = self.runner.execute(SchedulerOutput(scheduled, [], self._started, [],
-                                                  sum(len(t) for _, t, _, _ in chunks)))
+        scheduled = [
+            ScheduledRequest(
+                rid, list(toks), start, sample, 0, list(tables[rid]), NewRequestData(list(toks), [], _GREEDY)
+            )
+            for rid, toks, start, sample in chunks
+        ]
+        out = self.runner.execute(
+            SchedulerOutput(scheduled, [], self._started, [], sum(len(t) for _, t, _, _ in chunks))
+        )
         self._started = [rid for rid, _, _, _ in chunks]
         self.num_steps += 1
         return {rid: toks[0].token_id for rid, toks in out.sampled.items()}

@@ -61,10 +61,13 @@ def warn_memory_maps(share: float = 0.7) -> int | None:
     except (OSError, ValueError):
         return None
     if used > share * limit:
-        logger.warning("this process holds %d of the %d memory mappings Linux allows it (vm.max_map_count); each "
-                       "compiled step takes ~350 on the CPU, and one past the limit crashes the process: build fewer "
-                       "engines or replicas in one process, or raise it (sysctl -w vm.max_map_count=262144)", used,
-                       limit)
+        logger.warning(
+            "this process holds %d of the %d memory mappings Linux allows it (vm.max_map_count); each "
+            "compiled step takes ~350 on the CPU, and one past the limit crashes the process: build fewer "
+            "engines or replicas in one process, or raise it (sysctl -w vm.max_map_count=262144)",
+            used,
+            limit,
+        )
     return used
 
 
@@ -151,8 +154,7 @@ class LLMEngine:
         FileNotFoundError: the model cannot be found (or fetched from the hub).
     """
 
-    def __init__(self, model: str | Path | LoadedModel | None = None, config: EngineConfig | None = None,
-                 **settings):
+    def __init__(self, model: str | Path | LoadedModel | None = None, config: EngineConfig | None = None, **settings):
         config = self.config = EngineConfig.from_settings(config, **settings)
         # An engine holds reference cycles, so a dropped one (and its compiled steps: on XLA:CPU ~350 memory mappings
         # each, of 65,530 a process may have) lingers until the cycle collector runs: run it before building another.
@@ -163,50 +165,78 @@ class LLMEngine:
         tp, dp = config.tensor_parallel_size, config.data_parallel_size
         check_parallelism(tp, dp)
         if multi_process() and (dp != 1 or tp != jax.device_count()):
-            raise ValueError(f"under {jax.process_count()} processes, one tensor-parallel replica spans every device: "
-                             f"tensor_parallel_size must be {jax.device_count()} and data_parallel_size 1 (got "
-                             f"{tp} and {dp})")
+            raise ValueError(
+                f"under {jax.process_count()} processes, one tensor-parallel replica spans every device: "
+                f"tensor_parallel_size must be {jax.device_count()} and data_parallel_size 1 (got "
+                f"{tp} and {dp})"
+            )
         devices = jax.devices()
-        meshes = [make_mesh(tp, devices[i * tp:(i + 1) * tp]) for i in range(dp)]  # disjoint, one per replica
+        meshes = [make_mesh(tp, devices[i * tp : (i + 1) * tp]) for i in range(dp)]  # disjoint, one per replica
         dtype = config.dtype or default_dtype()
         if config.matmul_dtype not in (None, dtype, "bfloat16"):
-            raise ValueError(f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', "
-                             f"got {config.matmul_dtype!r}")
+            raise ValueError(
+                f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', got {config.matmul_dtype!r}"
+            )
         if config.quantization is not None:
             if config.matmul_dtype not in (None, dtype) and config.quantization == "w8a8":
-                raise ValueError(f"matmul_dtype={config.matmul_dtype!r} cannot be combined with quantization='w8a8', "
-                                 "whose products multiply int8 activations by int8 weights")
+                raise ValueError(
+                    f"matmul_dtype={config.matmul_dtype!r} cannot be combined with quantization='w8a8', "
+                    "whose products multiply int8 activations by int8 weights"
+                )
             quant.check_backend(config.quantization)
         if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
             kv_heads_for(model.config, tp)
             if config.quantization == "gguf" and not any(quant.is_quantized(v) for v in model.params.values()):
-                raise ValueError("quantization='gguf' serves the quantized weights of a GGUF file: load it with "
-                                 "load_model(path, keep_quantized=True), or pass the path")
+                raise ValueError(
+                    "quantization='gguf' serves the quantized weights of a GGUF file: load it with "
+                    "load_model(path, keep_quantized=True), or pass the path"
+                )
             loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
         else:
-            loaded = load_model(model, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp),
-                                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[0]),
-                                keep_quantized=config.quantization == "gguf")
+            loaded = load_model(
+                model,
+                dtype,
+                check_config=lambda cfg: kv_heads_for(cfg, tp),
+                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[0]),
+                keep_quantized=config.quantization == "gguf",
+            )
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = load_tokenizer(loaded.tokenizer_path)
         self.structured = StructuredOutputs(self.tokenizer.to_json(), loaded.config.vocab_size, self.eos_token_ids)
         max_model_len = config.max_model_len or min(loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > loaded.config.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{loaded.config.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{loaded.config.max_position_embeddings}"
+            )
         self.scheduler_config = config.scheduler_config(max_model_len, jax.default_backend(), device_memory())
         if multi_process():  # every process runs each step the leader publishes, in order, and waits for it
             self.scheduler_config = dataclasses.replace(self.scheduler_config, async_scheduling=False)
         draft = self._draft_model(self.scheduler_config.speculative, loaded, dtype, tp)
         self.replicas: list[Replica] = []
         for mesh in meshes:
-            runner = ModelRunner(loaded.config, loaded.params, config.cache_config(), self.scheduler_config,
-                                 config.attention_impl, config.matmul_dtype, mesh, quantization=config.quantization,
-                                 one_token_buckets=False if dp > 1 else None)
+            runner = ModelRunner(
+                loaded.config,
+                loaded.params,
+                config.cache_config(),
+                self.scheduler_config,
+                config.attention_impl,
+                config.matmul_dtype,
+                mesh,
+                quantization=config.quantization,
+                one_token_buckets=False if dp > 1 else None,
+            )
             block_manager = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
-            drafter = draft and DraftProposer(ModelRunner, draft, runner.num_pages, config.page_size,
-                                              self.scheduler_config, mesh, config.attention_impl)
+            drafter = draft and DraftProposer(
+                ModelRunner,
+                draft,
+                runner.num_pages,
+                config.page_size,
+                self.scheduler_config,
+                mesh,
+                config.attention_impl,
+            )
             self.replicas.append(Replica(runner, Scheduler(self.scheduler_config, block_manager), drafter))
         if multi_process():
             self.runner.channel = StepChannel()
@@ -323,8 +353,9 @@ class LLMEngine:
         for k, item in enumerate(items):
             try:
                 if not isinstance(item, (tuple, list)) or len(item) not in (3, 4):
-                    raise ValueError("an item must be (request_id, prompt, sampling_params[, priority]), "
-                                     f"got {type(item).__name__}")
+                    raise ValueError(
+                        f"an item must be (request_id, prompt, sampling_params[, priority]), got {type(item).__name__}"
+                    )
                 prepared.append(self._prepare(*item, arrival_time=arrival_time, taken=taken))
             except ValueError as e:
                 raise ValueError(str(e) if len(items) == 1 else f"item {k} of {len(items)}: {e}") from None
@@ -355,8 +386,16 @@ class LLMEngine:
                 tracked.replica.scheduler.abort_request(tracked.seqs[0].request.request_id)
             raise
 
-    def _prepare(self, request_id: str, prompt, sampling_params: SamplingParams | None, priority: int = 0, *,
-                 arrival_time: float | None, taken: set[str]) -> _Tracked:
+    def _prepare(
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams | None,
+        priority: int = 0,
+        *,
+        arrival_time: float | None,
+        taken: set[str],
+    ) -> _Tracked:
         """One request, validated and built, not queued; its ids are added to ``taken``."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"a request id must be a non-empty string, got {request_id!r}")
@@ -369,8 +408,11 @@ class LLMEngine:
         ids = [request_id] + ([f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [])
         for rid in ids:  # children's ids too: "x#1" and "x" with n=2 would share a sequence id
             if rid in self._tracked or rid in self._seq_owner or rid in taken:
-                raise ValueError(f"request id {request_id!r} is already in use" if rid == request_id else
-                                 f"{where}: its sequence id {rid!r} (n={params.n}) is already in use")
+                raise ValueError(
+                    f"request id {request_id!r} is already in use"
+                    if rid == request_id
+                    else f"{where}: its sequence id {rid!r} (n={params.n}) is already in use"
+                )
         prompt_text, prompt_ids = self._prompt_ids(where, prompt)
         vocab, max_len = self.model_config.vocab_size, self.scheduler_config.max_model_len
         try:
@@ -380,11 +422,14 @@ class LLMEngine:
         for name, toks in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids)):
             bad = out_of_vocabulary(toks, vocab)
             if bad:
-                raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad} outside the vocabulary "
-                                 f"[0, {vocab})")
+                raise ValueError(
+                    f"{where}: SamplingParams.{name} has token ids {bad} outside the vocabulary [0, {vocab})"
+                )
         if params.n > self.runner.num_pages:
-            raise ValueError(f"{where}: SamplingParams.n={params.n} sequences cannot each hold a page of the "
-                             f"{self.runner.num_pages}-page KV pool")
+            raise ValueError(
+                f"{where}: SamplingParams.n={params.n} sequences cannot each hold a page of the "
+                f"{self.runner.num_pages}-page KV pool"
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(prompt_ids)
         so = params.structured_outputs
         matchers = [None] * params.n
@@ -396,13 +441,24 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         tracked = _Tracked(request_id, prompt_text, prompt_ids, params, [], [])
         for i in range(params.n):
-            child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens,
-                                               seed=base_seed if i == 0 else hash((base_seed, i)) & (2**63 - 1))
-            req = Request(ids[i + 1] if params.n > 1 else request_id, prompt_ids, child_params, self.eos_token_ids,
-                          arrival_time, int(priority))
-            seq = _Sequence(i, req, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
-                            logprobs=[] if params.logprobs is not None else None,
-                            matcher=matchers[i])
+            child_params = dataclasses.replace(
+                params, n=1, max_tokens=max_tokens, seed=base_seed if i == 0 else hash((base_seed, i)) & (2**63 - 1)
+            )
+            req = Request(
+                ids[i + 1] if params.n > 1 else request_id,
+                prompt_ids,
+                child_params,
+                self.eos_token_ids,
+                arrival_time,
+                int(priority),
+            )
+            seq = _Sequence(
+                i,
+                req,
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+                matcher=matchers[i],
+            )
             tracked.seqs.append(seq)
         taken.update(ids)
         return tracked
@@ -417,9 +473,13 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
-            got = (f"an array of {prompt.dtype} with shape {prompt.shape}" if isinstance(prompt, np.ndarray) else
-                   f"a {type(prompt).__name__} holding {sorted({type(t).__name__ for t in prompt})}"
-                   if isinstance(prompt, (list, tuple)) else f"a {type(prompt).__name__}")
+            got = (
+                f"an array of {prompt.dtype} with shape {prompt.shape}"
+                if isinstance(prompt, np.ndarray)
+                else f"a {type(prompt).__name__} holding {sorted({type(t).__name__ for t in prompt})}"
+                if isinstance(prompt, (list, tuple))
+                else f"a {type(prompt).__name__}"
+            )
             raise ValueError(f"{where}: the prompt must be a string or a list of int token ids, got {got}")
         return (prompt if isinstance(prompt, str) else None), ids
 
@@ -463,8 +523,9 @@ class LLMEngine:
                 failures.append(e)
                 outputs += e.outputs
         if failures:
-            raise StepFailed([r for f in failures for r in f.request_ids], outputs,
-                             failures[0].cause) from failures[0].cause
+            raise StepFailed([r for f in failures for r in f.request_ids], outputs, failures[0].cause) from failures[
+                0
+            ].cause
         return outputs
 
     @staticmethod
@@ -484,8 +545,10 @@ class LLMEngine:
         else:
             draft = load_model(draft, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp))
         if draft.config.vocab_size != loaded.config.vocab_size:
-            raise ValueError(f"speculative_config.model has a vocabulary of {draft.config.vocab_size} tokens; the "
-                             f"target's has {loaded.config.vocab_size}: a draft model must share it")
+            raise ValueError(
+                f"speculative_config.model has a vocabulary of {draft.config.vocab_size} tokens; the "
+                f"target's has {loaded.config.vocab_size}: a draft model must share it"
+            )
         return draft
 
     def _step_replica(self, replica: Replica) -> list[RequestOutput]:
@@ -553,8 +616,11 @@ class LLMEngine:
             if owner is not None and owner[1].index == 0:  # the request's prompt logprobs are its first sequence's
                 owner[0].prompt_logprobs.update(entries)
         # Confirmed tokens before and after the scheduler takes this step's (tokens of steps in flight are pending).
-        before = {rid: len(owner[1].request.confirmed_output_token_ids) for rid in sampled
-                  if (owner := self._seq_owner.get(rid)) is not None}
+        before = {
+            rid: len(owner[1].request.confirmed_output_token_ids)
+            for rid in sampled
+            if (owner := self._seq_owner.get(rid)) is not None
+        }
         emitted = {rid: [t.token_id for t in toks] for rid, toks in sampled.items()}
         scheduler.update_from_output(sched, emitted)
         if replica.drafter is not None:
@@ -574,7 +640,7 @@ class LLMEngine:
             try:
                 for j, tok in enumerate(kept):
                     if self._append(tracked, seq, tok, last=j == len(kept) - 1):  # a stop string or the grammar
-                        del out_ids[before[rid] + j + 1:]  # ended it: the confirmed tokens after it are dropped
+                        del out_ids[before[rid] + j + 1 :]  # ended it: the confirmed tokens after it are dropped
                         break
             except Exception as e:  # noqa: BLE001 - e.g. detokenization: only this request fails
                 errors[tracked.request_id] = e
@@ -677,14 +743,27 @@ class LLMEngine:
             text = seq.text
             if not req.is_finished and hold:
                 text = text[: max(0, len(text) - hold)]  # a stop string may still be forming
-            outs.append(CompletionOutput(
-                seq.index, text, list(req.confirmed_output_token_ids),
-                seq.cumulative_logprob if seq.logprobs is not None else None, seq.logprobs,
-                req.finish_reason, seq.stop_reason,
-            ))
+            outs.append(
+                CompletionOutput(
+                    seq.index,
+                    text,
+                    list(req.confirmed_output_token_ids),
+                    seq.cumulative_logprob if seq.logprobs is not None else None,
+                    seq.logprobs,
+                    req.finish_reason,
+                    seq.stop_reason,
+                )
+            )
         finished = all(s.request.is_finished for s in tracked.seqs) and not tracked.pending_forks
-        return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outs, finished,
-                             tracked.seqs[0].request.num_cached_tokens, self._prompt_logprobs(tracked))
+        return RequestOutput(
+            tracked.request_id,
+            tracked.prompt,
+            tracked.prompt_token_ids,
+            outs,
+            finished,
+            tracked.seqs[0].request.num_cached_tokens,
+            self._prompt_logprobs(tracked),
+        )
 
     def _prompt_logprobs(self, tracked: _Tracked) -> list[dict[int, Logprob] | None] | None:
         if tracked.params.prompt_logprobs is None:

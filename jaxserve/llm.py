@@ -114,8 +114,9 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, tokenize=True,
-                                               **template_kwargs)
+            self.tokenizer.apply_chat_template(
+                list(c), add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -146,8 +147,9 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, (str, np.ndarray)) and np.ndim(prompts) < 2:
         return [prompts]
     if not isinstance(prompts, (list, tuple, np.ndarray)):
-        raise ValueError(f"prompts must be a string, a list of token ids or a list of prompts, got "
-                         f"{type(prompts).__name__}")
+        raise ValueError(
+            f"prompts must be a string, a list of token ids or a list of prompts, got {type(prompts).__name__}"
+        )
     prompts = list(prompts)
     if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         return [prompts]  # one prompt of token ids

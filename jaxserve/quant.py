@@ -104,8 +104,13 @@ class QArray:
     def per_channel(self) -> bool:
         """int8 with one scale per output channel of a [.., in, out] weight, no zero or offset: the scale factors out
         of the sum, so a product only converts the values."""
-        return (self.bits == 8 and self.axis == -2 and self.group == self.q.shape[-2] and self.zero is None
-                and not self.offset)
+        return (
+            self.bits == 8
+            and self.axis == -2
+            and self.group == self.q.shape[-2]
+            and self.zero is None
+            and not self.offset
+        )
 
     @property
     def nbytes(self) -> int:
@@ -219,13 +224,13 @@ def group_scales(a: QArray) -> tuple[jax.Array, jax.Array | None]:
 def _split_groups(x: jax.Array, axis: int, g: int) -> jax.Array:
     """[..., n, ...] -> [..., n / g, g, ...] (the new group axis right after ``axis``; ``axis`` negative)."""
     ax = x.ndim + axis
-    return x.reshape(*x.shape[:ax], x.shape[ax] // g, g, *x.shape[ax + 1:])
+    return x.reshape(*x.shape[:ax], x.shape[ax] // g, g, *x.shape[ax + 1 :])
 
 
 def _merge_groups(x: jax.Array, axis: int) -> jax.Array:
     """Inverse of ``_split_groups`` (``axis`` counted on the merged array)."""
     ax = x.ndim - 1 + axis
-    return x.reshape(*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2:])
+    return x.reshape(*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2 :])
 
 
 def dequantize(a: QArray, dtype=jnp.float32) -> jax.Array:
@@ -306,8 +311,10 @@ def check_backend(mode: str, platform: str | None = None) -> None:
     kind = jax.devices()[0].device_kind.lower() if platform == jax.default_backend() else ""
     fp8_kinds = ("h100", "h200", "h800", "h20", "b100", "b200", "gb200", "l40", "rtx 40", "v6", "v7", "trillium")
     if platform == "cpu" or not any(k in kind for k in fp8_kinds):
-        raise ValueError(f"quantization='fp8' needs a backend with fp8 arithmetic (NVIDIA H100/H200/L40-class GPUs, "
-                         f"TPU v6e/v7); this one is {platform} ({kind or 'unknown device'}): use 'int8' or 'int4'")
+        raise ValueError(
+            f"quantization='fp8' needs a backend with fp8 arithmetic (NVIDIA H100/H200/L40-class GPUs, "
+            f"TPU v6e/v7); this one is {platform} ({kind or 'unknown device'}): use 'int8' or 'int4'"
+        )
 
 
 def host_nbytes(params: dict) -> int:

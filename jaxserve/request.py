@@ -119,7 +119,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop", "length", "abort", or None while unfinished."""
+        """ "stop", "length", "abort", or None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 
     def stop_reason(self, token: int, max_model_len: int, num_output_tokens: int | None = None) -> str | None:
@@ -153,6 +153,7 @@ class Request:
 # The rules a prompt obeys, in one place: the engine (``LLMEngine.add_request``), the scheduler and the server all
 # check them here (the server words its answers the OpenAI way, but decides with these functions).
 
+
 def out_of_vocabulary(token_ids, vocab_size: int) -> list[int]:
     """The first (at most five) ids of ``token_ids`` outside ``[0, vocab_size)``; empty when all are inside."""
     if not len(token_ids) or 0 <= min(token_ids) and max(token_ids) < vocab_size:  # C loops: fast on long prompts
@@ -167,8 +168,10 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
         ValueError: ``num_prompt_tokens >= max_model_len`` (the message names both lengths).
     """
     if num_prompt_tokens >= max_model_len:
-        raise ValueError(f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
-                         f"max_model_len={max_model_len}")
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
+            f"max_model_len={max_model_len}"
+        )
 
 
 def check_prompt(token_ids, vocab_size: int, max_model_len: int) -> None:

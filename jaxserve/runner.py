@@ -114,7 +114,7 @@ class _CachedRequest:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -211,8 +211,10 @@ class ModelRunner:
         schema = param_schema(model_cfg)
         self.param_shardings = param_shardings(schema, self.mesh)
         # Tensor by tensor, each device receiving only its shard (every leaf of a quantized one alike).
-        placed = {name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, fit_sharding(s, x.shape)),
-                                     value) for name, value in params.items()}
+        placed = {
+            name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, fit_sharding(s, x.shape)), value)
+            for name, value in params.items()
+        }
         if quantization not in (None, "gguf"):  # "gguf": the checkpoint's own quantized weights, as loaded
             if platform is None:  # compiling for another platform (jaxserve.aot) checks its chip itself
                 quant.check_backend(quantization)
@@ -220,8 +222,10 @@ class ModelRunner:
         bf16_products = matmul_dtype is not None and jnp.dtype(matmul_dtype) != dtype
         if bf16_products and any(quant.is_quantized(v) for v in placed.values()):
             # No copies: the products that dequantize whole matrices (steps of more than 8 tokens) do it in bfloat16.
-            placed = {n: dataclasses.replace(v, dot_dtype=str(jnp.dtype(matmul_dtype))) if quant.is_quantized(v)
-                      else v for n, v in placed.items()}
+            placed = {
+                n: dataclasses.replace(v, dot_dtype=str(jnp.dtype(matmul_dtype))) if quant.is_quantized(v) else v
+                for n, v in placed.items()
+            }
             bf16_products = False
         self.graphdef, self.state = model_from_params(model_cfg, placed)
         self.matmul_weights = None
@@ -230,8 +234,11 @@ class ModelRunner:
             shapes = {n: a.shape for n, a in jax.eval_shape(make, self.state).items()}  # packed: last dim halved
             axes = {n: schema[n] for n in Llama.MATMUL_PARAMS} | {"output": ParamSpec(shapes["output"], OUTPUT_AXES)}
             mm_shardings = param_shardings(axes, self.mesh, shapes=shapes)
-            self.matmul_weights = (jax.tree.map(_place, jax.eval_shape(make, self.state), mm_shardings)
-                                   if self.abstract else jax.jit(make, out_shardings=mm_shardings)(self.state))
+            self.matmul_weights = (
+                jax.tree.map(_place, jax.eval_shape(make, self.state), mm_shardings)
+                if self.abstract
+                else jax.jit(make, out_shardings=mm_shardings)(self.state)
+            )
         self.kv_dtype = kv_dtype(cache_cfg.dtype, dtype)  # default: the weights' dtype
         # int8 pages travel as kernels.Int8Pages: the values and one float32 scale per token and KV head.
         self.kv_int8 = self.kv_dtype == jnp.int8
@@ -246,21 +253,30 @@ class ModelRunner:
         cpp = attention_impl in ("auto", "xla") and cpu_ffi.serves(self.kv_dtype) and cpu_ffi.available()
         on_cpu = (platform or jax.default_backend()) == "cpu"
         if self.kv_dtype != jnp.float32 and on_cpu and attention_impl != "pallas" and not cpp:
-            warnings.warn(f"a {self.kv_dtype} KV cache on the CPU is slow without the C++ attention: XLA:CPU converts "
-                          "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "
-                          "kv_cache_dtype='float32' is the CPU default", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"a {self.kv_dtype} KV cache on the CPU is slow without the C++ attention: XLA:CPU converts "
+                "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "
+                "kv_cache_dtype='float32' is the CPU default",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if self.kv_int8 and (platform or jax.default_backend()) == "tpu":
-            warnings.warn("int8 KV pages take more HBM per page than bfloat16 on a TPU: the pool's two minor dims "
-                          "(KV heads, head_dim) and the scales' (page_size, KV heads) are padded to the TPU's tiles "
-                          "(`jaxserve plan` measures it); bfloat16 or fp8 pages are the better choice there today",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "int8 KV pages take more HBM per page than bfloat16 on a TPU: the pool's two minor dims "
+                "(KV heads, head_dim) and the scales' (page_size, KV heads) are padded to the TPU's tiles "
+                "(`jaxserve plan` measures it); bfloat16 or fp8 pages are the better choice there today",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
         if jax.process_count() > 1:  # every process must allocate the same pool: the smallest any can hold
             self.num_pages = int(np.min(multihost_utils.process_allgather(np.int32(self.num_pages))))
         if self.abstract:
             self.k_cache = self.v_cache = jax.tree.map(
                 lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f.sharding),
-                jax.eval_shape(self._pool_zeros(self.num_pages)), self.kv_format)
+                jax.eval_shape(self._pool_zeros(self.num_pages)),
+                self.kv_format,
+            )
         else:
             zeros = self._pool_zeros(self.num_pages)
             self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
@@ -277,12 +293,14 @@ class ModelRunner:
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
         # The last step's sampled tokens, kept on the device at a fixed width (every bucket samples at most this
         # many rows): async scheduling feeds them into the next step before the host has read them.
-        fed = jax.ShapeDtypeStruct((self.max_seqs * (1 + self.num_speculative_tokens),), jnp.int32,
-                                   sharding=self.replicated)
+        fed = jax.ShapeDtypeStruct(
+            (self.max_seqs * (1 + self.num_speculative_tokens),), jnp.int32, sharding=self.replicated
+        )
         self._fed = fed if self.abstract else jax.device_put(np.zeros(fed.shape, np.int32), self.replicated)
         self._fed_rows: dict[str, int] = {}  # request id -> its row in ``_fed``
-        self.page_buckets = _buckets(min(8, cdiv(sched_cfg.max_model_len, self.page_size)),
-                                     cdiv(sched_cfg.max_model_len, self.page_size))
+        self.page_buckets = _buckets(
+            min(8, cdiv(sched_cfg.max_model_len, self.page_size)), cdiv(sched_cfg.max_model_len, self.page_size)
+        )
         self.attention_impl = attention_impl
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
         self.reset_timers()
@@ -292,8 +310,12 @@ class ModelRunner:
         self._requests: dict[str, _CachedRequest] = {}
         self.page_table = np.full((2 * self.max_seqs, self.page_buckets[-1]), NULL_PAGE, np.int32)
         self._free_rows = list(range(len(self.page_table) - 1, -1, -1))
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0, 1), in_shardings=(self.kv_format,) * 2 + (None,) * 2,
-                             out_shardings=(self.kv_format,) * 2)
+        self._copy = jax.jit(
+            _copy_pages,
+            donate_argnums=(0, 1),
+            in_shardings=(self.kv_format,) * 2 + (None,) * 2,
+            out_shardings=(self.kv_format,) * 2,
+        )
 
     def _quantize(self, params: dict, schema: dict, mode: str) -> dict:
         """The float weights of ``jaxserve.quant.QUANTIZED_PARAMS`` quantized on their devices, one at a time, each
@@ -316,8 +338,9 @@ class ModelRunner:
             shapes = jax.eval_shape(fn, w)
             leaf_shardings = jax.tree.map(lambda x, s=sharding: fit_sharding(s, x.shape), shapes)
             if self.abstract:
-                out[name] = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                                         leaf_shardings)
+                out[name] = jax.tree.map(
+                    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, leaf_shardings
+                )
             else:
                 out[name] = jax.jit(fn, out_shardings=leaf_shardings)(w)
         return out
@@ -388,14 +411,23 @@ class ModelRunner:
         if explicit is None and not on_device:
             pages = min(pages, sched_cfg.max_num_seqs * cdiv(sched_cfg.max_model_len, self.page_size) + 1)
         if pages < 2:
-            raise ValueError(f"not enough memory for a KV cache: {budget} bytes hold {pages} pages of {page_bytes} "
-                             f"bytes ({available} bytes available); set num_pages or kv_cache_memory")
+            raise ValueError(
+                f"not enough memory for a KV cache: {budget} bytes hold {pages} pages of {page_bytes} "
+                f"bytes ({available} bytes available); set num_pages or kv_cache_memory"
+            )
         if budget > available:
-            logger.warning("kv_cache_memory=%r asks for %d bytes but only %d are available", explicit, budget,
-                           available)
-        logger.info("KV pool: %d pages of %d tokens = %d tokens, %.2f GiB (%.2f GiB available, kv_cache_memory=%r)",
-                    pages, self.page_size, pages * self.page_size, pages * page_bytes / 2**30, available / 2**30,
-                    explicit)
+            logger.warning(
+                "kv_cache_memory=%r asks for %d bytes but only %d are available", explicit, budget, available
+            )
+        logger.info(
+            "KV pool: %d pages of %d tokens = %d tokens, %.2f GiB (%.2f GiB available, kv_cache_memory=%r)",
+            pages,
+            self.page_size,
+            pages * self.page_size,
+            pages * page_bytes / 2**30,
+            available / 2**30,
+            explicit,
+        )
         return pages
 
     # ------------------------------------------------------------------ compiled functions
@@ -414,8 +446,9 @@ class ModelRunner:
         rows_fn = self._rows_fn()
 
         def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
-            per_shard = jax.lax.with_sharding_constraint(model.logits(hidden, mm, rows_fn),
-                                                         NamedSharding(self.mesh, VOCAB_SPEC))
+            per_shard = jax.lax.with_sharding_constraint(
+                model.logits(hidden, mm, rows_fn), NamedSharding(self.mesh, VOCAB_SPEC)
+            )
             return jax.lax.with_sharding_constraint(per_shard, gathered)
 
         def step(state, mm, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens, fed):
@@ -432,8 +465,12 @@ class ModelRunner:
             return out, plp, feed, k_cache, v_cache
 
         kv, placed = self.kv_format, lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-        fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(gathered, gathered, gathered, kv, kv),
-                     in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 6)
+        fn = jax.jit(
+            step,
+            donate_argnums=(2, 3),
+            out_shardings=(gathered, gathered, gathered, kv, kv),
+            in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 6,
+        )
         self._steps[key] = fn
         return fn
 
@@ -443,7 +480,7 @@ class ModelRunner:
         place, where XLA copies the scan's slices), and of up to 8 on quantized weights (read packed, never
         dequantized to a float copy): on one CPU device, when built (``cpu_ffi.RowsProduct`` says which weights it
         takes)."""
-        ok = ((self.platform or jax.default_backend()) == "cpu" and self.mesh.size == 1 and cpu_ffi.available())
+        ok = (self.platform or jax.default_backend()) == "cpu" and self.mesh.size == 1 and cpu_ffi.available()
         return cpu_ffi.ROWS if ok else None
 
     # ------------------------------------------------------------------ packing
@@ -466,10 +503,13 @@ class ModelRunner:
                 self.page_table[row] = NULL_PAGE
                 new = s.new
                 self._requests[s.req_id] = _CachedRequest(
-                    row, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
-                    new.sampling_params)
+                    row,
+                    list(new.prompt_token_ids) + list(new.output_token_ids),
+                    len(new.prompt_token_ids),
+                    new.sampling_params,
+                )
             row = self._requests[s.req_id].row
-            self.page_table[row, s.pages_from: s.pages_from + len(s.new_page_ids)] = s.new_page_ids
+            self.page_table[row, s.pages_from : s.pages_from + len(s.new_page_ids)] = s.new_page_ids
 
     def sample_rows(self, token_bucket: int) -> int:
         """Rows the step samples in a token bucket: one per sequence, and with speculative decoding one more per
@@ -500,17 +540,17 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-            tokens[t: t + n] = s.token_ids
+            tokens[t : t + n] = s.token_ids
             if s.token_ids[0] == PENDING_TOKEN:  # sampled by the step in flight: read on the device (see step)
                 if s.req_id not in self._fed_rows:
                     raise ValueError(f"request {s.req_id!r} has a pending token the previous step did not sample")
                 tokens[t] = -1 - self._fed_rows[s.req_id]
                 fed += 1
-            positions[t: t + n] = pos
-            slots[t: t + n] = page_indices[i, pos // self.page_size] * self.page_size + pos % self.page_size
+            positions[t : t + n] = pos
+            slots[t : t + n] = page_indices[i, pos // self.page_size] * self.page_size + pos % self.page_size
             t += n
             cu[i + 1] = t
-        cu[len(seqs) + 1:] = t
+        cu[len(seqs) + 1 :] = t
         if (tokens < 0).sum() != fed:  # e.g. a draft model's PLACEHOLDER proposal left unfilled
             raise ValueError(f"a scheduled token id is negative: {sorted(set(tokens[tokens < 0].tolist()))}")
         logits_indices = np.zeros(max(self.sample_rows(tb), sb), np.int32)
@@ -520,8 +560,14 @@ class ModelRunner:
             for j in range(d + 1):
                 logits_indices[len(rows)] = cu[i + 1] - 1 - d + j
                 rows.append((i, j))
-        batch = AttentionBatch(positions=positions, slot_mapping=slots, kv_lens=kv_lens,
-                               page_indices=page_indices, cu_q_lens=cu, num_seqs=np.int32(len(seqs)))
+        batch = AttentionBatch(
+            positions=positions,
+            slot_mapping=slots,
+            kv_lens=kv_lens,
+            page_indices=page_indices,
+            cu_q_lens=cu,
+            num_seqs=np.int32(len(seqs)),
+        )
         return tokens, batch, logits_indices, rows
 
     # ------------------------------------------------------------------ execution
@@ -562,15 +608,23 @@ class ModelRunner:
                     mask[k] = row
         for i, _ in rows:
             if reqs[i].pending and params[i].penalized:
-                raise ValueError(f"request {sched.scheduled[i].req_id!r} has penalties, which need its latest token "
-                                 "on the host: it cannot be scheduled before the previous step's results are read")
+                raise ValueError(
+                    f"request {sched.scheduled[i].req_id!r} has penalties, which need its latest token "
+                    "on the host: it cannot be scheduled before the previous step's results are read"
+                )
         # A proposal's row samples as plain decoding would at that output index (its own draw, its min_tokens).
         meta = self._sampling_metadata(
-            [params[i] for i, _ in rows], steps=[reqs[i].num_output_tokens + reqs[i].pending + j for i, j in rows],
+            [params[i] for i, _ in rows],
+            steps=[reqs[i].num_output_tokens + reqs[i].pending + j for i, j in rows],
             prompt_ids=[reqs[i].prompt_token_ids for i, _ in rows],
-            output_ids=[reqs[i].output_token_ids for i, _ in rows], pad_to=len(logits_indices), token_mask=mask)
-        want_plp = [p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
-                    for p, s, r in zip(params, sched.scheduled, reqs)]
+            output_ids=[reqs[i].output_token_ids for i, _ in rows],
+            pad_to=len(logits_indices),
+            token_mask=mask,
+        )
+        want_plp = [
+            p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
+            for p, s, r in zip(params, sched.scheduled, reqs)
+        ]
         # -1: no position has a target, and the step skips the prompt logprobs.
         next_tokens = self._next_tokens(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
         t1 = time.perf_counter()
@@ -582,8 +636,7 @@ class ModelRunner:
             if j == 0 and sched.scheduled[i].sample:
                 reqs[i].pending += 1
                 self._fed_rows[sched.scheduled[i].req_id] = k
-        return InFlight(sched, reqs, want_plp, next_tokens, decode_only, out,
-                        plp if any(want_plp) else None, t1)
+        return InFlight(sched, reqs, want_plp, next_tokens, decode_only, out, plp if any(want_plp) else None, t1)
 
     def collect(self, flight: InFlight | None) -> RunnerOutput:
         """Waits for a launched step and reads its results (``launch``)."""
@@ -609,11 +662,18 @@ class ModelRunner:
                     entries[pos + 1] = _sampled(int(next_tokens[t]), plp[0][t], plp[1][t], plp[2][t], k)
             d = len(s.draft_token_ids)
             if s.sample:
-                drawn = [int(t) for t in out.tokens[k0: k0 + d + 1]]
+                drawn = [int(t) for t in out.tokens[k0 : k0 + d + 1]]
                 keep = accepted(s.draft_token_ids, drawn) + 1
                 result.sampled[s.req_id] = [
-                    _sampled(drawn[j], out.logprobs[k0 + j], out.top_logprob_ids[k0 + j], out.top_logprobs[k0 + j],
-                             r.params.logprobs or 0) for j in range(keep)]
+                    _sampled(
+                        drawn[j],
+                        out.logprobs[k0 + j],
+                        out.top_logprob_ids[k0 + j],
+                        out.top_logprobs[k0 + j],
+                        r.params.logprobs or 0,
+                    )
+                    for j in range(keep)
+                ]
                 r.pending -= 1
                 r.token_ids.extend(drawn[:keep])
             k0 += 1 + d
@@ -633,7 +693,8 @@ class ModelRunner:
             return None
         decode_only, *inputs = step
         out, plp, self._fed, self.k_cache, self.v_cache = self._step_fn(decode_only)(
-            self.state, self.matmul_weights, self.k_cache, self.v_cache, *inputs, self._fed)
+            self.state, self.matmul_weights, self.k_cache, self.v_cache, *inputs, self._fed
+        )
         return out, plp
 
     def follow(self):
@@ -652,7 +713,7 @@ class ModelRunner:
             return None
         chunks = []
         for i in range(0, len(ops), self.max_seqs):
-            part = ops[i: i + self.max_seqs]
+            part = ops[i : i + self.max_seqs]
             src, dst = np.full((2, next_pow2(len(part))), NULL_PAGE, np.int32)
             src[: len(part)], dst[: len(part)] = zip(*part)
             chunks.append((src, dst))
@@ -665,17 +726,21 @@ class ModelRunner:
         t = 0
         for s, r in zip(sched.scheduled, reqs):
             n = len(s.token_ids)
-            nxt = r.token_ids[s.start_pos + 1: s.start_pos + n + 1]
-            out[t: t + len(nxt)] = nxt
+            nxt = r.token_ids[s.start_pos + 1 : s.start_pos + n + 1]
+            out[t : t + len(nxt)] = nxt
             t += n
         return out
 
     def _sampling_metadata(self, params: list[SamplingParams], **kwargs) -> SamplingMetadata:
         """The batch's sampler arrays at the fixed widths every step uses (bias entries, token history)."""
         return SamplingMetadata.from_params(
-            params, eos_token_ids=self.cfg.eos_token_ids, bias_width=bias_width(len(self.cfg.eos_token_ids)),
+            params,
+            eos_token_ids=self.cfg.eos_token_ids,
+            bias_width=bias_width(len(self.cfg.eos_token_ids)),
             history_width=self.page_buckets[-1] * self.page_size,  # >= max_model_len
-            token_mask_width=self.token_mask_width, **kwargs)
+            token_mask_width=self.token_mask_width,
+            **kwargs,
+        )
 
     @property
     def token_mask_width(self) -> int:
@@ -684,8 +749,12 @@ class ModelRunner:
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
         """(token bucket, page bucket, decode_only) of every step variant traffic can need."""
-        return [(tb, pb, decode) for tb in self.token_buckets for pb in self.page_buckets
-                for decode in ((False, True) if tb <= self.max_seqs else (False,))]
+        return [
+            (tb, pb, decode)
+            for tb in self.token_buckets
+            for pb in self.page_buckets
+            for decode in ((False, True) if tb <= self.max_seqs else (False,))
+        ]
 
     def warmup(self, workers: int | None = None) -> int:
         """Compiles every step variant ahead of traffic, without running any; logs how many and how long.
@@ -698,34 +767,58 @@ class ModelRunner:
         counts).
         """
         t0, before = time.perf_counter(), self.num_compilations
-        lowered = [self._step_fn(decode).trace(*self._example_args(tb, pb)).lower()
-                   for tb, pb, decode in self.warmup_shapes()]
+        lowered = [
+            self._step_fn(decode).trace(*self._example_args(tb, pb)).lower() for tb, pb, decode in self.warmup_shapes()
+        ]
         copies = [self._copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in _buckets(1, self.max_seqs)]
         lowered += [self._copy.lower(self.k_cache, self.v_cache, src, dst) for src, dst in copies]  # every length
         t1 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(workers or max(1, (os.cpu_count() or 1) // 4)) as pool:
             list(pool.map(lambda x: x.compile(), lowered))
         n = self.num_compilations - before
-        logger.info("warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d) and %d "
-                    "page-copy lengths in %.1fs (%.1fs tracing and lowering)", n, len(self.token_buckets),
-                    len(self.page_buckets), self.max_seqs, len(copies), time.perf_counter() - t0, t1 - t0)
+        logger.info(
+            "warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d) and %d "
+            "page-copy lengths in %.1fs (%.1fs tracing and lowering)",
+            n,
+            len(self.token_buckets),
+            len(self.page_buckets),
+            self.max_seqs,
+            len(copies),
+            time.perf_counter() - t0,
+            t1 - t0,
+        )
         return n
 
     def _example_args(self, tokens: int, pages: int) -> tuple:
         """Arguments of a step of an empty batch in the (tokens, pages) bucket (every token is padding)."""
         sb = min(tokens, self.max_seqs)
         batch = AttentionBatch(
-            positions=np.zeros(tokens, np.int32), slot_mapping=np.full(tokens, -1, np.int32),
-            kv_lens=np.zeros(sb, np.int32), page_indices=np.zeros((sb, pages), np.int32),
-            cu_q_lens=np.zeros(sb + 1, np.int32), num_seqs=np.int32(0))
+            positions=np.zeros(tokens, np.int32),
+            slot_mapping=np.full(tokens, -1, np.int32),
+            kv_lens=np.zeros(sb, np.int32),
+            page_indices=np.zeros((sb, pages), np.int32),
+            cu_q_lens=np.zeros(sb + 1, np.int32),
+            num_seqs=np.int32(0),
+        )
         rows = max(self.sample_rows(tokens), sb)
         meta = self._sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
-        return (self.state, self.matmul_weights, self.k_cache, self.v_cache, np.zeros(tokens, np.int32), batch,
-                np.zeros(rows, np.int32), meta, _no_targets(tokens), self._fed)
+        return (
+            self.state,
+            self.matmul_weights,
+            self.k_cache,
+            self.v_cache,
+            np.zeros(tokens, np.int32),
+            batch,
+            np.zeros(rows, np.int32),
+            meta,
+            _no_targets(tokens),
+            self._fed,
+        )
 
     def lower_step(self, tokens: int, pages: int, decode_only: bool = False):
         """The step of one bucket lowered on abstract arguments (``.compile()`` then gives the partitioned HLO and
         what a device needs); runs nothing, and works for a topology's devices too (jaxserve.aot)."""
+
         def abstract(x):
             if isinstance(x, np.ndarray | np.generic):
                 return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self.replicated)
@@ -741,6 +834,7 @@ def _no_targets(tokens: int) -> np.ndarray:
 def _prompt_logprobs(logits_fn, next_tokens: jax.Array):
     """Logprobs of ``next_tokens`` under ``logits_fn()`` [T, V] and the top MAX_LOGPROBS, computed only when
     some position has a target (>= 0); zeros otherwise, so one compile serves steps with and without them."""
+
     def run(_):
         return compute_logprobs(logits_fn(), jnp.maximum(next_tokens, 0), MAX_LOGPROBS)
 
@@ -763,8 +857,9 @@ def _fetch(tree):
 
 
 def _sampled(token: int, logprob, top_ids, top_logprobs, k: int) -> SampledToken:
-    return SampledToken(token, float(logprob), tuple(int(x) for x in top_ids[:k]),
-                        tuple(float(x) for x in top_logprobs[:k]))
+    return SampledToken(
+        token, float(logprob), tuple(int(x) for x in top_ids[:k]), tuple(float(x) for x in top_logprobs[:k])
+    )
 
 
 def _attention_fns(impl: str, decode_only: bool, platform: str | None = None):

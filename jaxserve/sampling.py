@@ -159,8 +159,12 @@ class SamplingMetadata:
         prompts: list[Sequence[int]] = [()] * b
         outputs: list[Sequence[int]] = [()] * b
         for i, p in enumerate(params):
-            temperature[i], top_k[i], top_p[i], min_p[i] = (min(p.temperature, _F32_MAX), max(p.top_k, 0), p.top_p,
-                                                            p.min_p)
+            temperature[i], top_k[i], top_p[i], min_p[i] = (
+                min(p.temperature, _F32_MAX),
+                max(p.top_k, 0),
+                p.top_p,
+                p.min_p,
+            )
             rep[i], pres[i], freq[i] = _f32_positive(p.repetition_penalty), p.presence_penalty, p.frequency_penalty
             step[i], num_logprobs[i] = steps[i], p.logprobs or 0
             s = seeds[i] if seeds is not None and seeds[i] is not None else p.seed
@@ -193,7 +197,7 @@ class SamplingMetadata:
             history = np.full((b, h), PAD_ID, np.int32)
             for i, (ids, out) in enumerate(zip(prompts, outputs)):
                 history[i, : len(ids)] = ids
-                history[i, len(ids): lengths[i]] = out
+                history[i, len(ids) : lengths[i]] = out
         else:
             history = _constant((b, h), "int32", PAD_ID)
 
@@ -296,8 +300,9 @@ def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.
     logits = logits.astype(jnp.float32)
     rows = jnp.arange(b)[:, None]
     biased = jnp.any(meta.bias_values != 0.0)  # a scatter over [B, V] only when some row has a bias
-    logits = jax.lax.cond(biased, lambda x: x.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop"),
-                          lambda x: x, logits)
+    logits = jax.lax.cond(
+        biased, lambda x: x.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop"), lambda x: x, logits
+    )
     penalized = (meta.repetition_penalty != 1.0) | (meta.presence_penalty != 0.0) | (meta.frequency_penalty != 0.0)
     logits = jax.lax.cond(jnp.any(penalized), _apply_penalties, lambda x, _: x, logits, meta)
     constrained = jnp.any(meta.token_mask != -1)  # structured outputs: only then is the mask unpacked

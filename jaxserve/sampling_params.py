@@ -69,8 +69,10 @@ class StructuredOutputsParams:
 
         set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
-                             f"got {', '.join(set_kinds) or 'none'}")
+            raise ValueError(
+                f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                f"got {', '.join(set_kinds) or 'none'}"
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             fail("json", "must be a JSON schema (a dict or its JSON text)")
         if isinstance(self.json, dict):  # frozen and hashable: keep the schema as JSON text
@@ -78,8 +80,11 @@ class StructuredOutputsParams:
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             fail("regex", "must be a non-empty string")
         if self.choice is not None:
-            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
-                    not all(isinstance(c, str) and c for c in self.choice):
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
                 fail("choice", "must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):

@@ -199,7 +199,7 @@ class Scheduler:
         if request is None:
             return None
         if request.num_pending:  # tokens of steps in flight: never confirmed now, never shown
-            del request.output_token_ids[-request.num_pending:]
+            del request.output_token_ids[-request.num_pending :]
             request.num_pending = 0
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -308,10 +308,18 @@ class Scheduler:
             pages_from = 0 if new else start // bm.page_size
             proposed = drafts.get(rid, ())
             known = n - len(proposed)
-            scheduled.append(ScheduledRequest(
-                req_id=rid, token_ids=req.token_slice(start, start + known) + list(proposed), start_pos=start,
-                sample=start + known == req.num_tokens, pages_from=pages_from, new_page_ids=table[pages_from:],
-                new=new, draft_token_ids=tuple(proposed)))
+            scheduled.append(
+                ScheduledRequest(
+                    req_id=rid,
+                    token_ids=req.token_slice(start, start + known) + list(proposed),
+                    start_pos=start,
+                    sample=start + known == req.num_tokens,
+                    pages_from=pages_from,
+                    new_page_ids=table[pages_from:],
+                    new=new,
+                    draft_token_ids=tuple(proposed),
+                )
+            )
         if self.config.async_scheduling:
             self._advance(scheduled)
         finished, self._finished_ids = self._finished_ids, []
@@ -325,8 +333,10 @@ class Scheduler:
 
     def _at_limit(self, request: Request) -> bool:
         """Its tokens (pending ones included) reach ``max_tokens`` or the model length: no step may follow."""
-        return (request.num_output_tokens >= request.sampling_params.max_tokens
-                or request.num_tokens >= self.config.max_model_len)
+        return (
+            request.num_output_tokens >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        )
 
     def _advance(self, scheduled: list[ScheduledRequest]) -> None:
         """Async scheduling: counts a step's chunks as computed as soon as they are scheduled, and gives each
@@ -346,8 +356,12 @@ class Scheduler:
         spec = self.config.speculative
         if spec is None or not speculates(request.sampling_params):
             return []
-        k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens,
-                request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        k = min(
+            spec.num_speculative_tokens,
+            budget - 1,
+            self.config.max_model_len - request.num_tokens,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+        )
         if k <= 0:
             return []
         if spec.method == "draft_model":  # reserved now, proposed by the draft model before the step runs
@@ -414,8 +428,11 @@ class Scheduler:
             if s.sample:
                 tokens = sampled_token_ids.get(s.req_id)
                 if not tokens or not request.num_pending:
-                    raise ValueError(f"update_from_output: no sampled token for request {s.req_id!r}"
-                                     if not tokens else f"request {s.req_id!r} has no pending token to confirm")
+                    raise ValueError(
+                        f"update_from_output: no sampled token for request {s.req_id!r}"
+                        if not tokens
+                        else f"request {s.req_id!r} has no pending token to confirm"
+                    )
                 i = request.num_output_tokens - request.num_pending
                 request.output_token_ids[i] = tokens[0]
                 request.num_pending -= 1

@@ -55,8 +55,10 @@ def check_parallelism(tensor_parallel_size: int, data_parallel_size: int = 1, nu
     num_devices = jax.device_count() if num_devices is None else num_devices
     need = tensor_parallel_size * data_parallel_size
     if need > num_devices:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
-                         f"needs {need} devices, but {num_devices} {jax.default_backend()} device(s) exist")
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
+            f"needs {need} devices, but {num_devices} {jax.default_backend()} device(s) exist"
+        )
 
 
 def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
@@ -84,8 +86,10 @@ def kv_heads_for(cfg: ModelConfig, tensor_parallel_size: int) -> int:
         return k
     if tp % k == 0:
         return tp
-    raise ValueError(f"tensor_parallel_size={tp} and the model's {k} KV heads must divide one another "
-                     f"(KV heads are split over the devices, or replicated when there are fewer of them)")
+    raise ValueError(
+        f"tensor_parallel_size={tp} and the model's {k} KV heads must divide one another "
+        f"(KV heads are split over the devices, or replicated when there are fewer of them)"
+    )
 
 
 def replicate_kv_heads(cfg: ModelConfig, params: dict, kv_heads: int) -> tuple[ModelConfig, dict]:
@@ -99,6 +103,7 @@ def replicate_kv_heads(cfg: ModelConfig, params: dict, kv_heads: int) -> tuple[M
         return cfg, params
     h = cfg.head_dim
     out = dict(params)
+
     def repeat(w):  # the last axis is the heads' (a quantized weight's values and scales alike)
         if isinstance(w, jax.ShapeDtypeStruct):  # abstract (jaxserve.aot): the shape is all there is
             return jax.ShapeDtypeStruct((*w.shape[:-1], kv_heads * h), w.dtype)
@@ -121,8 +126,9 @@ def fit_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShardi
     def ways(axis) -> int:
         return math.prod(sharding.mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
 
-    fitted = tuple(None if axis is not None and i < len(shape) and shape[i] % ways(axis) else axis
-                   for i, axis in enumerate(spec))
+    fitted = tuple(
+        None if axis is not None and i < len(shape) and shape[i] % ways(axis) else axis for i, axis in enumerate(spec)
+    )
     return sharding if fitted == spec else NamedSharding(sharding.mesh, P(*fitted))
 
 
@@ -137,8 +143,13 @@ def checkpoint_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedShardin
     return param_shardings(param_schema(cfg), mesh, rules)
 
 
-def logical_spec(name: str, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh,
-                 rules: Mapping[str, str | None] = DEFAULT_RULES) -> P:
+def logical_spec(
+    name: str,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    mesh: Mesh,
+    rules: Mapping[str, str | None] = DEFAULT_RULES,
+) -> P:
     """The PartitionSpec of one parameter.
 
     Raises:
@@ -154,23 +165,32 @@ def logical_spec(name: str, shape: tuple[int, ...], axes: tuple[str, ...], mesh:
         mesh_axis = rules[axis]
         if mesh_axis is not None:
             if mesh_axis in used:
-                raise ValueError(f"parameter {name!r}: logical axes {used[mesh_axis]!r} and {axis!r} both map to "
-                                 f"mesh axis {mesh_axis!r}")
+                raise ValueError(
+                    f"parameter {name!r}: logical axes {used[mesh_axis]!r} and {axis!r} both map to "
+                    f"mesh axis {mesh_axis!r}"
+                )
             used[mesh_axis] = axis
             n = mesh.shape[mesh_axis]
             if size % n:
-                raise ValueError(f"parameter {name!r}: dimension {dim} ({axis}, size {size}) does not divide over "
-                                 f"mesh axis {mesh_axis!r} of size {n}")
+                raise ValueError(
+                    f"parameter {name!r}: dimension {dim} ({axis}, size {size}) does not divide over "
+                    f"mesh axis {mesh_axis!r} of size {n}"
+                )
         spec.append(mesh_axis)
     return P(*spec)
 
 
-def param_shardings(schema: Mapping, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES,
-                    shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, NamedSharding]:
+def param_shardings(
+    schema: Mapping,
+    mesh: Mesh,
+    rules: Mapping[str, str | None] = DEFAULT_RULES,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, NamedSharding]:
     """{name: NamedSharding} for a ``param_schema`` (``shapes`` overrides a schema's shapes, e.g. packed ones)."""
-    return {name: NamedSharding(mesh, logical_spec(name, (shapes or {}).get(name, spec.shape), spec.axes, mesh,
-                                                   rules))
-            for name, spec in schema.items()}
+    return {
+        name: NamedSharding(mesh, logical_spec(name, (shapes or {}).get(name, spec.shape), spec.axes, mesh, rules))
+        for name, spec in schema.items()
+    }
 
 
 def pool_spec(cache):
@@ -188,22 +208,49 @@ def shard_kernels(attention, write_kv, mesh: Mesh):
     """
     rep = P()
 
-    def sharded_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                          sliding_window=0, soft_cap=None):
+    def sharded_attention(
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        *,
+        sm_scale,
+        sliding_window=0,
+        soft_cap=None,
+    ):
         kv = pool_spec(k_cache)
 
         def local(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window):
-            return attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
-                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+            return attention(
+                q,
+                k_cache,
+                v_cache,
+                layer,
+                kv_lens,
+                page_indices,
+                cu_q_lens,
+                num_seqs,
+                sm_scale=sm_scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
+            )
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(HEADS_SPEC, kv, kv) + (rep,) * 6,
-                             out_specs=HEADS_SPEC, check_vma=False)(
-            q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window)
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(HEADS_SPEC, kv, kv) + (rep,) * 6, out_specs=HEADS_SPEC, check_vma=False
+        )(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window)
 
     def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping):
         kv = pool_spec(k_cache)
-        return jax.shard_map(write_kv, mesh=mesh, in_specs=(kv, kv, rep, HEADS_SPEC, HEADS_SPEC, rep),
-                             out_specs=(kv, kv), check_vma=False)(
-            k_cache, v_cache, layer, new_k, new_v, slot_mapping)
+        return jax.shard_map(
+            write_kv,
+            mesh=mesh,
+            in_specs=(kv, kv, rep, HEADS_SPEC, HEADS_SPEC, rep),
+            out_specs=(kv, kv),
+            check_vma=False,
+        )(k_cache, v_cache, layer, new_k, new_v, slot_mapping)
 
     return sharded_attention, sharded_write_kv

@@ -39,7 +39,7 @@ def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int = 1) -> 
         hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start: start + k].tolist()
+            return arr[start : start + k].tolist()
     return []
 
 

@@ -92,10 +92,14 @@ class StructuredOutputs:
                 schema = json.loads(so.json) if kind == "json" else {"type": "object"}
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
-                separators = {"item_separator": ",", "key_separator": ":"} if so.disable_any_whitespace else \
-                    {"item_separator": ", ", "key_separator": ": "}
+                separators = (
+                    {"item_separator": ",", "key_separator": ":"}
+                    if so.disable_any_whitespace
+                    else {"item_separator": ", ", "key_separator": ": "}
+                )
                 return llg.LLMatcher.grammar_from_json_schema(
-                    json.dumps(schema), overrides={"whitespace_flexible": False, **separators})
+                    json.dumps(schema), overrides={"whitespace_flexible": False, **separators}
+                )
             if kind == "regex":
                 return llg.LLMatcher.grammar_from_regex(so.regex)
             if kind == "choice":
@@ -120,8 +124,10 @@ class StructuredOutputs:
         if spelled(text):
             return
         chars = ", ".join(f"U+{ord(ch):04X}" for ch in [ch for ch in dict.fromkeys(text) if not spelled(ch)][:5])
-        raise ConstraintUnsatisfiable(f"structured_outputs.{where} cannot be generated: this model's vocabulary has "
-                                      f"no tokens for {chars or 'its bytes'}")
+        raise ConstraintUnsatisfiable(
+            f"structured_outputs.{where} cannot be generated: this model's vocabulary has "
+            f"no tokens for {chars or 'its bytes'}"
+        )
 
     def compile(self, so: StructuredOutputsParams):
         """The compiled grammar of ``so`` in its start state (cached; do not advance it: ``matcher`` copies it).
@@ -164,7 +170,8 @@ class StructuredOutputs:
             matchers[0].inner.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         elif matchers:
             _llguidance().numpy.fill_next_token_bitmask_par(
-                self._executor, [(m.inner, i) for i, m in enumerate(matchers)], out)
+                self._executor, [(m.inner, i) for i, m in enumerate(matchers)], out
+            )
         self.fill_seconds += time.perf_counter() - t0
         return out
 
@@ -192,7 +199,8 @@ class Matcher:
         if mask is not None and 0 <= token_id < 32 * mask.size and (int(mask[token_id // 32]) >> (token_id % 32)) & 1:
             raise ConstraintUnsatisfiable(
                 f"structured_outputs.{self.kind} cannot be followed: the text it requires next has characters this "
-                f"model's vocabulary has no tokens for ({reason})")
+                f"model's vocabulary has no tokens for ({reason})"
+            )
         raise RuntimeError(f"the {self.kind} constraint rejected token {token_id}: {self.inner.get_error()}")
 
     @property

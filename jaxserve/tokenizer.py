@@ -191,7 +191,10 @@ class Tokenizer:
         conversation = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         context = {**self.special_tokens, **kwargs}
         text = _compile_template(source).render(
-            messages=conversation, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+            messages=conversation,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
             **context,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -608,8 +611,11 @@ def _from_gguf(path: Path) -> Tokenizer:
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[token_id] if isinstance(token_id, int) and 0 <= token_id < len(tokens) else None
 
-    templates = {k.removeprefix("tokenizer.chat_template."): v for k, v in meta.items()
-                 if k.startswith("tokenizer.chat_template.")}
+    templates = {
+        k.removeprefix("tokenizer.chat_template."): v
+        for k, v in meta.items()
+        if k.startswith("tokenizer.chat_template.")
+    }
     return Tokenizer(
         backend,
         bos_token=named("bos"),

@@ -116,8 +116,9 @@ def ragged_paged_attention(
     args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if kernel == "reference":
-        validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
-                                  soft_cap=soft_cap)
+        validate_attention_inputs(
+            q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap
+        )
         return ragged_paged_attention_ref(*args, **kw)
     if kernel == "xla":
         return ragged_paged_attention_xla(*args, **kw, max_q_len=max_q_len, **kernel_options)

@@ -32,8 +32,10 @@ def validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_l
         raise ValueError("k_cache and v_cache must both be Int8Pages or both plain arrays")
     if is_int8_pages(k_cache):
         if k_cache.dtype != jnp.int8 or k_cache.scales.shape != k_cache.shape[:4]:
-            raise ValueError(f"Int8Pages needs int8 values and scales of shape {k_cache.shape[:4]}, got "
-                             f"{k_cache.dtype} values and scales {k_cache.scales.shape}")
+            raise ValueError(
+                f"Int8Pages needs int8 values and scales of shape {k_cache.shape[:4]}, got "
+                f"{k_cache.dtype} values and scales {k_cache.scales.shape}"
+            )
     elif jnp.issubdtype(k_cache.dtype, jnp.integer):
         raise ValueError(f"an {k_cache.dtype} pool needs its scales: pass Int8Pages(values, scales)")
     _, num_q_heads, head_dim = q.shape

@@ -84,8 +84,18 @@ def _build() -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     flags = _FLAGS + (["-march=native"] if os.environ.get("JAXSERVE_FFI_NATIVE", "1") == "1" else [])
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.ffi.include_dir().encode(), cxx.encode(),
-                                     " ".join(flags).encode(), jax.__version__.encode(), _cpu_id()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                _SOURCE.read_bytes(),
+                jax.ffi.include_dir().encode(),
+                cxx.encode(),
+                " ".join(flags).encode(),
+                jax.__version__.encode(),
+                _cpu_id(),
+            ]
+        )
+    ).hexdigest()[:16]
     name = f"cpu_paged_attention-{key}.so"
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "jaxserve-ffi"):  # a read-only home: /tmp
         if (folder / name).is_file():
@@ -126,8 +136,11 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(W8A8_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulW8A8Rows), platform="cpu")
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
-        warnings.warn(f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
     return True
 
@@ -153,16 +166,31 @@ def _pool_kind(k_cache, v_cache, what: str) -> bool:
     plain int8 array has no scales to read it with)."""
     int8 = is_int8_pages(k_cache), is_int8_pages(v_cache)
     if int8[0] != int8[1]:
-        raise ValueError(f"{what}: k_cache and v_cache must both be Int8Pages or both arrays, got "
-                         f"{type(k_cache).__name__}/{type(v_cache).__name__}")
+        raise ValueError(
+            f"{what}: k_cache and v_cache must both be Int8Pages or both arrays, got "
+            f"{type(k_cache).__name__}/{type(v_cache).__name__}"
+        )
     if not int8[0] and INT8 in (k_cache.dtype, v_cache.dtype):
-        raise ValueError(f"{what}: an int8 pool needs its scales: pass Int8Pages(values, scales), not a plain int8 "
-                         "array")
+        raise ValueError(
+            f"{what}: an int8 pool needs its scales: pass Int8Pages(values, scales), not a plain int8 array"
+        )
     return int8[0]
 
 
-def paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *,
-                    sm_scale: float, soft_cap: float | None) -> jax.Array:
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    window,
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+) -> jax.Array:
     """[T, Nq, H] float32 ragged paged attention (``reference.ragged_paged_attention_ref``'s contract): every
     sequence's query tokens, zeros for padding tokens. float32, bfloat16 or fp8 caches (one dtype for both), or two
     ``Int8Pages`` (each row widened times its scale); products and softmax in float32; ``window`` <= 0 means no
@@ -171,17 +199,28 @@ def paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens
         raise RuntimeError(f"the C++ paged attention is unavailable: {_error}")
     int8 = _pool_kind(k_cache, v_cache, "the C++ paged attention")
     if not int8 and (k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_DTYPES):
-        raise ValueError(f"the C++ paged attention needs float32, bfloat16 or fp8 caches (or Int8Pages), got "
-                         f"{k_cache.dtype}/{v_cache.dtype}")
+        raise ValueError(
+            f"the C++ paged attention needs float32, bfloat16 or fp8 caches (or Int8Pages), got "
+            f"{k_cache.dtype}/{v_cache.dtype}"
+        )
     if int8 and (k_cache.scales.dtype != jnp.float32 or v_cache.scales.dtype != jnp.float32):
         raise ValueError(f"Int8Pages scales must be float32, got {k_cache.scales.dtype}/{v_cache.scales.dtype}")
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     caches = (k_cache.values, v_cache.values, k_cache.scales, v_cache.scales) if int8 else (k_cache, v_cache)
     call = jax.ffi.ffi_call(INT8_TARGET if int8 else TARGET, out, vmap_method="sequential")
-    return call(q.astype(jnp.float32), *caches, i32(layer), i32(kv_lens), i32(page_indices), i32(cu_q_lens),
-                i32(num_seqs), i32(window), sm_scale=np.float32(sm_scale),
-                soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
+    return call(
+        q.astype(jnp.float32),
+        *caches,
+        i32(layer),
+        i32(kv_lens),
+        i32(page_indices),
+        i32(cu_q_lens),
+        i32(num_seqs),
+        i32(window),
+        sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
+    )
 
 
 def write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple:
@@ -209,8 +248,14 @@ def _write_rows(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple[ja
     4-byte dtype), aliased."""
     out = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     call = jax.ffi.ffi_call(WRITE_TARGET, out, input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
-    return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32), new_k.astype(k_cache.dtype),
-                new_v.astype(v_cache.dtype), jnp.asarray(slot_mapping, jnp.int32))
+    return call(
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32),
+        new_k.astype(k_cache.dtype),
+        new_v.astype(v_cache.dtype),
+        jnp.asarray(slot_mapping, jnp.int32),
+    )
 
 
 def _layer(layer) -> jax.Array:
@@ -225,13 +270,13 @@ def matmul_rows(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     if not _load():
         raise RuntimeError(f"the C++ rows product is unavailable: {_error}")
     if x.ndim != 2 or w.ndim not in (2, 3) or x.shape[1] != w.shape[-2] or x.shape[0] > MATMUL_MAX_ROWS:
-        raise ValueError(f"matmul_rows: x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N] or [L, K, N], got "
-                         f"{x.shape} and {w.shape}")
+        raise ValueError(
+            f"matmul_rows: x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N] or [L, K, N], got {x.shape} and {w.shape}"
+        )
     if w.dtype not in (jnp.bfloat16, jnp.uint32, jnp.float32):
         raise ValueError(f"matmul_rows: w must be bfloat16 or uint32 pairs of it (or float32), got {w.dtype}")
     n = w.shape[-1] * (2 if w.dtype == jnp.uint32 else 1)
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-                            vmap_method="sequential")
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), w, _layer(layer))
 
 
@@ -276,8 +321,10 @@ def _quantized_call(name: str, target: str, out: jax.ShapeDtypeStruct, w, layer,
     if not _load():
         raise RuntimeError(f"{name}: the C++ library is unavailable: {_error}")
     if not quant_rows_serves(w):
-        raise ValueError(f"{name}: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales or uint8 "
-                         f"codes with multipliers, no activation quantization): {w!r:.200}")
+        raise ValueError(
+            f"{name}: not a QArray it serves (int8 or 4-bit values, float16 / float32 scales or uint8 "
+            f"codes with multipliers, no activation quantization): {w!r:.200}"
+        )
     empty = jnp.zeros((0,), jnp.float32)
     zero = w.zero if w.zero is not None else jnp.zeros((0,), w.scale.dtype)
     if w.scale_mul is None:  # float scales: zeros in their dtype, no multipliers
@@ -285,8 +332,19 @@ def _quantized_call(name: str, target: str, out: jax.ShapeDtypeStruct, w, layer,
     else:  # codes: int8 zero codes, float32 multipliers
         smul, zmul = w.scale_mul, w.zero_mul if w.zero_mul is not None else empty
     call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
-    return call(*lead, w.q, w.scale, zero, smul, zmul, _layer(layer), bits=np.int64(w.bits),
-                group=np.int64(w.group), offset=np.int64(w.offset), transposed=w.axis == -1)
+    return call(
+        *lead,
+        w.q,
+        w.scale,
+        zero,
+        smul,
+        zmul,
+        _layer(layer),
+        bits=np.int64(w.bits),
+        group=np.int64(w.group),
+        offset=np.int64(w.offset),
+        transposed=w.axis == -1,
+    )
 
 
 def dequantize(w, layer=None, dtype=jnp.float32) -> jax.Array:
@@ -318,8 +376,9 @@ def matmul_w8a8_rows(x: jax.Array, w, layer=None) -> jax.Array:
     if not _load():
         raise RuntimeError(f"the C++ W8A8 product is unavailable: {_error}")
     if not w8a8_rows_serves(w):
-        raise ValueError(f"matmul_w8a8_rows: not a W8A8 QArray (int8 values, a float32 scale per output channel): "
-                         f"{w!r:.200}")
+        raise ValueError(
+            f"matmul_w8a8_rows: not a W8A8 QArray (int8 values, a float32 scale per output channel): {w!r:.200}"
+        )
     call = jax.ffi.ffi_call(W8A8_TARGET, _rows_out("matmul_w8a8_rows", x, w), vmap_method="sequential")
     return call(x.astype(jnp.float32), w.q, w.scale, _layer(layer), transposed=w.axis == -1)
 

@@ -116,13 +116,17 @@ def _kernel(
             k = plgpu.load(k_ref.at[layer, page, off, kv_head, dims], mask=kv_mask, other=0)  # [BK, D]
             v = plgpu.load(v_ref.at[layer, page, off, kv_head, dims], mask=kv_mask, other=0)
             if quantized:  # int8 rows times their scales, in float32, then the queries' dtype
-                k, v = (x.astype(jnp.float32) * plgpu.load(sr.at[layer, page[:, 0], off[:, 0], kv_head],
-                                                           mask=kv_ok, other=0)[:, None]
-                        for x, sr in ((k, scale_refs[0]), (v, scale_refs[1])))
+                k, v = (
+                    x.astype(jnp.float32)
+                    * plgpu.load(sr.at[layer, page[:, 0], off[:, 0], kv_head], mask=kv_ok, other=0)[:, None]
+                    for x, sr in ((k, scale_refs[0]), (v, scale_refs[1]))
+                )
                 k, v = k.astype(q.dtype), v.astype(q.dtype)
             k, v = widen_fp8(k, q.dtype), widen_fp8(v, q.dtype)
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32) * sm_scale  # [BM, BK]
+            s = (
+                lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+                * sm_scale
+            )  # [BM, BK]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             ok = row_ok[:, None] & kv_ok[None, :] & (kv_tok[None, :] <= pos[:, None])
@@ -133,8 +137,9 @@ def _kernel(
             alpha = jnp.exp(m - m_safe)
             p = jnp.exp(s - m_safe[:, None])
             l = alpha * l + jnp.sum(p, axis=1)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                                 preferred_element_type=jnp.float32)
+            pv = lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
             return acc * alpha[:, None] + pv, m_new, l
 
         bm = block_q * group_pad
@@ -210,14 +215,16 @@ def ragged_paged_attention_gpu(
     Raises:
       ValueError: inconsistent shapes or head counts, or a page table too short for a concrete kv_lens.
     """
-    validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
-                              soft_cap=soft_cap)
+    validate_attention_inputs(
+        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap
+    )
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page_size, kv_heads, _ = k_cache.shape
     num_seqs_padded, pages_per_seq = page_indices.shape
     group = num_q_heads // kv_heads
-    dq, dkv, dsplit = default_block_sizes(num_tokens, num_seqs_padded, group, head_dim, kv_heads,
-                                          pages_per_seq * page_size)
+    dq, dkv, dsplit = default_block_sizes(
+        num_tokens, num_seqs_padded, group, head_dim, kv_heads, pages_per_seq * page_size
+    )
     block_q, block_kv, num_splits = block_q or dq, block_kv or dkv, num_splits or dsplit
     for name, val in (("block_q", block_q), ("block_kv", block_kv)):
         if val != next_pow2(val):
@@ -225,21 +232,64 @@ def ragged_paged_attention_gpu(
     if num_warps is None:  # keep the float32 accumulator tile from spilling on wide tiles
         num_warps = 8 if block_q * next_pow2(group) * head_dim >= 64 * 256 else 4
     if block_kv < 16 or block_q * next_pow2(group) < 16:
-        raise ValueError(f"tiles must be >= 16 wide for tensor cores: block_kv={block_kv}, "
-                         f"block_q*group_pad={block_q * next_pow2(group)}")
+        raise ValueError(
+            f"tiles must be >= 16 wide for tensor cores: block_kv={block_kv}, "
+            f"block_q*group_pad={block_q * next_pow2(group)}"
+        )
     return _rpa_gpu(
-        q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
-        jnp.asarray(sliding_window, jnp.int32), sm_scale=float(sm_scale), soft_cap=soft_cap, block_q=block_q,
-        block_kv=block_kv, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32),
+        kv_lens.astype(jnp.int32),
+        page_indices.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32),
+        jnp.asarray(sliding_window, jnp.int32),
+        sm_scale=float(sm_scale),
+        soft_cap=soft_cap,
+        block_q=block_q,
+        block_kv=block_kv,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q", "block_kv", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
-def _rpa_gpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, *, sm_scale,
-             soft_cap, block_q, block_kv, num_splits, num_warps, num_stages, interpret):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "block_q",
+        "block_kv",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def _rpa_gpu(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    sliding_window,
+    *,
+    sm_scale,
+    soft_cap,
+    block_q,
+    block_kv,
+    num_splits,
+    num_warps,
+    num_stages,
+    interpret,
+):
     num_tokens, num_q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[3]
     group = num_q_heads // kv_heads
@@ -256,8 +306,15 @@ def _rpa_gpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
             jax.ShapeDtypeStruct((num_splits, num_tokens, num_q_heads), jnp.float32),
         ]
     kernel = functools.partial(
-        _kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, group=group,
-        group_pad=next_pow2(group), block_kv=block_kv, num_splits=num_splits,
+        _kernel,
+        quantized=quantized,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        block_q=block_q,
+        group=group,
+        group_pad=next_pow2(group),
+        block_kv=block_kv,
+        num_splits=num_splits,
     )
     scales = (k_scales, v_scales) if quantized else ()
     outs = pl.pallas_call(

@@ -102,8 +102,17 @@ def _kernel(
         lo = jnp.where(window > 0, jnp.maximum(first_pos + (t0 - q_start) - window + 1, 0), 0)
         page_lo, page_hi = lo // page_size, cdiv(hi, page_size)
         num_blocks = jnp.where(t1 > t0, jnp.maximum(cdiv(page_hi - page_lo, pages_per_block), 0), 0)
-        return dict(q_start=q_start, t0=t0, t1=t1, first_pos=first_pos, lo=lo, hi=hi, page_lo=page_lo,
-                    page_hi=page_hi, num_blocks=num_blocks)
+        return dict(
+            q_start=q_start,
+            t0=t0,
+            t1=t1,
+            first_pos=first_pos,
+            lo=lo,
+            hi=hi,
+            page_lo=page_lo,
+            page_hi=page_hi,
+            num_blocks=num_blocks,
+        )
 
     def copies(s, info, j, slot):
         """The page DMAs of context block j of sequence s into buffer ``slot``, each guarded by a predicate."""
@@ -147,15 +156,19 @@ def _kernel(
         for h in range(kv_heads_blk):
             q = q_ref[h]  # [R, D]
             if quantized:
-                k = (k_buf[slot, :, h, :].astype(jnp.float32) * ks_buf[slot][:, h:h + 1]).astype(compute)
-                v = (v_buf[slot, :, h, :].astype(jnp.float32) * vs_buf[slot][:, h:h + 1]).astype(compute)
+                k = (k_buf[slot, :, h, :].astype(jnp.float32) * ks_buf[slot][:, h : h + 1]).astype(compute)
+                v = (v_buf[slot, :, h, :].astype(jnp.float32) * vs_buf[slot][:, h : h + 1]).astype(compute)
             else:
                 k = widen_fp8(k_buf[slot, :, h, :], compute)  # [C, D]
                 v = widen_fp8(v_buf[slot, :, h, :], compute)
             # Rows of the buffer outside [lo, hi) are stale or never written: zero V so 0 * garbage can't leak.
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
-            s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=prec,
-                                preferred_element_type=jnp.float32) * sm_scale  # [R, C]
+            s = (
+                lax.dot_general(
+                    q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+                )
+                * sm_scale
+            )  # [R, C]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(ok, s, -jnp.inf)
@@ -165,8 +178,9 @@ def _kernel(
             alpha = jnp.exp(m_prev - m_safe)
             p = jnp.exp(s - m_safe)
             l_next = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                                 preferred_element_type=jnp.float32)  # [R, D]
+            pv = lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+            )  # [R, D]
             acc_ref[h] = alpha * acc_ref[h] + pv
             m_ref[h] = jnp.broadcast_to(m_next, (rows, _LANES))
             l_ref[h] = jnp.broadcast_to(l_next, (rows, _LANES))
@@ -242,12 +256,12 @@ def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype
     return q_out + kv + state + scales
 
 
-def default_kv_heads_per_block(num_kv_heads, rows, head_dim, blk_tokens, q_dtype, kv_dtype, budget=_VMEM_BUDGET,
-                               quantized=False):
+def default_kv_heads_per_block(
+    num_kv_heads, rows, head_dim, blk_tokens, q_dtype, kv_dtype, budget=_VMEM_BUDGET, quantized=False
+):
     """The most KV heads per program (a divisor of num_kv_heads) whose estimated VMEM fits ``budget``."""
     for h in range(num_kv_heads, 0, -1):
-        if num_kv_heads % h == 0 and vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype,
-                                                quantized) <= budget:
+        if num_kv_heads % h == 0 and vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized) <= budget:
             return h
     return 1
 
@@ -287,8 +301,9 @@ def ragged_paged_attention_tpu(
     Raises:
       ValueError: inconsistent shapes or head counts, or a page table too short for a concrete kv_lens.
     """
-    validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
-                              soft_cap=soft_cap)
+    validate_attention_inputs(
+        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap
+    )
     num_tokens, num_q_heads, _ = q.shape
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs_padded, pages_per_seq = page_indices.shape
@@ -297,24 +312,69 @@ def ragged_paged_attention_tpu(
     block_q, pages_per_block = block_q or dq, pages_per_block or dp
     budget = _VMEM_BUDGET if vmem_limit_bytes is None else vmem_limit_bytes * 5 // 8  # same headroom
     kv_heads_per_block = kv_heads_per_block or default_kv_heads_per_block(
-        num_kv_heads, block_q * group, q.shape[2], pages_per_block * page_size, q.dtype, k_cache.dtype, budget,
-        is_int8_pages(k_cache))
+        num_kv_heads,
+        block_q * group,
+        q.shape[2],
+        pages_per_block * page_size,
+        q.dtype,
+        k_cache.dtype,
+        budget,
+        is_int8_pages(k_cache),
+    )
     if num_kv_heads % kv_heads_per_block:
         raise ValueError(f"kv_heads_per_block ({kv_heads_per_block}) must divide num_kv_heads ({num_kv_heads})")
     out = _rpa_tpu(
-        q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
-        jnp.asarray(sliding_window, jnp.int32), sm_scale=float(sm_scale), soft_cap=soft_cap, block_q=block_q,
-        pages_per_block=pages_per_block, kv_heads_per_block=kv_heads_per_block,
-        vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32),
+        kv_lens.astype(jnp.int32),
+        page_indices.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32),
+        jnp.asarray(sliding_window, jnp.int32),
+        sm_scale=float(sm_scale),
+        soft_cap=soft_cap,
+        block_q=block_q,
+        pages_per_block=pages_per_block,
+        kv_heads_per_block=kv_heads_per_block,
+        vmem_limit_bytes=vmem_limit_bytes,
+        interpret=interpret,
     )
     return settle_tpu_interpret(out, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q", "pages_per_block",
-                                             "kv_heads_per_block", "vmem_limit_bytes", "interpret"))
-def _rpa_tpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window, *, sm_scale,
-             soft_cap, block_q, pages_per_block, kv_heads_per_block, vmem_limit_bytes, interpret):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "block_q",
+        "pages_per_block",
+        "kv_heads_per_block",
+        "vmem_limit_bytes",
+        "interpret",
+    ),
+)
+def _rpa_tpu(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    sliding_window,
+    *,
+    sm_scale,
+    soft_cap,
+    block_q,
+    pages_per_block,
+    kv_heads_per_block,
+    vmem_limit_bytes,
+    interpret,
+):
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs_padded, pages_per_seq = page_indices.shape
@@ -347,8 +407,14 @@ def _rpa_tpu(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
     scale_bufs = [pltpu.VMEM((2, blk_tokens, kv_heads_per_block), jnp.float32)] * 2 if quantized else []
     pools = (k_values, v_values, k_scales, v_scales) if quantized else (k_values, v_values)
     kernel = functools.partial(
-        _kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, group=group,
-        pages_per_seq=pages_per_seq, pages_per_block=pages_per_block,
+        _kernel,
+        quantized=quantized,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        block_q=block_q,
+        group=group,
+        pages_per_seq=pages_per_seq,
+        pages_per_block=pages_per_block,
     )
     if interpret:
         interpret = pltpu.InterpretParams(uninitialized_memory="nan")  # unwritten VMEM reads as NaN

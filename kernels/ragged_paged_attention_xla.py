@@ -106,14 +106,18 @@ def ragged_paged_attention_xla(
         too short for a concrete kv_lens.
       RuntimeError: ``impl="ffi"`` and the C++ kernel could not be built (naming why).
     """
-    validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
-                              soft_cap=soft_cap)
+    validate_attention_inputs(
+        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap
+    )
     if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 0):
         raise ValueError(f"max_q_len must be None or a static int >= 0, got {max_q_len!r}")
     max_ctx = page_indices.shape[1] * k_cache.shape[2]
     d_block_q, d_chunk, d_decode_chunk = default_blocking(q.shape[0], max_ctx, max_q_len)
-    sizes = dict(block_q=block_q or d_block_q, ctx_chunk=min(ctx_chunk or d_chunk, max_ctx),
-                 decode_chunk=min(decode_chunk or d_decode_chunk, max_ctx))
+    sizes = dict(
+        block_q=block_q or d_block_q,
+        ctx_chunk=min(ctx_chunk or d_chunk, max_ctx),
+        decode_chunk=min(decode_chunk or d_decode_chunk, max_ctx),
+    )
     for name, val in sizes.items():
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -123,20 +127,40 @@ def ragged_paged_attention_xla(
     fits = k_cache.dtype == v_cache.dtype and cpu_ffi.serves(k_cache.dtype)
     if impl == "ffi":
         if not fits:
-            raise ValueError("impl='ffi' needs float32, bfloat16 or fp8 caches (or Int8Pages) on the CPU backend, got "
-                             f"{k_cache.dtype} on {jax.default_backend()}")
+            raise ValueError(
+                "impl='ffi' needs float32, bfloat16 or fp8 caches (or Int8Pages) on the CPU backend, got "
+                f"{k_cache.dtype} on {jax.default_backend()}"
+            )
         if not cpu_ffi.available():
-            raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: "
-                               f"{cpu_ffi.unavailable_reason()}")
+            raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: {cpu_ffi.unavailable_reason()}")
     if impl == "ffi" or (impl == "auto" and fits and cpu_ffi.available()):
-        out = cpu_ffi.paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                      0 if no_window else sliding_window, sm_scale=sm_scale, soft_cap=soft_cap)
+        out = cpu_ffi.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            0 if no_window else sliding_window,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+        )
         return out.astype(q.dtype)
     return _rpa_xla(
-        q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
-        jnp.asarray(sliding_window, jnp.int32), sm_scale=float(sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), has_window=not no_window,
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32),
+        kv_lens.astype(jnp.int32),
+        page_indices.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32),
+        jnp.asarray(sliding_window, jnp.int32),
+        sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        has_window=not no_window,
         **sizes,
     )
 
@@ -157,10 +181,27 @@ def _pack_blocks(q_lens, cu_q_lens, kv_lens, take, block_q: int, num_blocks: int
     return seq, cu_q_lens[seq] + first, pos0, jnp.clip(q_lens[seq] - first, 0, block_q), ends[-1]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "has_window", "block_q", "ctx_chunk",
-                                             "decode_chunk"))
-def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window, *, sm_scale, soft_cap,
-             has_window, block_q, ctx_chunk, decode_chunk):
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "soft_cap", "has_window", "block_q", "ctx_chunk", "decode_chunk")
+)
+def _rpa_xla(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    window,
+    *,
+    sm_scale,
+    soft_cap,
+    has_window,
+    block_q,
+    ctx_chunk,
+    decode_chunk,
+):
     num_tokens, num_q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[3]
     num_seqs_padded = page_indices.shape[0]
@@ -172,8 +213,18 @@ def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
     qs = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, kv_heads, group, head_dim)
     qs = jnp.pad(qs, ((0, block_q), (0, 0), (0, 0), (0, 0)))
     out = jnp.zeros((num_tokens + block_q, kv_heads, group, head_dim), jnp.float32)
-    attend = functools.partial(_attend_blocks, qs, k_cache, v_cache, layer, kv_lens, page_indices, window,
-                               soft_cap=soft_cap, has_window=has_window)
+    attend = functools.partial(
+        _attend_blocks,
+        qs,
+        k_cache,
+        v_cache,
+        layer,
+        kv_lens,
+        page_indices,
+        window,
+        soft_cap=soft_cap,
+        has_window=has_window,
+    )
 
     # Classes of sequences by query length (lo, hi, block size), each in its own loop: decode tokens one per block;
     # chunks up to 16 (64) tokens one block of 16 (64), when block_q is larger; the longest blocks of block_q.
@@ -188,16 +239,38 @@ def _rpa_xla(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_s
         seqs = min(num_seqs_padded, num_tokens // lo)  # static bounds: sequences, then blocks, of the class
         blocks = seqs if hi is not None and hi <= size else min(num_tokens, num_tokens // size + seqs)
         take = (q_lens >= lo) if hi is None else (q_lens >= lo) & (q_lens <= hi)
-        out = attend(out, *_pack_blocks(q_lens, cu_q_lens, kv_lens, take, size, blocks), block_q=size,
-                     ctx_chunk=decode_chunk if size == 1 else ctx_chunk)
+        out = attend(
+            out,
+            *_pack_blocks(q_lens, cu_q_lens, kv_lens, take, size, blocks),
+            block_q=size,
+            ctx_chunk=decode_chunk if size == 1 else ctx_chunk,
+        )
 
     out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
     valid = valid_token_mask(cu_q_lens, num_seqs, num_tokens)
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
 
 
-def _attend_blocks(qs, k_cache, v_cache, layer, kv_lens, page_indices, window, out, blk_seq, blk_tok0, blk_pos0,
-                   blk_rows, count, *, soft_cap, has_window, block_q, ctx_chunk):
+def _attend_blocks(
+    qs,
+    k_cache,
+    v_cache,
+    layer,
+    kv_lens,
+    page_indices,
+    window,
+    out,
+    blk_seq,
+    blk_tok0,
+    blk_pos0,
+    blk_rows,
+    count,
+    *,
+    soft_cap,
+    has_window,
+    block_q,
+    ctx_chunk,
+):
     """Attention of the first ``count`` blocks; writes their real rows into ``out`` [T + pad, K, G, H]."""
     _, kv_heads, group, head_dim = qs.shape
     _, num_pages, page_size, _, _ = k_cache.shape
@@ -238,8 +311,11 @@ def _attend_blocks(qs, k_cache, v_cache, layer, kv_lens, page_indices, window, o
             acc = alpha * acc + jnp.einsum("krc,kch->krh", e, v)
             return m_new, denom, acc
 
-        init = (jnp.full((kv_heads, rows, 1), -jnp.inf, jnp.float32), jnp.zeros((kv_heads, rows, 1), jnp.float32),
-                jnp.zeros((kv_heads, rows, head_dim), jnp.float32))
+        init = (
+            jnp.full((kv_heads, rows, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((kv_heads, rows, 1), jnp.float32),
+            jnp.zeros((kv_heads, rows, head_dim), jnp.float32),
+        )
         if num_chunks == 1:
             _, denom, acc = chunk(0, init)
         else:  # only the chunks some real row can see

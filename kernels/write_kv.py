@@ -54,7 +54,7 @@ def _gpu_kernel(slots_ref, layer_ref, *refs, block_t, num_pools):
     """Rows of ``num_pools`` sources into their pools: [T, K, H] rows into [L, P, S, K, H] (K/V values) or [T, K]
     into [L, P, S, K] (an int8 pool's scales). refs: the sources, the aliased pools (unused), the outputs."""
     b, head = pl.program_id(0), pl.program_id(1)
-    srcs, dsts = refs[:num_pools], refs[2 * num_pools:]
+    srcs, dsts = refs[:num_pools], refs[2 * num_pools :]
     num_tokens = srcs[0].shape[0]
     num_pages, page_size = dsts[0].shape[1], dsts[0].shape[2]
     t = b * block_t + jnp.arange(block_t, dtype=jnp.int32)
@@ -72,8 +72,11 @@ def _gpu_kernel(slots_ref, layer_ref, *refs, block_t, num_pools):
             continue
         dims = jnp.arange(src.shape[2], dtype=jnp.int32)[None, :]
         val = plgpu.load(src.at[t_c[:, None], head, dims])
-        plgpu.store(dst.at[layer, page[:, None], off[:, None], head, dims], val.astype(dst.dtype),
-                    mask=jnp.broadcast_to(ok[:, None], val.shape))
+        plgpu.store(
+            dst.at[layer, page[:, None], off[:, None], head, dims],
+            val.astype(dst.dtype),
+            mask=jnp.broadcast_to(ok[:, None], val.shape),
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
@@ -111,8 +114,9 @@ def write_kv_gpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t
         return k_cache, v_cache
     block_t = min(next_pow2(block_t), next_pow2(new_k.shape[0]))
     pools, rows = _pools_and_rows(k_cache, v_cache, new_k, new_v)
-    out = _write_rows_gpu(pools, jnp.asarray(layer, jnp.int32), rows, slot_mapping.astype(jnp.int32),
-                          block_t=block_t, interpret=interpret)
+    out = _write_rows_gpu(
+        pools, jnp.asarray(layer, jnp.int32), rows, slot_mapping.astype(jnp.int32), block_t=block_t, interpret=interpret
+    )
     return _as_caches(k_cache, out)
 
 
@@ -122,13 +126,14 @@ def _tpu_kernel(layer_ref, slots_ref, *refs, block_t, page_size, num_pools):
     the DMA semaphore): row i of a source block ([K, H] values or [K] scales) to ``pool[layer, page, offset]``."""
     b = pl.program_id(0)
     layer = layer_ref[0]
-    srcs, dsts, sem = refs[:num_pools], refs[2 * num_pools:3 * num_pools], refs[-1]
+    srcs, dsts, sem = refs[:num_pools], refs[2 * num_pools : 3 * num_pools], refs[-1]
 
     def row_copies(i):
         slot = slots_ref[b * block_t + i]
         page, off = jnp.maximum(slot, 0) // page_size, jnp.maximum(slot, 0) % page_size
-        return slot >= 0, [pltpu.make_async_copy(src.at[i], dst.at[layer, page, off], sem)
-                           for src, dst in zip(srcs, dsts, strict=True)]
+        return slot >= 0, [
+            pltpu.make_async_copy(src.at[i], dst.at[layer, page, off], sem) for src, dst in zip(srcs, dsts, strict=True)
+        ]
 
     def start(i, carry):
         ok, cps = row_copies(i)
@@ -152,8 +157,10 @@ def _write_rows_tpu(pools, layer, rows, slot_mapping, *, block_t, interpret):
     num_tokens = rows[0].shape[0]
     n = len(pools)
     padded = cdiv(num_tokens, block_t) * block_t
-    rows = [jnp.pad(r.astype(p.dtype), ((0, padded - num_tokens),) + ((0, 0),) * (r.ndim - 1))
-            for r, p in zip(rows, pools, strict=True)]
+    rows = [
+        jnp.pad(r.astype(p.dtype), ((0, padded - num_tokens),) + ((0, 0),) * (r.ndim - 1))
+        for r, p in zip(rows, pools, strict=True)
+    ]
     slots = jnp.pad(slot_mapping, (0, padded - num_tokens), constant_values=-1)
     row_specs = [pl.BlockSpec((block_t, *r.shape[1:]), lambda b, *_, nd=r.ndim: (b,) + (0,) * (nd - 1)) for r in rows]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -198,6 +205,7 @@ def write_kv_tpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t
     if block_t < new_k.shape[0]:
         block_t = cdiv(block_t, 8) * 8  # a block of [block_t, K] scales: sublanes in multiples of 8
     pools, rows = _pools_and_rows(k_cache, v_cache, new_k, new_v)
-    out = _write_rows_tpu(pools, jnp.asarray(layer, jnp.int32), rows, slot_mapping.astype(jnp.int32),
-                          block_t=block_t, interpret=interpret)
+    out = _write_rows_tpu(
+        pools, jnp.asarray(layer, jnp.int32), rows, slot_mapping.astype(jnp.int32), block_t=block_t, interpret=interpret
+    )
     return _as_caches(k_cache, settle_tpu_interpret(out, interpret))

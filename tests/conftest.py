@@ -18,8 +18,17 @@ import pytest  # noqa: E402
 # ``make test-fast`` (``-m fast``, under 5 minutes): host logic, kernels against their references, tokenizers and GGUF
 # parsing, the server's contract on a fake engine (the tests of these files not marked slow), and one end-to-end
 # generation on the default model against HF transformers.
-FAST_FILES = {"test_scheduler.py", "test_block_manager.py", "test_host_no_jax.py", "test_server_fake_engine.py",
-              "test_sampling.py", "test_tokenizer.py", "test_kernels.py", "test_attention_xla.py", "test_gguf.py"}
+FAST_FILES = {
+    "test_scheduler.py",
+    "test_block_manager.py",
+    "test_host_no_jax.py",
+    "test_server_fake_engine.py",
+    "test_sampling.py",
+    "test_tokenizer.py",
+    "test_kernels.py",
+    "test_attention_xla.py",
+    "test_gguf.py",
+}
 FAST_TESTS = {"test_default_model.py::test_greedy_matches_hf_token_for_token"}
 
 

@@ -36,16 +36,25 @@ class Batch:
     num_seqs: Any
 
     def args(self, layer=1) -> tuple:
-        return (self.q, self.k_cache, self.v_cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
-                self.num_seqs)
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            layer,
+            self.kv_lens,
+            self.page_indices,
+            self.cu_q_lens,
+            self.num_seqs,
+        )
 
     @property
     def num_real_tokens(self) -> int:
         return int(self.cu_q_lens[int(self.num_seqs)])
 
 
-def make_batch(q_lens, kv_lens, *, hq=8, hk=2, d=64, pad_seqs=2, pad_tokens=5, layers=2, dtype=None, seed=0,
-               extra_pages=4, page=16) -> Batch:
+def make_batch(
+    q_lens, kv_lens, *, hq=8, hk=2, d=64, pad_seqs=2, pad_tokens=5, layers=2, dtype=None, seed=0, extra_pages=4, page=16
+) -> Batch:
     """A random ragged batch over a scrambled page pool, poisoned so that reading what the contract calls junk fails:
     cache pages no sequence owns and slots past a sequence's kv_len are NaN, page-table entries past a sequence's
     pages point out of range (-1 for the ``pad_seqs`` padding sequences), every row of the table has a spare column,
@@ -81,8 +90,15 @@ def make_batch(q_lens, kv_lens, *, hq=8, hk=2, d=64, pad_seqs=2, pad_tokens=5, l
     cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     kv = np.zeros(num_seqs + pad_seqs, np.int32)
     kv[:num_seqs] = kv_lens
-    return Batch(jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), jnp.asarray(kv),
-                 jnp.asarray(table), jnp.asarray(cu), jnp.int32(num_seqs))
+    return Batch(
+        jnp.asarray(q, dtype),
+        jnp.asarray(k_cache, dtype),
+        jnp.asarray(v_cache, dtype),
+        jnp.asarray(kv),
+        jnp.asarray(table),
+        jnp.asarray(cu),
+        jnp.int32(num_seqs),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- HF reference
@@ -92,9 +108,16 @@ def hf_greedy(model, ids: list[int], n: int, *, logprobs: bool = False):
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             output_scores=logprobs, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_scores=logprobs,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
     if not logprobs:
         return tokens
     # scores are the raw logits here (greedy, no processors): logprob of each chosen token

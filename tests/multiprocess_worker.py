@@ -18,8 +18,9 @@ initialize(coordinator, int(num_processes), int(process_id))
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 
-llm = LLM(model_dir, tensor_parallel_size=int(tp), num_pages=64, max_num_seqs=8, max_model_len=256,
-          max_num_batched_tokens=64)
+llm = LLM(
+    model_dir, tensor_parallel_size=int(tp), num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64
+)
 prompts = json.loads(os.environ["JAXSERVE_TEST_PROMPTS"])
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
 print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)

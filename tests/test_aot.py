@@ -46,8 +46,7 @@ def _check_against_arithmetic(p, preset: str, tp: int, sized: bool = True) -> No
 
 
 def test_default_model_every_variant_compiles_for_v5e():
-    p = plan("smollm2-135m", "v5e:2x4", 1, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
-             variants="all")
+    p = plan("smollm2-135m", "v5e:2x4", 1, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, variants="all")
     assert [(v.tokens, v.pages, v.decode_only) for v in p.variants] == [(8, 8, False), (16, 8, False)]
     assert p.fits and p.max_sequences > 1000
     assert all(v.peak_bytes < CHIPS["v5e"].hbm_bytes and v.flops > 0 and v.code_bytes > 0 for v in p.variants)
@@ -82,12 +81,15 @@ def test_gpu_topologies_are_planned_by_arithmetic():
     assert p.kv_bytes_per_chip == p.num_pages * _kv_bytes_per_page("llama-3.1-70b", 8)
 
 
-@pytest.mark.parametrize("topology, tp, match", [
-    ("v9z:2x4", 8, "unknown topology 'v9z:2x4'"),
-    ("v5e:2by4", 8, "unknown topology"),
-    ("v5e:2x2", 8, "tensor_parallel_size=8 needs 8 chips, but v5e:2x2 has 4"),
-    ("v5e:2x4", 3, "tensor_parallel_size=3 must divide the model's 32 attention heads"),
-])
+@pytest.mark.parametrize(
+    "topology, tp, match",
+    [
+        ("v9z:2x4", 8, "unknown topology 'v9z:2x4'"),
+        ("v5e:2by4", 8, "unknown topology"),
+        ("v5e:2x2", 8, "tensor_parallel_size=8 needs 8 chips, but v5e:2x2 has 4"),
+        ("v5e:2x4", 3, "tensor_parallel_size=3 must divide the model's 32 attention heads"),
+    ],
+)
 def test_bad_plans_are_clear_errors(topology, tp, match):
     with pytest.raises(ValueError, match=match):
         plan("llama-3-8b", topology, tp, compile=False)
@@ -98,8 +100,9 @@ def test_parse_topology():
     assert parse_topology("v5p:2x2x1") == (CHIPS["v5p"], 4)
 
 
-@pytest.mark.parametrize("preset", ["smollm2-135m", "llama-3-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b",
-                                    "gemma-2-9b"])
+@pytest.mark.parametrize(
+    "preset", ["smollm2-135m", "llama-3-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b", "gemma-2-9b"]
+)
 def test_every_preset_plans_on_a_v5p_slice(preset):
     cfg = load_preset(preset)
     tp = 4 if cfg.num_heads % 4 == 0 else 1
@@ -111,9 +114,20 @@ def test_every_preset_plans_on_a_v5p_slice(preset):
 def test_plan_reads_an_hf_config_json(tmp_path):
     import json
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
-        "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 32000,
+                "hidden_size": 2048,
+                "intermediate_size": 5632,
+                "num_hidden_layers": 22,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 4,
+                "max_position_embeddings": 2048,
+            }
+        )
+    )
     p = plan(str(tmp_path), "h100:2", 2)
     embed = 32000 * 2048
     layer = 2048 * 2048 * 2 + 2048 * 256 * 2 + 3 * 2048 * 5632 + 2 * 2048

@@ -15,8 +15,10 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.request import PENDING_TOKEN
 
-WORDS = ("the river city light north stone garden music paper window seven quiet market winter bright "
-         "history engine forest number table ocean silver story mountain coffee language science").split()
+WORDS = (
+    "the river city light north stone garden music paper window seven quiet market winter bright "
+    "history engine forest number table ocean silver story mountain coffee language science"
+).split()
 
 
 def _requests(n: int = 32) -> list[tuple[str, SamplingParams]]:
@@ -75,8 +77,14 @@ def runs(default_loaded):
     results, stats = {}, {}
     for mode in (False, True):
         # A small pool (32 pages of 16 tokens, 8 sequences): long prompts preempt others.
-        llm = LLM(default_loaded, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, num_pages=32,
-                  async_scheduling=mode)
+        llm = LLM(
+            default_loaded,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            max_model_len=512,
+            num_pages=32,
+            async_scheduling=mode,
+        )
         assert llm.engine.scheduler_config.async_scheduling is mode
         results[mode] = _run(llm, requests, abort_at)
         stats[mode] = (llm.engine.scheduler.num_preemptions, llm.engine.runner.num_steps)
@@ -99,14 +107,16 @@ def test_async_equals_sync_on_mixed_requests_with_preemption_and_aborts(runs):
             if a.logprobs is not None:
                 for ea, eb in zip(a.logprobs, b.logprobs, strict=True):
                     assert list(ea) == list(eb), rid  # the same ids (sampled + top-k), in the same order
-                    np.testing.assert_allclose([x.logprob for x in eb.values()], [x.logprob for x in ea.values()],
-                                               atol=2e-4, err_msg=rid)
+                    np.testing.assert_allclose(
+                        [x.logprob for x in eb.values()], [x.logprob for x in ea.values()], atol=2e-4, err_msg=rid
+                    )
                     checked_lp += 1
         if ref.prompt_logprobs is not None:
             for ea, eb in zip(ref.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
                 assert list(ea) == list(eb)
-                np.testing.assert_allclose([x.logprob for x in eb.values()], [x.logprob for x in ea.values()],
-                                           atol=2e-4)
+                np.testing.assert_allclose(
+                    [x.logprob for x in eb.values()], [x.logprob for x in ea.values()], atol=2e-4
+                )
     assert checked_lp > 50
     # Aborted at the same count of streamed tokens in both modes.
     for i, n in abort_at.items():
@@ -150,8 +160,14 @@ def test_async_scheduling_overlaps_and_switches_off(default_loaded):
     while engine.has_unfinished_requests():
         outs = engine.step()
     assert len(outs[0].outputs[0].token_ids) == 8 and engine.replicas[0].in_flight is None
-    spec = LLM(default_loaded, max_num_seqs=4, max_model_len=256, num_pages=32, async_scheduling=True,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    spec = LLM(
+        default_loaded,
+        max_num_seqs=4,
+        max_model_len=256,
+        num_pages=32,
+        async_scheduling=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+    )
     assert not spec.engine.scheduler_config.async_scheduling
     from jaxserve.config import EngineConfig
 

@@ -104,8 +104,11 @@ def test_window_and_soft_cap_traced_under_jit(sizes, soft_cap):
     """Layer and sliding_window are traced (arguments of the jitted function); soft_cap is static."""
     b = make_batch(MIXED_Q, MIXED_KV, seed=2)
     q, kc, vc, _, *rest = b.args()
-    fn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap, max_q_len=32,
-                                   **SIZES[sizes]))
+    fn = jax.jit(
+        functools.partial(
+            ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap, max_q_len=32, **SIZES[sizes]
+        )
+    )
     for window in (0, 1, 7, 20):
         for layer in (0, 1):
             out = fn(q, kc, vc, jnp.int32(layer), *rest, sliding_window=jnp.int32(window))
@@ -119,8 +122,9 @@ def test_many_sequences_and_decode_window():
     b = make_batch([1] * 24, kv_lens, seed=3, pad_seqs=8)
     for window in (0, 40):  # traced: one compilation for both
         window = jnp.int32(window)
-        out = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, sliding_window=window, max_q_len=1,
-                                         decode_chunk=32)
+        out = ragged_paged_attention_xla(
+            *b.args(), sm_scale=SM_SCALE, sliding_window=window, max_q_len=1, decode_chunk=32
+        )
         check(out, b, reference(b, sliding_window=window))
 
 
@@ -133,8 +137,11 @@ def test_wrong_hint_only_costs_speed():
     check(ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=128), b, reference(b))
 
 
-@pytest.mark.parametrize("q_lens, kv_lens, hint", [(DECODE_Q, DECODE_KV, 1), (MIXED_Q, MIXED_KV, 32),
-                                                   (PREFILL_Q, PREFILL_KV, 64)], ids=["decode", "mixed", "prefill"])
+@pytest.mark.parametrize(
+    "q_lens, kv_lens, hint",
+    [(DECODE_Q, DECODE_KV, 1), (MIXED_Q, MIXED_KV, 32), (PREFILL_Q, PREFILL_KV, 64)],
+    ids=["decode", "mixed", "prefill"],
+)
 def test_no_hint_equals_hint(q_lens, kv_lens, hint):
     b = make_batch(q_lens, kv_lens, seed=5)
     hinted = ragged_paged_attention_xla(*b.args(), sm_scale=SM_SCALE, max_q_len=hint)
@@ -193,8 +200,21 @@ def test_cpp_kernel_builds_here():
 
 
 @pytest.mark.parametrize("impl", ["xla", "ffi"])
-@pytest.mark.parametrize("case", ["decode", "mixed", "many-window-softcap", "gqa8-d128", "d40", "empty", "prefill",
-                                  "prefill-window", "page8", "page24"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "decode",
+        "mixed",
+        "many-window-softcap",
+        "gqa8-d128",
+        "d40",
+        "empty",
+        "prefill",
+        "prefill-window",
+        "page8",
+        "page24",
+    ],
+)
 def test_cpu_impls_match_reference(impl, case):
     """Both CPU paths (the C++ kernel, the XLA blocks), on NaN-poisoned pools with out-of-range junk past every page
     table's used columns."""
@@ -222,8 +242,9 @@ def test_cpu_impls_match_reference(impl, case):
         b = make_batch([1, 1, 30, 1], [24, 41, 77, 100], seed=20, page=24)
     else:
         b = make_batch([0, 1, 0], [5, 9, 0], seed=15)
-    fn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap,
-                                   impl=impl, decode_chunk=32))
+    fn = jax.jit(
+        functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap, impl=impl, decode_chunk=32)
+    )
     check(fn(*b.args(), sliding_window=window), b, reference(b, sliding_window=window, soft_cap=soft_cap))
 
 
@@ -231,8 +252,11 @@ def test_cpu_impls_match_reference(impl, case):
 def test_ffi_reads_bf16_caches(case):
     """bfloat16 caches: the C++ kernel widens each element exactly, so it must match the reference run on the
     same values in float32 to float32 tolerance."""
-    q_lens, kv_lens, window = {"decode": (DECODE_Q, DECODE_KV, 0), "mixed": (MIXED_Q, MIXED_KV, 0),
-                               "prefill-window": PREFILL_WINDOW}[case]
+    q_lens, kv_lens, window = {
+        "decode": (DECODE_Q, DECODE_KV, 0),
+        "mixed": (MIXED_Q, MIXED_KV, 0),
+        "prefill-window": PREFILL_WINDOW,
+    }[case]
     b = make_batch(q_lens, kv_lens, seed=21)
     b16 = dataclasses.replace(b, k_cache=b.k_cache.astype(jnp.bfloat16), v_cache=b.v_cache.astype(jnp.bfloat16))
     widened = dataclasses.replace(b, k_cache=b16.k_cache.astype(jnp.float32), v_cache=b16.v_cache.astype(jnp.float32))
@@ -271,5 +295,6 @@ def test_ffi_refuses_what_it_cannot_do():
     b = make_batch(DECODE_Q, DECODE_KV)  # a page index outside the pool in a used column: an error, not a wild read
     table = b.page_indices.at[0, 0].set(10_000)
     with pytest.raises(Exception, match="page index out of range"):
-        ragged_paged_attention_xla(*dataclasses.replace(b, page_indices=table).args(), sm_scale=SM_SCALE,
-                                   impl="ffi").block_until_ready()
+        ragged_paged_attention_xla(
+            *dataclasses.replace(b, page_indices=table).args(), sm_scale=SM_SCALE, impl="ffi"
+        ).block_until_ready()

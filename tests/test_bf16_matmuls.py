@@ -37,10 +37,12 @@ def test_matmul_dtype_is_validated(default_loaded):
         LLM(default_loaded, matmul_dtype="int8", num_pages=8)
 
 
-TEXT = ("The history of the river city begins in the north, where stone bridges cross the water. In winter the "
-        "market square fills with music, and the bright windows of the old houses look out over the forest. "
-        "def mean(values):\n    return sum(values) / len(values)\n\nThe first ten prime numbers are 2, 3, 5, 7, "
-        "11, 13, 17, 19, 23 and 29.")
+TEXT = (
+    "The history of the river city begins in the north, where stone bridges cross the water. In winter the "
+    "market square fills with music, and the bright windows of the old houses look out over the forest. "
+    "def mean(values):\n    return sum(values) / len(values)\n\nThe first ten prime numbers are 2, 3, 5, 7, "
+    "11, 13, 17, 19, 23 and 29."
+)
 
 
 @pytest.mark.slow
@@ -53,8 +55,15 @@ def test_bf16_matmuls_track_hf(default_loaded, default_model_path, hf_default, k
     from jaxserve.loading import load_model
 
     model = load_model(default_model_path, "float32", keep_quantized=True) if quantization else default_loaded
-    llm = LLM(model, matmul_dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-              max_num_seqs=4, max_num_batched_tokens=64, num_pages=64)
+    llm = LLM(
+        model,
+        matmul_dtype="bfloat16",
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_pages=64,
+    )
     runner = llm.engine.runner
     if quantization:
         assert runner.matmul_weights is None and runner.state["w_up"].get_value().dot_dtype == "bfloat16"
@@ -72,8 +81,10 @@ def test_bf16_matmuls_track_hf(default_loaded, default_model_path, hf_default, k
         diffs.append(abs(entry[ids[pos]].logprob - ref[pos - 1, ids[pos]]))
         top1_hits += int(np.argmax(ref[pos - 1])) in entry
     diffs = np.asarray(diffs)
-    print(f"kv {kv_cache_dtype}, {quantization}: max {diffs.max():.4f} mean {diffs.mean():.4f} "
-          f"top-1 {top1_hits}/{len(diffs)}")
+    print(
+        f"kv {kv_cache_dtype}, {quantization}: max {diffs.max():.4f} mean {diffs.mean():.4f} "
+        f"top-1 {top1_hits}/{len(diffs)}"
+    )
     assert diffs.max() < 0.25, f"worst position {diffs.argmax() + 1}: {diffs.max():.3f}"
     assert diffs.mean() < 0.05, diffs.mean()
     assert top1_hits >= 0.98 * len(diffs), (top1_hits, len(diffs))
@@ -147,8 +158,12 @@ def test_bf16_one_request_decode_tracks_hf(default_loaded, hf_default):
     with torch.no_grad():
         ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].float(), -1).numpy()
     n0 = len(out.prompt_token_ids)
-    diffs = np.asarray([abs(lp[tok].logprob - ref[n0 + i - 1, tok])
-                        for i, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs))])
+    diffs = np.asarray(
+        [
+            abs(lp[tok].logprob - ref[n0 + i - 1, tok])
+            for i, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs))
+        ]
+    )
     hf_greedy = sum(int(np.argmax(ref[n0 + i - 1])) == tok for i, tok in enumerate(out.outputs[0].token_ids))
     print(f"one request bf16: max {diffs.max():.4f} mean {diffs.mean():.4f} HF greedy {hf_greedy}/{len(diffs)}")
     assert diffs.max() < 0.25 and diffs.mean() < 0.05, (diffs.max(), diffs.mean())

@@ -37,14 +37,16 @@ from jaxserve.models.llama import AttentionBatch, model_from_params  # noqa: E40
 # (format, weight args, activation args or None)
 SCHEMES = {
     "w4a16_group32": ("pack-quantized", dict(num_bits=4, symmetric=True, strategy="group", group_size=32), None),
-    "w4a16_asym_group32": ("pack-quantized", dict(num_bits=4, symmetric=False, strategy="group", group_size=32),
-                           None),
+    "w4a16_asym_group32": ("pack-quantized", dict(num_bits=4, symmetric=False, strategy="group", group_size=32), None),
     "w4a16_channel": ("pack-quantized", dict(num_bits=4, symmetric=True, strategy="channel"), None),
     "w8a16_packed": ("pack-quantized", dict(num_bits=8, symmetric=True, strategy="channel"), None),
     "w8a16_packed_asym": ("pack-quantized", dict(num_bits=8, symmetric=False, strategy="group", group_size=32), None),
     "w8a16_int": ("int-quantized", dict(num_bits=8, symmetric=True, strategy="channel"), None),
-    "w8a8_dynamic": ("int-quantized", dict(num_bits=8, symmetric=True, strategy="channel"),
-                     dict(num_bits=8, symmetric=True, strategy="token", dynamic=True)),
+    "w8a8_dynamic": (
+        "int-quantized",
+        dict(num_bits=8, symmetric=True, strategy="channel"),
+        dict(num_bits=8, symmetric=True, strategy="token", dynamic=True),
+    ),
     "fp8_channel": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="channel"), None),
     "fp8_tensor": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="tensor"), None),
 }
@@ -63,8 +65,7 @@ def _compress(w: torch.Tensor, fmt: str, wargs: dict, scale_dtype=torch.float32)
     scale, zp = calculate_qparams(lo, hi, args)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     compressor = BaseCompressor.get_value_from_registry(fmt)
-    packed = compressor.compress({"weight": w, "weight_scale": scale.to(scale_dtype), "weight_zero_point": zp},
-                                 scheme)
+    packed = compressor.compress({"weight": w, "weight_scale": scale.to(scale_dtype), "weight_zero_point": zp}, scheme)
     ref = compressor.decompress(dict(packed), scheme)["weight"].float()
     return packed, ref
 
@@ -90,8 +91,12 @@ def _qcfg(fmt: str, wargs: dict, aargs: dict | None) -> dict:
     group = {"targets": ["Linear"], "weights": QuantizationArgs(**wargs).model_dump(mode="json")}
     if aargs is not None:
         group["input_activations"] = QuantizationArgs(**aargs).model_dump(mode="json")
-    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group},
-            "ignore": ["lm_head"]}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
@@ -103,8 +108,9 @@ def test_weights_equal_the_librarys_decompression(scheme):
     qa, ours = _ours(packed, _qcfg(fmt, wargs, aargs))
     np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6, atol=1e-6)
     bits = wargs["num_bits"]
-    assert qa.bits == bits and qa.q.dtype == (np.uint8 if bits == 4 else np.int8 if fmt != "float-quantized"
-                                              else jnp.float8_e4m3fn)
+    assert qa.bits == bits and qa.q.dtype == (
+        np.uint8 if bits == 4 else np.int8 if fmt != "float-quantized" else jnp.float8_e4m3fn
+    )
     assert qa.act_quant == (aargs is not None)
     x = np.random.default_rng(1).normal(size=(5, 128)).astype(np.float32)
     product = np.asarray(quant.matmul(jnp.asarray(x), qa))
@@ -125,8 +131,16 @@ def test_bfloat16_scales_are_read_exactly():
     assert np.abs(ours - ref.numpy()).max() > 0  # so the scales were not rounded on the way in
 
 
-COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
 
 
 def _logits(params, cfg, tokens: np.ndarray) -> np.ndarray:
@@ -135,11 +149,17 @@ def _logits(params, cfg, tokens: np.ndarray) -> np.ndarray:
     num_pages = -(-n // page_size)
     shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     model = nnx.merge(*model_from_params(cfg, params))
-    batch = AttentionBatch(positions=jnp.arange(n, dtype=jnp.int32), slot_mapping=jnp.arange(n, dtype=jnp.int32),
-                           kv_lens=jnp.asarray([n], jnp.int32), page_indices=jnp.arange(num_pages)[None],
-                           cu_q_lens=jnp.asarray([0, n], jnp.int32), num_seqs=jnp.asarray(1, jnp.int32))
-    hidden, _, _ = model(jnp.asarray(tokens), batch, jnp.zeros(shape), jnp.zeros(shape), ragged_paged_attention_ref,
-                         write_kv_ref)
+    batch = AttentionBatch(
+        positions=jnp.arange(n, dtype=jnp.int32),
+        slot_mapping=jnp.arange(n, dtype=jnp.int32),
+        kv_lens=jnp.asarray([n], jnp.int32),
+        page_indices=jnp.arange(num_pages)[None],
+        cu_q_lens=jnp.asarray([0, n], jnp.int32),
+        num_seqs=jnp.asarray(1, jnp.int32),
+    )
+    hidden, _, _ = model(
+        jnp.asarray(tokens), batch, jnp.zeros(shape), jnp.zeros(shape), ragged_paged_attention_ref, write_kv_ref
+    )
     return np.asarray(model.logits(hidden))
 
 
@@ -181,11 +201,14 @@ def test_a_compressed_tensors_llama_matches_hf_on_the_decompressed_weights(schem
     np.testing.assert_allclose(_logits(loaded.params, loaded.config, tokens), ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("qcfg, words", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
-    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "GEMM layout"),
-    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "nvfp4-pack-quantized"),
-])
+@pytest.mark.parametrize(
+    "qcfg, words",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "GEMM layout"),
+        ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "nvfp4-pack-quantized"),
+    ],
+)
 def test_unsupported_quantization_is_named(tmp_path, qcfg, words):
     config = transformers.LlamaConfig(**COMMON)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
@@ -206,12 +229,13 @@ def test_the_engine_serves_a_compressed_directory_quantized(tmp_path, default_lo
     (tmp_path / "tokenizer.json").write_text(load_tokenizer(default_loaded.tokenizer_path).to_json())
     llm = LLM(str(tmp_path), tensor_parallel_size=2, max_model_len=64, num_pages=16)
     assert llm.engine.runner.state is not None and any(
-        quant.is_quantized(v) for v in jax.tree.leaves(llm.engine.runner.state, is_leaf=quant.is_quantized))
+        quant.is_quantized(v) for v in jax.tree.leaves(llm.engine.runner.state, is_leaf=quant.is_quantized)
+    )
     prompt = [1, 504, 3458, 314, 260]
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     tokens = out.outputs[0].token_ids
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float().numpy()
+        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float().numpy()
     chosen = logits[np.arange(len(tokens)), tokens]
     np.testing.assert_array_less(logits.max(-1) - chosen, 1e-4)
 
@@ -235,8 +259,11 @@ def _awq_module(out: int, cols: int, group: int, seed: int) -> dict:
     q = rng.integers(0, 16, (cols, out))
     z = rng.integers(0, 16, (cols // group, out))
     scales = (rng.random((cols // group, out)) * 0.02 + 0.001).astype(np.float16)
-    return {"qweight": torch.from_numpy(_awq_pack(q)), "qzeros": torch.from_numpy(_awq_pack(z)),
-            "scales": torch.from_numpy(scales)}
+    return {
+        "qweight": torch.from_numpy(_awq_pack(q)),
+        "qzeros": torch.from_numpy(_awq_pack(z)),
+        "scales": torch.from_numpy(scales),
+    }
 
 
 def _awq_reference(module: dict, group: int) -> torch.Tensor:
@@ -245,8 +272,9 @@ def _awq_reference(module: dict, group: int) -> torch.Tensor:
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
 
     converted = AutoAWQConverter(group_size=group).process({f"m.{k}": v for k, v in module.items()})
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=4, symmetric=False, strategy="group", group_size=group))
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(num_bits=4, symmetric=False, strategy="group", group_size=group)
+    )
     parts = {k.removeprefix("m."): v.float() if k.endswith("scale") else v for k, v in converted.items()}
     return PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
 
@@ -277,8 +305,13 @@ def test_an_awq_llama_matches_hf_on_the_decompressed_weights(tmp_path):
             tensors[name] = p.detach().contiguous()
     save_file(tensors, str(tmp_path / "model.safetensors"))
     hf_cfg = json.loads(config.to_json_string())
-    hf_cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-                                     "version": "gemm"}
+    hf_cfg["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 32,
+        "zero_point": True,
+        "version": "gemm",
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     hf.load_state_dict({**hf.state_dict(), **decompressed})
     loaded = load_model(tmp_path)

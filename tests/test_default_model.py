@@ -42,8 +42,11 @@ def test_greedy_matches_hf_token_for_token(default_llm, hf_default):
 
 
 def test_chat_knows_the_capital_of_france(default_llm):
-    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                           SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+    out = default_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=48),
+        use_tqdm=False,
+    )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
 
@@ -52,8 +55,9 @@ def test_prompt_logprobs_match_hf(default_llm, hf_default):
     import torch
 
     prompt = "The quick brown fox jumps over the lazy dog because it was"
-    out = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
-                               use_tqdm=False)[0]
+    out = default_llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False
+    )[0]
     ids = out.prompt_token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].float(), -1).numpy()

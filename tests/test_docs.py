@@ -117,8 +117,10 @@ def _env() -> dict[str, str]:
 
 def _run(argv: list[str], block: Block, timeout: float = BLOCK_TIMEOUT_S) -> None:
     result = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, (f"{block.id} failed (exit {result.returncode}):\n{block.text}\n"
-                                    f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
+    assert result.returncode == 0, (
+        f"{block.id} failed (exit {result.returncode}):\n{block.text}\n"
+        f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- static checks
@@ -172,8 +174,9 @@ def test_readme_subcommands_answer_help():
             named.add(" ".join(args[:2]) if args[0] == "bench" else args[0])
     assert {"generate", "chat", "convert", "serve", "bench serve", "plan"} <= named
     for sub in sorted(named):
-        result = subprocess.run([str(BIN / "jaxserve"), *sub.split(), "--help"], capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run(
+            [str(BIN / "jaxserve"), *sub.split(), "--help"], capture_output=True, text=True, timeout=120
+        )
         assert result.returncode == 0, f"jaxserve {sub} --help: {result.stderr[-2000:]}"
 
 

@@ -13,8 +13,10 @@ from jaxserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-WORDS = ("the river city light north stone garden music paper window seven quiet market winter bright "
-         "history engine forest number table ocean silver story mountain coffee language science").split()
+WORDS = (
+    "the river city light north stone garden music paper window seven quiet market winter bright "
+    "history engine forest number table ocean silver story mountain coffee language science"
+).split()
 
 
 def _prompt(rng: random.Random, n_words: int) -> str:
@@ -95,8 +97,9 @@ def test_seed_gives_same_text_alone_and_in_batch(small_llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
     alone = small_llm.generate([prompts[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
-    batch = small_llm.generate(prompts[1:3] + [prompts[0]] + prompts[3:], [others] * 2 + [seeded] + [others] * 3,
-                               use_tqdm=False)
+    batch = small_llm.generate(
+        prompts[1:3] + [prompts[0]] + prompts[3:], [others] * 2 + [seeded] + [others] * 3, use_tqdm=False
+    )
     assert batch[2].outputs[0].token_ids == alone
     different = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=4321, ignore_eos=True)
     assert small_llm.generate([prompts[0]], different, use_tqdm=False)[0].outputs[0].token_ids != alone
@@ -111,12 +114,16 @@ def test_n_samples_share_the_prompt(small_llm):
 
 
 def test_stop_strings_across_tokens(small_llm):
-    base = small_llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=24),
-                              use_tqdm=False)[0].outputs[0].text
+    base = (
+        small_llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     assert len(base) > 8
     stop = base[3:7]  # four characters that most likely straddle a token boundary
-    out = small_llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
-                             use_tqdm=False)[0].outputs[0]
+    out = small_llm.generate(
+        ["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.text == base[: base.find(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
@@ -127,9 +134,17 @@ def test_no_recompilation_after_warmup(default_loaded):
     assert compiled == len(llm.engine.runner.warmup_shapes())
     rng = random.Random(5)
     prompts = [_prompt(rng, rng.randint(1, 120)) for _ in range(100)]
-    params = [SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]), top_k=rng.choice([0, 5, 50]),
-                             top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]),
-                             max_tokens=rng.randint(1, 40), seed=rng.randint(0, 99)) for _ in prompts]
+    params = [
+        SamplingParams(
+            temperature=rng.choice([0.0, 0.7, 1.0]),
+            top_k=rng.choice([0, 5, 50]),
+            top_p=rng.choice([1.0, 0.9]),
+            min_p=rng.choice([0.0, 0.05]),
+            max_tokens=rng.randint(1, 40),
+            seed=rng.randint(0, 99),
+        )
+        for _ in prompts
+    ]
     before = llm.engine.runner.num_compilations
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.finished for o in outs)

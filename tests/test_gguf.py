@@ -31,8 +31,16 @@ from jaxserve.loading.gguf import _CHUNK_VALUES, SUPPORTED_TYPES, GGUFCheckpoint
 # Byte offsets of the float16 scale fields inside one block (ggml-common.h). Random bytes there are often NaN or
 # inf, which would make whole blocks NaN and hide decoding errors, so the tests write finite values there.
 F16_FIELDS = {
-    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
 }
 QUANTIZABLE = (Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # types gguf.quants.quantize implements
 
@@ -47,7 +55,7 @@ def _random_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     for at in F16_FIELDS[qtype]:
         scales = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
-        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+        blocks[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
 
@@ -286,12 +294,36 @@ def test_default_model_config_matches_hf(default_path, default_hf):
     hf, _ = default_hf
     cfg = GGUFCheckpoint(default_path).model_config()
     assert hf.model_type == cfg.architecture == "llama"
-    ours = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, cfg.max_position_embeddings,
-            cfg.tie_word_embeddings, cfg.bos_token_id, cfg.eos_token_ids)
-    theirs = (hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.num_attention_heads,
-              hf.num_key_value_heads, hf.head_dim, hf.rms_norm_eps, hf.rope_parameters["rope_theta"],
-              hf.max_position_embeddings, hf.tie_word_embeddings, hf.bos_token_id, (hf.eos_token_id,))
+    ours = (
+        cfg.vocab_size,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.rms_norm_eps,
+        cfg.rope_theta,
+        cfg.max_position_embeddings,
+        cfg.tie_word_embeddings,
+        cfg.bos_token_id,
+        cfg.eos_token_ids,
+    )
+    theirs = (
+        hf.vocab_size,
+        hf.hidden_size,
+        hf.intermediate_size,
+        hf.num_hidden_layers,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.head_dim,
+        hf.rms_norm_eps,
+        hf.rope_parameters["rope_theta"],
+        hf.max_position_embeddings,
+        hf.tie_word_embeddings,
+        hf.bos_token_id,
+        (hf.eos_token_id,),
+    )
     assert ours == theirs
     assert hf.rope_parameters.get("rope_type", "default") == "default" and cfg.rope_scaling is None
     assert not (cfg.attention_bias or cfg.qk_norm or cfg.sandwich_norms or cfg.scale_embeddings)
@@ -308,20 +340,46 @@ def test_default_model_tensors_match_hf(default_path, default_hf):
 
 
 # ------------------------------------------------------------------------------------------ tiny models
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 CASES = {  # name: (gguf arch, HF config class, overrides)
-    "llama": ("llama", "LlamaConfig", dict(
-        rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                               high_freq_factor=4.0, original_max_position_embeddings=8192),
-        tie_word_embeddings=False)),
+    "llama": (
+        "llama",
+        "LlamaConfig",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
     "llama_tied": ("llama", "LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen2": ("qwen2", "Qwen2Config", dict(tie_word_embeddings=False, rope_theta=1e6)),
     "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
     "gemma": ("gemma", "GemmaConfig", dict(head_dim=16, num_key_value_heads=1)),
-    "gemma2": ("gemma2", "Gemma2Config", dict(
-        head_dim=24, sliding_window=5, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
-        query_pre_attn_scalar=24)),  # llama.cpp scales Gemma-2 attention by head_dim ** -0.5 (but for 27B)
+    "gemma2": (
+        "gemma2",
+        "Gemma2Config",
+        dict(
+            head_dim=24,
+            sliding_window=5,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=24,
+        ),
+    ),  # llama.cpp scales Gemma-2 attention by head_dim ** -0.5 (but for 27B)
 }
 HF_READS = ("llama", "qwen2", "qwen3", "gemma2")  # GGUF architectures transformers' GGUF loader supports
 
@@ -375,9 +433,17 @@ def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) 
         if getattr(config, key, None) is not None:
             w.add_uint32("tokenizer.ggml." + key, getattr(config, key))
     if rope.get("rope_type") == "llama3":
-        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(
-            rope["rope_theta"], head_dim, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-            rope["original_max_position_embeddings"]))
+        w.add_tensor(
+            "rope_freqs.weight",
+            _llama3_rope_freqs(
+                rope["rope_theta"],
+                head_dim,
+                rope["factor"],
+                rope["low_freq_factor"],
+                rope["high_freq_factor"],
+                rope["original_max_position_embeddings"],
+            ),
+        )
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for hf_name, value in state.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:

@@ -102,8 +102,9 @@ def test_reference_matches_naive(path, hq, hk, window, soft_cap):
         b = make_batch(MIXED_Q, MIXED_KV, hq=hq, hk=hk, pad_seqs=2)
         assert b.page_indices.shape[0] > reference._DENSE_MAX_SEQS
     for layer in (0, 1):
-        out = reference.ragged_paged_attention_ref(*b.args(layer), sm_scale=SM_SCALE, sliding_window=window,
-                                                   soft_cap=soft_cap)
+        out = reference.ragged_paged_attention_ref(
+            *b.args(layer), sm_scale=SM_SCALE, sliding_window=window, soft_cap=soft_cap
+        )
         expected = naive_attention(b, layer, sm_scale=SM_SCALE, window=window, soft_cap=soft_cap)
         assert_close(out, expected)
         assert_padding_zero(out, b)
@@ -125,8 +126,9 @@ def test_write_kv_ref_matches_numpy():
     new_v = rng.standard_normal((9, 2, 64)).astype(np.float32)
     slots = rng.choice(6 * PAGE, 9, replace=False).astype(np.int32)
     slots[[2, 5]] = -1
-    out_k, out_v = reference.write_kv_ref(jnp.asarray(kc), jnp.asarray(vc), 1, jnp.asarray(new_k), jnp.asarray(new_v),
-                                          jnp.asarray(slots))
+    out_k, out_v = reference.write_kv_ref(
+        jnp.asarray(kc), jnp.asarray(vc), 1, jnp.asarray(new_k), jnp.asarray(new_v), jnp.asarray(slots)
+    )
     for t, slot in enumerate(slots):
         if slot >= 0:
             kc[1, slot // PAGE, slot % PAGE] = new_k[t]
@@ -145,8 +147,9 @@ def test_interpreters_poison_unwritten_memory():
     x = jnp.ones((8, 128), jnp.float32)
     out_shape = jax.ShapeDtypeStruct((8, 128), jnp.float32)
     gpu = pl.pallas_call(writes_nothing, out_shape=out_shape, interpret=True)(x)
-    tpu = pl.pallas_call(writes_nothing, out_shape=out_shape,
-                         interpret=pltpu.InterpretParams(uninitialized_memory="nan"))(x)
+    tpu = pl.pallas_call(
+        writes_nothing, out_shape=out_shape, interpret=pltpu.InterpretParams(uninitialized_memory="nan")
+    )(x)
     assert np.isnan(np.asarray(gpu)).all() and np.isnan(np.asarray(tpu)).all()
 
 
@@ -157,8 +160,9 @@ def run_kernel(backend, b: Batch, layer=1, **kw):
 
 def check_kernel(backend, b: Batch, *, dtype=jnp.float32, window=0, soft_cap=None, **kw):
     out = run_kernel(backend, b, sliding_window=window, soft_cap=soft_cap, **kw)
-    expected = reference.ragged_paged_attention_ref(*b.args(1), sm_scale=SM_SCALE, sliding_window=window,
-                                                    soft_cap=soft_cap)
+    expected = reference.ragged_paged_attention_ref(
+        *b.args(1), sm_scale=SM_SCALE, sliding_window=window, soft_cap=soft_cap
+    )
     assert out.dtype == b.q.dtype
     assert_close(out, expected, dtype)
     assert_padding_zero(out, b)
@@ -214,9 +218,20 @@ def test_kernel_in_layer_scan_with_traced_layer_and_window(backend):
     def all_layers(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs):
         def body(carry, xs):
             layer, window = xs
-            out = kernels.ragged_paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens,
-                                                 num_seqs, sm_scale=SM_SCALE, sliding_window=window,
-                                                 impl="pallas", backend=backend)
+            out = kernels.ragged_paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                layer,
+                kv_lens,
+                page_indices,
+                cu_q_lens,
+                num_seqs,
+                sm_scale=SM_SCALE,
+                sliding_window=window,
+                impl="pallas",
+                backend=backend,
+            )
             return carry, out
 
         return lax.scan(body, 0, (jnp.arange(2, dtype=jnp.int32), windows))[1]
@@ -224,8 +239,9 @@ def test_kernel_in_layer_scan_with_traced_layer_and_window(backend):
     q, kc, vc, _, *rest = b.args(0)
     outs = jax.block_until_ready(all_layers(q, kc, vc, *rest))  # see kernels._common.settle_tpu_interpret
     for layer in (0, 1):
-        expected = reference.ragged_paged_attention_ref(*b.args(layer), sm_scale=SM_SCALE,
-                                                        sliding_window=int(windows[layer]))
+        expected = reference.ragged_paged_attention_ref(
+            *b.args(layer), sm_scale=SM_SCALE, sliding_window=int(windows[layer])
+        )
         assert_close(outs[layer], expected)
 
 
@@ -241,8 +257,14 @@ def test_write_kv_kernel_matches_reference(backend, dtype):
     new_v = rng.standard_normal((13, 2, 64)).astype(np.float32)
     slots = rng.choice(5 * PAGE, 13, replace=False).astype(np.int32)
     slots[[0, 6, 12]] = [-1, -1, -7]  # padding tokens write nothing
-    args = (jnp.asarray(kc, dtype), jnp.asarray(vc, dtype), jnp.int32(1), jnp.asarray(new_k, dtype),
-            jnp.asarray(new_v, dtype), jnp.asarray(slots))
+    args = (
+        jnp.asarray(kc, dtype),
+        jnp.asarray(vc, dtype),
+        jnp.int32(1),
+        jnp.asarray(new_k, dtype),
+        jnp.asarray(new_v, dtype),
+        jnp.asarray(slots),
+    )
     exp_k, exp_v = reference.write_kv_ref(*args)
     out_k, out_v = kernels.write_kv(*args, impl="pallas", backend=backend)
     assert out_k.dtype == dtype
@@ -314,8 +336,11 @@ def test_kernels_lower_for_their_platform(backend, monkeypatch):
         tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
         if not hasattr(tpu_info, "registry"):
             pytest.skip("this jax has no TPU info registry to fake a TPU with")
-        monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                            lambda: tpu_info._get_tpu_info_impl(tpu_info.ChipVersion.TPU_V5E, 1))
+        monkeypatch.setitem(
+            tpu_info.registry,
+            jax.devices()[0].device_kind,
+            lambda: tpu_info._get_tpu_info_impl(tpu_info.ChipVersion.TPU_V5E, 1),
+        )
     platform = {"gpu": "cuda", "tpu": "tpu"}[backend]
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     cache = jax.ShapeDtypeStruct((4, 256, PAGE, 8, 128), jnp.bfloat16)
@@ -323,14 +348,41 @@ def test_kernels_lower_for_their_platform(backend, monkeypatch):
         q = jax.ShapeDtypeStruct((num_tokens, 32, 128), jnp.bfloat16)
 
         def step(q, kc, vc, layer, kv_lens, table, cu, n, window, new_kv, slots, soft_cap=soft_cap):
-            kc, vc = kernels.write_kv(kc, vc, layer, new_kv, new_kv, slots, impl="pallas", backend=backend,
-                                      interpret=False)
-            return kernels.ragged_paged_attention(q, kc, vc, layer, kv_lens, table, cu, n, sm_scale=SM_SCALE,
-                                                  sliding_window=window, soft_cap=soft_cap, impl="pallas",
-                                                  backend=backend, interpret=False)
+            kc, vc = kernels.write_kv(
+                kc, vc, layer, new_kv, new_kv, slots, impl="pallas", backend=backend, interpret=False
+            )
+            return kernels.ragged_paged_attention(
+                q,
+                kc,
+                vc,
+                layer,
+                kv_lens,
+                table,
+                cu,
+                n,
+                sm_scale=SM_SCALE,
+                sliding_window=window,
+                soft_cap=soft_cap,
+                impl="pallas",
+                backend=backend,
+                interpret=False,
+            )
 
-        lowered = jax.jit(step).trace(
-            q, cache, cache, i32(()), i32((8,)), i32((8, 32)), i32((9,)), i32(()), i32(()),
-            jax.ShapeDtypeStruct((num_tokens, 8, 128), jnp.bfloat16), i32((num_tokens,)),
-        ).lower(lowering_platforms=(platform,))
+        lowered = (
+            jax.jit(step)
+            .trace(
+                q,
+                cache,
+                cache,
+                i32(()),
+                i32((8,)),
+                i32((8, 32)),
+                i32((9,)),
+                i32(()),
+                i32(()),
+                jax.ShapeDtypeStruct((num_tokens, 8, 128), jnp.bfloat16),
+                i32((num_tokens,)),
+            )
+            .lower(lowering_platforms=(platform,))
+        )
         assert lowered.as_text()

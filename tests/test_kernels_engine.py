@@ -13,7 +13,13 @@ def test_pallas_interpret_matches_reference(default_loaded):
     prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
     outs = {}
     for impl in ("reference", "pallas"):
-        llm = LLM(default_loaded, attention_impl=impl, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-                  num_pages=24)
+        llm = LLM(
+            default_loaded,
+            attention_impl=impl,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=64,
+            num_pages=24,
+        )
         outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["pallas"] == outs["reference"]

@@ -70,9 +70,19 @@ def test_cpp_decodes_every_fp8_byte_as_ml_dtypes(kv):
     v[0, 0, 0, 0] = codes
     k = np.zeros_like(v)
     q = jnp.zeros((1, 1, 256), jnp.float32)
-    out = cpu_ffi.paged_attention(q, jnp.asarray(k), jnp.asarray(v), 0, jnp.array([1], jnp.int32),
-                                  jnp.zeros((1, 1), jnp.int32), jnp.array([0, 1], jnp.int32), 1, 0, sm_scale=1.0,
-                                  soft_cap=None)
+    out = cpu_ffi.paged_attention(
+        q,
+        jnp.asarray(k),
+        jnp.asarray(v),
+        0,
+        jnp.array([1], jnp.int32),
+        jnp.zeros((1, 1), jnp.int32),
+        jnp.array([0, 1], jnp.int32),
+        1,
+        0,
+        sm_scale=1.0,
+        soft_cap=None,
+    )
     np.testing.assert_array_equal(np.asarray(out)[0, 0], codes.astype(np.float32))  # NaN == NaN here
 
 
@@ -87,8 +97,9 @@ def test_writes_round_like_xla(kv, impl, backend):
     vc = jnp.zeros(shape, dtype)
     new = (rng.standard_normal((2, 7, 2, 64)) * 3).astype(np.float32)
     slots = np.array([3, 17, -1, 40, 41, 79, 0], np.int32)
-    out_k, out_v = kernels.write_kv(kc, vc, 1, jnp.asarray(new[0]), jnp.asarray(new[1]), jnp.asarray(slots),
-                                    impl=impl, backend=backend)
+    out_k, out_v = kernels.write_kv(
+        kc, vc, 1, jnp.asarray(new[0]), jnp.asarray(new[1]), jnp.asarray(slots), impl=impl, backend=backend
+    )
     assert out_k.dtype == dtype
     want = np.zeros(shape, dtype)
     for t, s in enumerate(slots):
@@ -117,8 +128,9 @@ def test_engine_serves_an_fp8_pool_in_a_quarter_of_the_bytes(default_loaded, kv)
     agree = total = 0
     for o in outs:
         ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-        ref = runs["float32"].generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-                                       use_tqdm=False)[0]
+        ref = runs["float32"].generate(
+            [ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False
+        )[0]
         # prompt_logprobs[i]: the float32 pool's top token at position i (given ids[:i]) and the actual one.
         n0 = len(o.prompt_token_ids)
         for i, tok in enumerate(o.outputs[0].token_ids[1:], start=n0 + 1):

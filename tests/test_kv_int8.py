@@ -100,8 +100,13 @@ def test_pallas_writes_equal_the_reference(impl, backend):
     (-1) write nothing."""
     rng = np.random.default_rng(3)
     shape = (2, 5, 16, 2, 64)
-    pools = [Int8Pages(jnp.asarray(rng.integers(-127, 128, shape), jnp.int8),
-                       jnp.asarray(rng.uniform(0.1, 1, shape[:4]), jnp.float32)) for _ in range(2)]
+    pools = [
+        Int8Pages(
+            jnp.asarray(rng.integers(-127, 128, shape), jnp.int8),
+            jnp.asarray(rng.uniform(0.1, 1, shape[:4]), jnp.float32),
+        )
+        for _ in range(2)
+    ]
     new = (rng.standard_normal((2, 7, 2, 64)) * 3).astype(np.float32)
     slots = jnp.asarray(np.array([3, 17, -1, 40, 41, 79, 0], np.int32))
     args = (1, jnp.asarray(new[0]), jnp.asarray(new[1]), slots)
@@ -118,12 +123,32 @@ def test_plain_int8_pool_without_scales_is_refused():
     b = make_batch([3], [10])
     values = jnp.zeros(b.k_cache.shape, jnp.int8)
     with pytest.raises(ValueError, match="needs its scales"):
-        kernels.ragged_paged_attention(b.q, values, values, 0, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs,
-                                       sm_scale=SM_SCALE, impl="reference")
+        kernels.ragged_paged_attention(
+            b.q,
+            values,
+            values,
+            0,
+            b.kv_lens,
+            b.page_indices,
+            b.cu_q_lens,
+            b.num_seqs,
+            sm_scale=SM_SCALE,
+            impl="reference",
+        )
     pool = Int8Pages(values, jnp.zeros(b.k_cache.shape[:4], jnp.float32))
     with pytest.raises(ValueError, match="both be Int8Pages"):
-        kernels.ragged_paged_attention(b.q, pool, values, 0, b.kv_lens, b.page_indices, b.cu_q_lens,
-                                       b.num_seqs, sm_scale=SM_SCALE, impl="reference")
+        kernels.ragged_paged_attention(
+            b.q,
+            pool,
+            values,
+            0,
+            b.kv_lens,
+            b.page_indices,
+            b.cu_q_lens,
+            b.num_seqs,
+            sm_scale=SM_SCALE,
+            impl="reference",
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -156,8 +181,9 @@ def test_engine_int8_pool_bytes_and_agreement_with_float32(default_loaded, int8_
     agree = total = 0
     for o in outs:
         ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-        lp = ref.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-                          use_tqdm=False)[0].prompt_logprobs
+        lp = ref.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[
+            0
+        ].prompt_logprobs
         for i, tok in enumerate(o.outputs[0].token_ids[1:], start=len(o.prompt_token_ids) + 1):
             agree += max(lp[i].items(), key=lambda kv: kv[1].logprob)[0] == tok
             total += 1
@@ -188,6 +214,13 @@ def test_engine_int8_pool_under_tensor_parallelism(default_loaded, int8_llm):
 @pytest.mark.slow
 def test_engine_int8_pool_with_the_pallas_kernels(default_loaded, int8_llm):
     """The Pallas kernels (interpret mode on the CPU) over int8 pages give the CPU path's greedy tokens."""
-    llm = LLM(default_loaded, kv_cache_dtype="int8", attention_impl="pallas", max_num_seqs=4,
-              max_num_batched_tokens=32, max_model_len=64, num_pages=24)
+    llm = LLM(
+        default_loaded,
+        kv_cache_dtype="int8",
+        attention_impl="pallas",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        num_pages=24,
+    )
     assert _tokens(llm, PROMPTS[:3], max_tokens=6) == _tokens(int8_llm, PROMPTS[:3], max_tokens=6)

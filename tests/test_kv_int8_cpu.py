@@ -35,15 +35,17 @@ def int8_pool(cache, rng) -> Int8Pages:
     written (slot, KV head) row is first scaled by its own random magnitude."""
     cache = np.asarray(cache, np.float32)
     layers, pages, page, heads, dim = cache.shape
-    pool = Int8Pages(jnp.asarray(rng.integers(-128, 128, cache.shape), jnp.int8),
-                     jnp.full(cache.shape[:4], np.nan, jnp.float32))
+    pool = Int8Pages(
+        jnp.asarray(rng.integers(-128, 128, cache.shape), jnp.int8), jnp.full(cache.shape[:4], np.nan, jnp.float32)
+    )
     for layer in range(layers):
         rows = cache[layer].reshape(pages * page, heads, dim)
         written = np.isfinite(rows).all(axis=(1, 2))
         rows = np.where(written[:, None, None], rows, 0.0) * np.exp(rng.uniform(-2, 2, (pages * page, heads, 1)))
         slots = np.where(written, np.arange(pages * page), -1).astype(np.int32)
-        pool, _ = write_kv_ref(pool, pool, layer, jnp.asarray(rows, jnp.float32), jnp.asarray(rows, jnp.float32),
-                               jnp.asarray(slots))
+        pool, _ = write_kv_ref(
+            pool, pool, layer, jnp.asarray(rows, jnp.float32), jnp.asarray(rows, jnp.float32), jnp.asarray(slots)
+        )
     return pool
 
 
@@ -51,8 +53,9 @@ def int8_batch(q_lens, kv_lens, *, seed, **kw) -> Batch:
     """make_batch's ragged batch (float32 q) over ``Int8Pages`` K and V pools built from its caches."""
     b = make_batch(list(q_lens), list(kv_lens), seed=seed, **kw)
     rng = np.random.default_rng(seed + 1000)
-    return Batch(b.q, int8_pool(b.k_cache, rng), int8_pool(b.v_cache, rng), b.kv_lens, b.page_indices, b.cu_q_lens,
-                 b.num_seqs)
+    return Batch(
+        b.q, int8_pool(b.k_cache, rng), int8_pool(b.v_cache, rng), b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs
+    )
 
 
 _reference = jax.jit(ragged_paged_attention_ref, static_argnames=("sm_scale", "soft_cap"))
@@ -75,14 +78,18 @@ def check(out, b: Batch, expected):
 # sequence, GQA groups of 1, 2, 3, 4 and 8, head_dim 64 and 128 (C++: compiled for them), 80 (any head_dim, five
 # 16-wide slices) and 40 (a scalar tail), more than 8 sequences (the reference's per-token path), pages of 8 and 24.
 CASES = {
-    "mixed-d64": ([15, 16, 17, 0, 1, 1, 1, 5, 3], [15, 16, 17, 15, 16, 17, 1, 25, 40], dict(hq=8, hk=2, d=64), 0,
-                  None),
+    "mixed-d64": ([15, 16, 17, 0, 1, 1, 1, 5, 3], [15, 16, 17, 15, 16, 17, 1, 25, 40], dict(hq=8, hk=2, d=64), 0, None),
     "gqa8-d128": ([1, 1, 20, 1, 3], [1, 17, 60, 129, 40], dict(hq=16, hk=2, d=128), 0, None),
     "d80": ([1, 1, 19, 1, 4], [9, 33, 50, 70, 4], dict(hq=6, hk=2, d=80), 0, None),
     "d40-softcap": ([1, 2, 1, 18], [16, 31, 5, 18], dict(hq=4, hk=1, d=40), 0, 4.0),
     "prefill-window-softcap": ([70, 1, 20, 100], [150, 90, 20, 300], dict(hq=8, hk=2, d=64), 37, 5.0),
-    "many-decodes-window": ([1] * 12 + [5], [3, 9, 16, 17, 31, 33, 47, 64, 65, 80, 100, 128, 30],
-                            dict(hq=8, hk=4, d=64, pad_seqs=3), 23, None),
+    "many-decodes-window": (
+        [1] * 12 + [5],
+        [3, 9, 16, 17, 31, 33, 47, 64, 65, 80, 100, 128, 30],
+        dict(hq=8, hk=4, d=64, pad_seqs=3),
+        23,
+        None,
+    ),
     "page8": ([1, 1, 19, 1], [3, 40, 50, 17], dict(hq=8, hk=2, d=64, page=8), 0, None),
     "page24-d128": ([1, 1, 30, 1], [24, 41, 77, 100], dict(hq=8, hk=2, d=128, page=24), 11, 3.0),
 }
@@ -130,8 +137,19 @@ def test_cpp_reads_each_row_with_its_scale():
     k = Int8Pages(jnp.asarray(values), jnp.asarray(scales))
     kv_len = 40  # pages 2, 0, then 8 slots of page 1
     table = jnp.array([[2, 0, 1]], jnp.int32)
-    out = cpu_ffi.paged_attention(jnp.zeros((1, 4, 48), jnp.float32), k, v, 1, jnp.array([kv_len], jnp.int32), table,
-                                  jnp.array([0, 1], jnp.int32), 1, 0, sm_scale=1.0, soft_cap=None)
+    out = cpu_ffi.paged_attention(
+        jnp.zeros((1, 4, 48), jnp.float32),
+        k,
+        v,
+        1,
+        jnp.array([kv_len], jnp.int32),
+        table,
+        jnp.array([0, 1], jnp.int32),
+        1,
+        0,
+        sm_scale=1.0,
+        soft_cap=None,
+    )
     rows = (values[1].astype(np.float32) * scales[1][..., None])[[2, 0, 1]].reshape(48, 2, 48)[:kv_len]
     want = np.repeat(rows.mean(axis=0), 2, axis=0)  # query heads 0, 1 read KV head 0; 2, 3 read KV head 1
     np.testing.assert_allclose(np.asarray(out)[0], want, rtol=1e-5, atol=1e-6)
@@ -144,8 +162,11 @@ def test_int8_is_close_to_float32_attention():
     want = np.asarray(_reference(*b.args(1), sm_scale=SM_SCALE, sliding_window=0, soft_cap=None))
     n = b.num_real_tokens
     for impl in IMPLS:
-        out = np.asarray(ragged_paged_attention_xla(b.q, k8, v8, 1, b.kv_lens, b.page_indices, b.cu_q_lens,
-                                                    b.num_seqs, sm_scale=SM_SCALE, **IMPLS[impl]))
+        out = np.asarray(
+            ragged_paged_attention_xla(
+                b.q, k8, v8, 1, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, sm_scale=SM_SCALE, **IMPLS[impl]
+            )
+        )
         err = np.linalg.norm(out[:n] - want[:n]) / np.linalg.norm(want[:n])
         assert 0 < err < 0.02, (impl, err)  # not zero: the int8 pool really was read
 
@@ -153,8 +174,13 @@ def test_int8_is_close_to_float32_attention():
 def _write_case(seed):
     rng = np.random.default_rng(seed)
     shape = (3, 7, 16, 3, 64)
-    pools = [Int8Pages(jnp.asarray(rng.integers(-128, 128, shape), jnp.int8),
-                       jnp.asarray(rng.uniform(0.1, 1.0, shape[:4]), jnp.float32)) for _ in range(2)]
+    pools = [
+        Int8Pages(
+            jnp.asarray(rng.integers(-128, 128, shape), jnp.int8),
+            jnp.asarray(rng.uniform(0.1, 1.0, shape[:4]), jnp.float32),
+        )
+        for _ in range(2)
+    ]
     new = rng.standard_normal((2, 7, 3, 64)) * np.exp(rng.uniform(-3, 3, (2, 7, 3, 1)))
     new[0, 1, 2] = 0.0  # an all-zero row: scale 1
     new[1, 3, 0, 5] = 1e4  # one element dominates the row
@@ -204,8 +230,19 @@ def test_int8_pools_refused_without_scales():
     with pytest.raises(ValueError, match="scales"):
         cpu_ffi.paged_attention(*args, 0, sm_scale=SM_SCALE, soft_cap=None)
     with pytest.raises(ValueError, match="Int8Pages"):
-        cpu_ffi.paged_attention(b.q, b.k_cache, plain, 1, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, 0,
-                                sm_scale=SM_SCALE, soft_cap=None)
+        cpu_ffi.paged_attention(
+            b.q,
+            b.k_cache,
+            plain,
+            1,
+            b.kv_lens,
+            b.page_indices,
+            b.cu_q_lens,
+            b.num_seqs,
+            0,
+            sm_scale=SM_SCALE,
+            soft_cap=None,
+        )
     for impl in ("ffi", "xla", "auto"):
         with pytest.raises(ValueError, match="Int8Pages"):
             ragged_paged_attention_xla(*args, sm_scale=SM_SCALE, impl=impl)

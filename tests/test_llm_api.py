@@ -30,18 +30,32 @@ def hf_dir(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(TEXT, trainer)
     tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": template}))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": template})
+    )
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256, eos_token_id=2, tie_word_embeddings=False)
+    config = transformers.Qwen2Config(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     model = transformers.Qwen2ForCausalLM(config).eval()
     model.save_pretrained(path)
     return path, model
@@ -58,11 +72,12 @@ def test_hf_directory_generates_like_hf(hf_dir):
         # As vLLM, bytes of a character cut at the end (max_tokens inside it) are left out rather than written as
         # U+FFFD (the detokenizer's own tests check which ones).
         full = llm.tokenizer.decode(out.outputs[0].token_ids)
-        assert full.startswith(out.outputs[0].text) and set(full[len(out.outputs[0].text):]) <= {"\ufffd"}
-    chat = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4),
-                    use_tqdm=False)[0]
+        assert full.startswith(out.outputs[0].text) and set(full[len(out.outputs[0].text) :]) <= {"\ufffd"}
+    chat = llm.chat(
+        [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )[0]
     tail = llm.tokenizer.encode("<|im_start|>assistant\n")
-    assert chat.prompt_token_ids[-len(tail):] == tail
+    assert chat.prompt_token_ids[-len(tail) :] == tail
 
 
 def test_orbax_convert_round_trip(hf_dir, tmp_path):
@@ -79,8 +94,9 @@ def test_orbax_convert_round_trip(hf_dir, tmp_path):
     for name, value in a_params.items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(b_params[name]))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    assert b.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids == \
-        hf_greedy(model, a.tokenizer.encode("hello world"), 8)
+    assert b.generate("hello world", params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(
+        model, a.tokenizer.encode("hello world"), 8
+    )
 
 
 def test_cli_generate_streams_the_text(hf_dir, capsys):
@@ -97,18 +113,21 @@ def test_cli_reports_a_missing_model(capsys, tmp_path):
     assert "nope.gguf" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bad, error, match", [
-    ("missing", FileNotFoundError, "not a file, a directory"),
-    ("truncated", ValueError, "truncated"),
-    ("unknown_arch", ValueError, "unknown architecture.*mamba"),
-    ("empty_dir", FileNotFoundError, "not a GGUF file, an HF model directory"),
-])
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        ("missing", FileNotFoundError, "not a file, a directory"),
+        ("truncated", ValueError, "truncated"),
+        ("unknown_arch", ValueError, "unknown architecture.*mamba"),
+        ("empty_dir", FileNotFoundError, "not a GGUF file, an HF model directory"),
+    ],
+)
 def test_bad_models_are_clear_errors(bad, error, match, tmp_path, default_model_path):
     if bad == "missing":
         target = "no/such/model/anywhere"
     elif bad == "truncated":
         target = tmp_path / "cut.gguf"
-        target.write_bytes(default_model_path.read_bytes()[: 5_000_000])
+        target.write_bytes(default_model_path.read_bytes()[:5_000_000])
     elif bad == "unknown_arch":
         target = tmp_path
         (tmp_path / "config.json").write_text('{"model_type": "mamba"}')

@@ -21,21 +21,48 @@ from jaxserve.loading.safetensors_dir import iter_hf_dir, read_config  # noqa: E
 from jaxserve.loading.weights import params_from_hf_tensors  # noqa: E402
 from jaxserve.models.llama import AttentionBatch, model_from_params  # noqa: E402
 
-COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
+COMMON = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 CASES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=32), rope_theta=500000.0)),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+            rope_theta=500000.0,
+        ),
+    ),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, hidden_activation="gelu_pytorch_tanh")),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        head_dim=16, sliding_window=5, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
-        query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh")),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=5,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=24,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),
 }
 
 
@@ -66,11 +93,14 @@ def _paged_logits(graphdef, state, cfg, tokens: np.ndarray, chunks: list[int], p
         batch = AttentionBatch(
             positions=jnp.asarray(pos, jnp.int32),
             slot_mapping=jnp.asarray(pages[pos // page_size] * page_size + pos % page_size, jnp.int32),
-            kv_lens=jnp.asarray([start + n], jnp.int32), page_indices=jnp.asarray(pages[None]),
-            cu_q_lens=jnp.asarray([0, n], jnp.int32), num_seqs=jnp.asarray(1, jnp.int32),
+            kv_lens=jnp.asarray([start + n], jnp.int32),
+            page_indices=jnp.asarray(pages[None]),
+            cu_q_lens=jnp.asarray([0, n], jnp.int32),
+            num_seqs=jnp.asarray(1, jnp.int32),
         )
-        hidden, k_cache, v_cache = model(jnp.asarray(tokens[pos]), batch, k_cache, v_cache,
-                                         ragged_paged_attention_ref, write_kv_ref)
+        hidden, k_cache, v_cache = model(
+            jnp.asarray(tokens[pos]), batch, k_cache, v_cache, ragged_paged_attention_ref, write_kv_ref
+        )
         out.append(np.asarray(model.logits(hidden)))
         start += n
     return np.concatenate(out)

@@ -35,11 +35,21 @@ def tiny_ckpt(tmp_path_factory, default_model_path):
     """A tiny random model (8 query heads, 2 KV heads) as an orbax checkpoint, which both processes restore."""
     from jaxserve.loading import orbax_ckpt
 
-    cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    cfg = ModelConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     rng = np.random.default_rng(0)
-    params = {n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
-              for n, s in param_schema(cfg).items()}
+    params = {
+        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
+        for n, s in param_schema(cfg).items()
+    }
     path = tmp_path_factory.mktemp("tiny_ckpt")
     orbax_ckpt.save(path, cfg, params, "float32")
     orbax_ckpt.copy_tokenizer(default_model_path, path)
@@ -60,8 +70,13 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-            "JAXSERVE_TEST_PROMPTS": json.dumps(PROMPTS), "JAXSERVE_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S)}
+    return {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "JAXSERVE_TEST_PROMPTS": json.dumps(PROMPTS),
+        "JAXSERVE_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
+    }
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -87,16 +102,41 @@ def test_two_processes_generate_like_one(tiny_ckpt, reference, tmp_path):
         log = tmp_path / f"llm{i}.log"
         assert _wait(p, 300, log) == 0, log.read_text()[-3000:]
         (line,) = [x for x in log.read_text().splitlines() if x.startswith("TOKENS ")]
-        assert json.loads(line[len("TOKENS "):]) == reference[0], f"process {i}"
+        assert json.loads(line[len("TOKENS ") :]) == reference[0], f"process {i}"
 
 
 def _serve_cmd(tiny_ckpt, port):
     def make(coordinator, i):
-        return [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_ckpt), "--port", str(port),
-                "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),
-                "--served-model-name", "tiny",
-                "--tensor-parallel-size", "4", "--no-warmup", "--num-pages", "64", "--max-num-seqs", "8",
-                "--max-model-len", "256", "--max-num-batched-tokens", "64"]
+        return [
+            sys.executable,
+            "-m",
+            "jaxserve.cli",
+            "serve",
+            "--model",
+            str(tiny_ckpt),
+            "--port",
+            str(port),
+            "--coordinator",
+            coordinator,
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+            "--served-model-name",
+            "tiny",
+            "--tensor-parallel-size",
+            "4",
+            "--no-warmup",
+            "--num-pages",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-model-len",
+            "256",
+            "--max-num-batched-tokens",
+            "64",
+        ]
+
     return make
 
 
@@ -104,8 +144,10 @@ def _wait_healthy(port: int, procs, tmp_path: Path, name: str) -> None:
     deadline = time.time() + 300
     while time.time() < deadline:
         if any(p.poll() is not None for p in procs):
-            pytest.fail("a process exited during start-up:\n" + "\n".join(
-                (tmp_path / f"{name}{i}.log").read_text()[-2000:] for i in range(2)))
+            pytest.fail(
+                "a process exited during start-up:\n"
+                + "\n".join((tmp_path / f"{name}{i}.log").read_text()[-2000:] for i in range(2))
+            )
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return
@@ -121,8 +163,11 @@ def test_two_processes_serve_like_one_and_shut_down_together(tiny_ckpt, referenc
     try:
         _wait_healthy(port, procs, tmp_path, "serve")
         for prompt, want in zip(PROMPTS, reference[1]):
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-                "model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=120,
+                json={"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
         procs[0].send_signal(signal.SIGTERM)  # process 0 shuts down and releases process 1

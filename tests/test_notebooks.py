@@ -38,8 +38,9 @@ def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
     try:
-        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                resources={"metadata": {"path": str(path.parent)}}).execute()
+        nbclient.NotebookClient(
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        ).execute()
     except nbclient.exceptions.CellExecutionError as e:  # the failing cell's source and traceback
         message = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # IPython's coloured traceback, uncoloured
         pytest.fail(f"{path.name} failed after {time.perf_counter() - t0:.0f}s:\n{message}", pytrace=False)
@@ -47,6 +48,7 @@ def test_notebook_runs(path):
     outputs = [o for c in _code_cells(nb) for o in c.get("outputs", [])]
     errors = [o for o in outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
-    images = [o for o in outputs
-              if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
+    images = [
+        o for o in outputs if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})
+    ]
     assert images, f"{path.name} drew no picture (no image/png output)"

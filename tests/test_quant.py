@@ -65,8 +65,9 @@ def test_matmul_equals_the_dequantized_product(mode, rows):
     ids = jnp.array([3, 0, 99])
     np.testing.assert_array_equal(np.asarray(quant.take(ea, ids)), np.asarray(quant.dequantize(ea))[[3, 0, 99]])
     xe = rng.normal(size=(2, 64)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(quant.matmul(jnp.asarray(xe), ea)),
-                               xe @ np.asarray(quant.dequantize(ea)).T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(quant.matmul(jnp.asarray(xe), ea)), xe @ np.asarray(quant.dequantize(ea)).T, rtol=1e-5, atol=1e-4
+    )
     if mode == "w8a8":  # the output projection under w8a8 (its rows quantized too), x @ E.T against numpy's ints
         ew = quant.quantize(e, "w8a8", axis=-1)
         xe = rng.normal(size=(rows, 64)).astype(np.float32)
@@ -164,8 +165,10 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     np.testing.assert_array_equal(got, want(np.asarray(embed.q).T, np.asarray(embed.scale).reshape(-1)))
     # and XLA's product (quant.matmul) gives the same
     np.testing.assert_array_equal(got, np.asarray(quant.matmul(jnp.asarray(x), embed)))
-    np.testing.assert_array_equal(np.asarray(cpu_ffi.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(1))),
-                                  np.asarray(quant.matmul(jnp.asarray(x), jax.tree.map(lambda a: a[1], stack))))
+    np.testing.assert_array_equal(
+        np.asarray(cpu_ffi.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(1))),
+        np.asarray(quant.matmul(jnp.asarray(x), jax.tree.map(lambda a: a[1], stack))),
+    )
     with pytest.raises(Exception, match="matmul_w8a8_rows"):  # the C++ check of the layer index
         np.asarray(cpu_ffi.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(3)))
     # K a multiple of 4 and N of 64: up to 4 rows stream ranges of rows, their int32 sums added after
@@ -190,14 +193,22 @@ def _grouped(rng, shape, bits, group, axis, scale_dtype, offset=0, zero=True):
     if scale_dtype == "coded":
         scale = rng.integers(0, 256, groups).astype(np.uint8)
         z = rng.integers(-127, 128, groups).astype(np.int8) if zero else None
-        channels = groups[:k_axis] + [1] + groups[k_axis + 1:]
+        channels = groups[:k_axis] + [1] + groups[k_axis + 1 :]
         muls = {"scale_mul": jnp.asarray(rng.random(channels) + 0.01, jnp.float32)}
         muls["zero_mul"] = jnp.asarray(rng.random(channels) + 0.01, jnp.float32) if zero else None
     else:
         scale = (rng.random(groups) + 0.5).astype(scale_dtype)
         z = rng.normal(size=groups).astype(scale_dtype) if zero else None
-    return quant.QArray(jnp.asarray(q), jnp.asarray(scale), None if z is None else jnp.asarray(z), **muls, bits=bits,
-                        group=group, offset=offset, axis=axis)
+    return quant.QArray(
+        jnp.asarray(q),
+        jnp.asarray(scale),
+        None if z is None else jnp.asarray(z),
+        **muls,
+        bits=bits,
+        group=group,
+        offset=offset,
+        axis=axis,
+    )
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -211,13 +222,15 @@ def test_cpp_dequantize_equals_the_jnp_reference(bits):
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
     rng = np.random.default_rng(bits)
-    cases = [((3, 64, 200), -2, 32, np.float16, 8 if bits == 4 else 0, True),
-             ((3, 96, 48), -2, 16, np.float32, 0, False),
-             ((2, 40, 128), -1, 32, np.float16, 0, True),
-             ((2, 40, 128), -1, 64, np.float32, 3, False),
-             ((3, 64, 200), -2, 32, "coded", 0, True),
-             ((2, 40, 128), -1, 64 // bits, "coded", 0, True),
-             ((2, 40, 128), -1, 32, "coded", 0, False)]
+    cases = [
+        ((3, 64, 200), -2, 32, np.float16, 8 if bits == 4 else 0, True),
+        ((3, 96, 48), -2, 16, np.float32, 0, False),
+        ((2, 40, 128), -1, 32, np.float16, 0, True),
+        ((2, 40, 128), -1, 64, np.float32, 3, False),
+        ((3, 64, 200), -2, 32, "coded", 0, True),
+        ((2, 40, 128), -1, 64 // bits, "coded", 0, True),
+        ((2, 40, 128), -1, 32, "coded", 0, False),
+    ]
     for shape, axis, group, scale_dtype, offset, zero in cases:
         w = _grouped(rng, shape, bits, group, axis, scale_dtype, offset, zero)
         for layer in range(shape[0]):
@@ -288,7 +301,7 @@ def _english_text_ids(llm, n_chunks=6, chunk=512):
 
     text = "\n\n".join(topics[k] for k in sorted(topics))[:40000]
     ids = llm.tokenizer.encode(text)
-    return [ids[i:i + chunk] for i in range(0, n_chunks * chunk, chunk)]
+    return [ids[i : i + chunk] for i in range(0, n_chunks * chunk, chunk)]
 
 
 def _score(llm, chunks):
@@ -313,14 +326,18 @@ def float_reference(default_loaded):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, max_ppl_ratio, min_agreement, max_bytes_ratio", [
-    ("int8", 1.01, 0.90, 0.27),
-    ("w8a8", 1.06, 0.85, 0.27),
-    # int4: groups of 32 (the GGUF file's own, exactly re-found) and of 16 for the 8-bit embedding: +3.2%, 88.5%
-    ("int4", 1.05, 0.85, 0.15),
-])
-def test_default_model_quantized_on_load(default_loaded, float_reference, mode, max_ppl_ratio, min_agreement,
-                                         max_bytes_ratio):
+@pytest.mark.parametrize(
+    "mode, max_ppl_ratio, min_agreement, max_bytes_ratio",
+    [
+        ("int8", 1.01, 0.90, 0.27),
+        ("w8a8", 1.06, 0.85, 0.27),
+        # int4: groups of 32 (the GGUF file's own, exactly re-found) and of 16 for the 8-bit embedding: +3.2%, 88.5%
+        ("int4", 1.05, 0.85, 0.15),
+    ],
+)
+def test_default_model_quantized_on_load(
+    default_loaded, float_reference, mode, max_ppl_ratio, min_agreement, max_bytes_ratio
+):
     chunks, ppl, top, nbytes = float_reference
     llm = LLM(default_loaded, quantization=mode, **ENGINE)
     state = llm.engine.runner.state
@@ -346,8 +363,9 @@ def test_quantized_under_tensor_parallelism_equals_one_device(default_loaded, mo
     one = LLM(default_loaded, quantization=mode, **attention, **ENGINE)
     tp = LLM(default_loaded, quantization=mode, tensor_parallel_size=3, **attention, **ENGINE)
     runs = one.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in runs]
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in runs
+    ]
     # Teacher-forced on one device's tokens, the two give the same log-probabilities.
     texts = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in runs]
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -373,7 +391,7 @@ def _random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     b = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
     at = (208,) if qtype.name == "Q6_K" else (0, 2)
     for start in at:
-        b[:, start:start + 2] = rng.uniform(1e-3, 2e-2, size=(len(b), 1)).astype(np.float16).view(np.uint8)
+        b[:, start : start + 2] = rng.uniform(1e-3, 2e-2, size=(len(b), 1)).astype(np.float16).view(np.uint8)
     return b.reshape(rows, -1)
 
 
@@ -398,14 +416,16 @@ def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
         np.testing.assert_array_equal(got, reference.T if transpose else reference)
         x = rng.normal(size=(3, 256)).astype(np.float32)
         if transpose:
-            np.testing.assert_allclose(np.asarray(quant.matmul(jnp.asarray(x), a)), x @ reference.T, rtol=1e-5,
-                                       atol=1e-4)
+            np.testing.assert_allclose(
+                np.asarray(quant.matmul(jnp.asarray(x), a)), x @ reference.T, rtol=1e-5, atol=1e-4
+            )
         # The C++ product of one request's steps reads the blocks as repacked (scales, mins, offsets): x @ W for the
         # linear weight, x @ E.T for the embedding, both x @ reference.T.
         assert cpu_ffi.quant_rows_serves(a)
         want = x.astype(np.float64) @ reference.T.astype(np.float64)
-        np.testing.assert_allclose(np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), a)), want, rtol=1e-5,
-                                   atol=1e-5 * np.abs(want).max())
+        np.testing.assert_allclose(
+            np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), a)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
+        )
     with pytest.raises(ValueError, match="cannot be served quantized"):
         repack(gguf_quants.quantize(w, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0, w.shape, name="x")
 
@@ -419,8 +439,9 @@ def test_default_model_served_from_its_own_blocks_matches_hf(default_model_path,
     loaded = load_model(default_model_path, "float32", keep_quantized=True)
     for name in ("embed", "wq", "wk", "w_down"):
         assert isinstance(loaded.params[name], quant.QArray)
-        np.testing.assert_array_equal(np.asarray(quant.dequantize(jax.tree.map(jnp.asarray, loaded.params[name]))),
-                                      default_loaded.params[name])
+        np.testing.assert_array_equal(
+            np.asarray(quant.dequantize(jax.tree.map(jnp.asarray, loaded.params[name]))), default_loaded.params[name]
+        )
     llm = LLM(loaded, quantization="gguf", **ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -458,6 +479,7 @@ def test_convert_writes_quantized_orbax_and_serves_it_the_same(default_model_pat
     served = LLM(str(dst), **ENGINE)  # quantized as written, no flag needed
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["The capital of France is", "def add(a, b):"]
-    assert [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in direct.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in direct.generate(prompts, params, use_tqdm=False)
+    ]
     assert isinstance(served.engine.runner.state["wq"].get_value(), quant.QArray)

@@ -64,13 +64,22 @@ def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog)
     for words in (40, 100, 300):  # ~ tokens of history: every history length shares the fixed width
         prompts.append(_text(rng, words))
         params.append(SamplingParams(max_tokens=3, repetition_penalty=1.1, seed=words))
-    options = [dict(logprobs=1), dict(logprobs=20), dict(logprobs=0), dict(prompt_logprobs=0),
-               dict(prompt_logprobs=20, logprobs=5, seed=11), dict(presence_penalty=0.5, frequency_penalty=-0.5),
-               dict(top_k=5, top_p=0.9, min_p=0.1, seed=7), dict(temperature=0.0, stop=["e", "a"]),
-               dict(min_tokens=2, stop_token_ids=list(range(256))), dict(n=3, temperature=0.8),
-               dict(seed=-(2**63)), dict(temperature=0.0, top_k=2**31 - 1),
-               dict(structured_outputs={"regex": "[a-z]+ [0-9]"}),
-               dict(n=2, structured_outputs={"json": {"type": "object"}})]
+    options = [
+        dict(logprobs=1),
+        dict(logprobs=20),
+        dict(logprobs=0),
+        dict(prompt_logprobs=0),
+        dict(prompt_logprobs=20, logprobs=5, seed=11),
+        dict(presence_penalty=0.5, frequency_penalty=-0.5),
+        dict(top_k=5, top_p=0.9, min_p=0.1, seed=7),
+        dict(temperature=0.0, stop=["e", "a"]),
+        dict(min_tokens=2, stop_token_ids=list(range(256))),
+        dict(n=3, temperature=0.8),
+        dict(seed=-(2**63)),
+        dict(temperature=0.0, top_k=2**31 - 1),
+        dict(structured_outputs={"regex": "[a-z]+ [0-9]"}),
+        dict(n=2, structured_outputs={"json": {"type": "object"}}),
+    ]
     for o in options:
         prompts.append(_text(rng, rng.randint(1, 60)))
         params.append(SamplingParams(max_tokens=4, **o))
@@ -123,8 +132,9 @@ def test_many_prompts_at_once_take_as_few_steps_as_separate_requests(llm):
     separate, separate_steps = _run(engine)
     # max_num_seqs=32: two waves of a prefill step and a decode step each.
     assert batched_steps == separate_steps == 4
-    assert [batched[f"b{i}"].outputs[0].token_ids for i in range(64)] == \
-           [separate[f"s{i}"].outputs[0].token_ids for i in range(64)]
+    assert [batched[f"b{i}"].outputs[0].token_ids for i in range(64)] == [
+        separate[f"s{i}"].outputs[0].token_ids for i in range(64)
+    ]
     # LLM.generate queues all its prompts at once too.
     steps = engine.runner.num_steps
     llm.generate(prompts, params, use_tqdm=False)
@@ -172,17 +182,20 @@ def test_ids_collide_with_children_ids_in_both_orders(llm):
     assert _idle(engine)
 
 
-@pytest.mark.parametrize("prompt, match", [
-    ([True, False], r"holding \['bool'\]"),
-    ([1, 2.0], r"holding \['float', 'int'\]"),
-    ({"a": 1}, "got a dict"),
-    (b"abc", "got a bytes"),
-    (np.array([[1, 2]]), r"int64 with shape \(1, 2\)"),
-    (np.array([1.0, 2.0]), "float64"),
-    ([], "empty"),
-    ([49152], "outside the vocabulary"),
-    ([-1], "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ([True, False], r"holding \['bool'\]"),
+        ([1, 2.0], r"holding \['float', 'int'\]"),
+        ({"a": 1}, "got a dict"),
+        (b"abc", "got a bytes"),
+        (np.array([[1, 2]]), r"int64 with shape \(1, 2\)"),
+        (np.array([1.0, 2.0]), "float64"),
+        ([], "empty"),
+        ([49152], "outside the vocabulary"),
+        ([-1], "outside the vocabulary"),
+    ],
+)
 def test_bad_prompts_are_rejected_and_others_go_on(llm, prompt, match):
     engine = llm.engine
     engine.add_request("before", "The river", GREEDY)
@@ -201,13 +214,16 @@ def test_token_arrays_and_vocabulary_checked_params(llm):
     two = llm.generate(np.array([ids, ids]), GREEDY, use_tqdm=False)  # 2-D: one prompt per row
     assert [o.outputs[0].token_ids for o in two] == [as_list, as_list]
     vocab = llm.engine.model_config.vocab_size
-    for params, field in ((SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
-                          (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids")):
+    for params, field in (
+        (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+        (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+    ):
         with pytest.raises(ValueError, match=rf"SamplingParams\.{field} has token ids \[{vocab}"):
             llm.generate(["ok", "fine"], params, use_tqdm=False)
     # The largest valid id is fine.
-    out = llm.generate(["ok"], SamplingParams(temperature=0, max_tokens=2, logit_bias={vocab - 1: 100.0}),
-                       use_tqdm=False)
+    out = llm.generate(
+        ["ok"], SamplingParams(temperature=0, max_tokens=2, logit_bias={vocab - 1: 100.0}), use_tqdm=False
+    )
     assert out[0].outputs[0].token_ids == [vocab - 1, vocab - 1]
     assert _idle(llm.engine)
 
@@ -293,8 +309,15 @@ def test_kv_cache_memory_validated(bad):
 
 
 def test_kv_cache_memory_flag_parses_bytes_and_fractions():
-    assert [bytes_or_fraction(s) for s in ("0.25", "1.0", "8000000000", "8G", "8GiB", "512MiB", "512m")] == \
-           [0.25, 1.0, 8000000000, 8 << 30, 8 << 30, 512 << 20, 512 << 20]
+    assert [bytes_or_fraction(s) for s in ("0.25", "1.0", "8000000000", "8G", "8GiB", "512MiB", "512m")] == [
+        0.25,
+        1.0,
+        8000000000,
+        8 << 30,
+        8 << 30,
+        512 << 20,
+        512 << 20,
+    ]
     with pytest.raises(ValueError):
         bytes_or_fraction("lots")
     from jaxserve.cli import build_parser

@@ -143,10 +143,20 @@ def test_fixed_widths_keep_every_shape():
     fixed = dict(pad_to=4, history_width=300, bias_width=sampling.bias_width(1), eos_token_ids=[2])
     batches = [
         ([SamplingParams()], {}),
-        ([SamplingParams(logit_bias={i: 1.0 for i in range(sampling.MAX_LOGIT_BIAS)}, min_tokens=3,
-                         stop_token_ids=list(range(sampling.MAX_STOP_TOKEN_IDS)))], {}),
-        ([SamplingParams(repetition_penalty=1.1, logprobs=20)] * 2,
-         dict(prompt_ids=[list(range(200))] * 2, output_ids=[[1] * 99] * 2)),
+        (
+            [
+                SamplingParams(
+                    logit_bias={i: 1.0 for i in range(sampling.MAX_LOGIT_BIAS)},
+                    min_tokens=3,
+                    stop_token_ids=list(range(sampling.MAX_STOP_TOKEN_IDS)),
+                )
+            ],
+            {},
+        ),
+        (
+            [SamplingParams(repetition_penalty=1.1, logprobs=20)] * 2,
+            dict(prompt_ids=[list(range(200))] * 2, output_ids=[[1] * 99] * 2),
+        ),
     ]
     shapes = set()
     for params, hist in batches:
@@ -501,9 +511,16 @@ def test_fixed_widths_one_compile_for_every_size():
     ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     for keys in (0, 33, 65, 129, 513, 1024):
         for n_hist in (0, 40, 100, 300):
-            params = [SamplingParams(temperature=0, logit_bias={t: -50.0 for t in range(keys)} or None,
-                                     repetition_penalty=1.1 if n_hist else 1.0, logprobs=20 if keys % 2 else None,
-                                     min_tokens=1, stop_token_ids=[7, 8])]
+            params = [
+                SamplingParams(
+                    temperature=0,
+                    logit_bias={t: -50.0 for t in range(keys)} or None,
+                    repetition_penalty=1.1 if n_hist else 1.0,
+                    logprobs=20 if keys % 2 else None,
+                    min_tokens=1,
+                    stop_token_ids=[7, 8],
+                )
+            ]
             meta = meta_for(params, prompt_ids=[list(range(n_hist))], output_ids=[[]], **fixed)
             out = step(logits, meta)
             x = np.asarray(logits[0]).copy()  # numpy: bias, the min_tokens ban, the repetition penalty

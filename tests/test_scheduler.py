@@ -49,7 +49,7 @@ class FakeRunner:
                 self.params[s.req_id] = s.new.sampling_params
             table = self.tables[s.req_id]
             assert s.pages_from <= len(table), "a page-table change must not leave a gap"
-            table[s.pages_from:] = s.new_page_ids
+            table[s.pages_from :] = s.new_page_ids
 
     def __call__(self, out):
         self._update(out)
@@ -60,7 +60,7 @@ class FakeRunner:
         for s in out.scheduled:
             table, end, last = self.tables[s.req_id], s.start_pos + len(s.token_ids), s.start_pos - 1
             assert len(table) >= -(-end // self.ps) and 0 not in table
-            assert self.tokens[s.req_id][s.start_pos: end] == s.token_ids, f"{s.req_id}: token record out of step"
+            assert self.tokens[s.req_id][s.start_pos : end] == s.token_ids, f"{s.req_id}: token record out of step"
             value = self.pool[table[last // self.ps]][last % self.ps] if s.start_pos else 0
             assert value is not None, f"{s.req_id}: KV before position {s.start_pos} was never computed"
             for pos, token in enumerate(s.token_ids, s.start_pos):
@@ -301,8 +301,13 @@ def test_fork_children_copy_on_write():
 
 
 # ("add", prompt_len, max_tokens, priority (also min_tokens), shared-prefix id); long ones make preemption likely.
-ADD = st.tuples(st.just("add"), st.integers(1, 40) | st.integers(20, 40), st.integers(1, 12) | st.integers(8, 12),
-                st.integers(0, 2), st.integers(0, 2))
+ADD = st.tuples(
+    st.just("add"),
+    st.integers(1, 40) | st.integers(20, 40),
+    st.integers(1, 12) | st.integers(8, 12),
+    st.integers(0, 2),
+    st.integers(0, 2),
+)
 STEP = st.tuples(st.just("step"), st.none() | st.integers(0, 30))
 OPS = st.one_of(ADD, STEP, ADD, STEP, st.tuples(st.sampled_from(["abort", "finish", "fork"]), st.integers(0, 30)))
 
@@ -320,8 +325,13 @@ OPS = st.one_of(ADD, STEP, ADD, STEP, st.tuples(st.sampled_from(["abort", "finis
 def test_random_operations_never_leak_or_lose(ops, policy, caching, page_size, spare_pages, budget, max_seqs):
     max_len, vocab, eos = 48, 40, (5,)
     sched, runner = make(
-        num_pages=1 + -(-max_len // page_size) + spare_pages, page_size=page_size, caching=caching, policy=policy,
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+        num_pages=1 + -(-max_len // page_size) + spare_pages,
+        page_size=page_size,
+        caching=caching,
+        policy=policy,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
     )
     runner.vocab = vocab
     bm, added, done, external = sched.block_manager, [], {}, set()  # external: aborted/finished by the engine
@@ -421,17 +431,25 @@ def run_async(sched, runner, max_steps=10_000):
     budget=st.integers(1, 40),
     max_seqs=st.integers(1, 5),
 )
-def test_async_scheduling_generates_what_sync_does(lengths, policy, caching, page_size, spare_pages, budget,
-                                                    max_seqs):
+def test_async_scheduling_generates_what_sync_does(lengths, policy, caching, page_size, spare_pages, budget, max_seqs):
     """Against ``reference`` (the chain without pages): every request's tokens and finish reason, with stops
     (EOS 5 in a vocabulary of 12, min_tokens), preemption in small pools, shared prefixes; all pages freed."""
     max_len, vocab, eos = 48, 12, (5,)
     sched, runner = make(
-        num_pages=1 + -(-max_len // page_size) + spare_pages, page_size=page_size, caching=caching, policy=policy,
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len, async_scheduling=True)
+        num_pages=1 + -(-max_len // page_size) + spare_pages,
+        page_size=page_size,
+        caching=caching,
+        policy=policy,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
+        async_scheduling=True,
+    )
     runner = AsyncFakeRunner(sched.block_manager, vocab)
-    reqs = [Request(f"r{i}", prompt(n, 7 * (i % 2)), SP(max_tokens, min_tokens=m, seed=i), eos, priority=i % 3)
-            for i, (n, max_tokens, m) in enumerate(lengths)]
+    reqs = [
+        Request(f"r{i}", prompt(n, 7 * (i % 2)), SP(max_tokens, min_tokens=m, seed=i), eos, priority=i % 3)
+        for i, (n, max_tokens, m) in enumerate(lengths)
+    ]
     for r in reqs:
         sched.add_request(r)
     done = run_async(sched, runner)

@@ -29,8 +29,22 @@ pytestmark = pytest.mark.slow  # loads the default model
 
 NUM_CONCURRENT = 64
 CONCURRENT_MAX_TOKENS = 16
-TOPICS = ["rivers", "cities", "light", "stone", "gardens", "music", "paper", "windows", "markets", "winter",
-          "history", "engines", "forests", "oceans"]
+TOPICS = [
+    "rivers",
+    "cities",
+    "light",
+    "stone",
+    "gardens",
+    "music",
+    "paper",
+    "windows",
+    "markets",
+    "winter",
+    "history",
+    "engines",
+    "forests",
+    "oceans",
+]
 
 
 def _concurrent_prompts() -> list[str]:
@@ -48,8 +62,9 @@ class Served:
         return self.state.model_name
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
-                             timeout=120, **kw)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw
+        )
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
@@ -79,8 +94,11 @@ def wait_idle(served: Served, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = served.metrics()
-        idle = (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
-                and m["jaxserve:kv_cache_used_pages"] == 0)
+        idle = (
+            m["jaxserve:num_requests_running"] == 0
+            and m["jaxserve:num_requests_waiting"] == 0
+            and m["jaxserve:kv_cache_used_pages"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
@@ -129,8 +147,14 @@ def test_streamed_equals_non_streamed(served, endpoint):
 
 def test_n2_streamed_and_not(served):
     c = served.client()
-    kw = {"model": served.model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12,
-              "temperature": 0.9, "seed": 7, "n": 2}
+    kw = {
+        "model": served.model,
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 12,
+        "temperature": 0.9,
+        "seed": 7,
+        "n": 2,
+    }
     whole = c.chat.completions.create(**kw)
     assert sorted(ch.index for ch in whole.choices) == [0, 1]
     assert whole.usage.completion_tokens == 24 or all(ch.finish_reason for ch in whole.choices)
@@ -166,16 +190,33 @@ def test_logprobs(served):
     assert "".join(lp.tokens) == r.choices[0].text
     for p, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert p <= 0 and len(top) >= 3 and max(top.values()) == pytest.approx(p)  # greedy picks the top token
-    chat = c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                     temperature=0, logprobs=True, top_logprobs=2)
+    chat = c.chat.completions.create(
+        model=served.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for entry in content:
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
-    streamed = [e for ch in c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}],
-                                                      max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
-                                                      stream=True)
-                for choice in ch.choices if choice.logprobs for e in choice.logprobs.content]
+    streamed = [
+        e
+        for ch in c.chat.completions.create(
+            model=served.model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+        for choice in ch.choices
+        if choice.logprobs
+        for e in choice.logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in content]
 
 
@@ -189,21 +230,35 @@ def test_echo_with_prompt_logprobs(served):
     assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens
     assert lp.token_logprobs[0] is None and all(p <= 0 for p in lp.token_logprobs[1:])
     assert "".join(lp.tokens) == choice.text
-    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model=served.model, prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True))
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=served.model, prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True
+        )
+    )
     assert streamed == choice.text
 
 
 def test_sampling_extras_and_seed(served):
     c = served.client()
     extra = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 6, "ignore_eos": True}
-    kw = {"model": served.model, "prompt": "In the forest", "max_tokens": 10, "temperature": 0.8, "top_p": 0.9,
-          "seed": 1234, "presence_penalty": 0.5, "frequency_penalty": 0.3, "logit_bias": {"13": -100},
-          "extra_body": extra}
+    kw = {
+        "model": served.model,
+        "prompt": "In the forest",
+        "max_tokens": 10,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "seed": 1234,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.3,
+        "logit_bias": {"13": -100},
+        "extra_body": extra,
+    }
     a, b = c.completions.create(**kw), c.completions.create(**kw)
     assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 10
-    chat = c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}],
-                                     max_completion_tokens=3, temperature=0)
+    chat = c.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3, temperature=0
+    )
     assert chat.usage.completion_tokens <= 3
 
 
@@ -241,12 +296,24 @@ BAD = [
     ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400),
-    ("image part", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
-    ("top_logprobs without logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
-    ("unknown response format", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400),
+    (
+        "image part",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+    ),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+    ),
+    (
+        "unknown response format",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+        400,
+    ),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404),
     ("detokenize out of vocab", "/detokenize", {"tokens": [-1]}, 400),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404),
@@ -268,8 +335,11 @@ def test_bad_input(served, name, path, body, status):
 
 
 def test_body_limit_method_and_oversize(served):
-    r = httpx.post(served.url + "/v1/completions", content=b"x" * (served.state.max_body_bytes + 1),
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        served.url + "/v1/completions",
+        content=b"x" * (served.state.max_body_bytes + 1),
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(served.url + "/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
@@ -294,8 +364,9 @@ def test_overload_answers_503_with_retry_after(served):
 
     async def burst():
         async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
-            return await asyncio.gather(*[
-                client.post("/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 4}) for i in range(24)])
+            return await asyncio.gather(
+                *[client.post("/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 4}) for i in range(24)]
+            )
 
     try:
         responses = asyncio.run(burst())
@@ -315,8 +386,14 @@ def test_64_concurrent_streams_match_offline_and_are_counted(served):
 
     async def one(client: openai.AsyncOpenAI, prompt: str):
         text, usage, reason = "", None, None
-        stream = await client.completions.create(model=served.model, prompt=prompt, max_tokens=CONCURRENT_MAX_TOKENS,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model=served.model,
+            prompt=prompt,
+            max_tokens=CONCURRENT_MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for ch in stream:
             for choice in ch.choices:
                 text += choice.text
@@ -325,9 +402,13 @@ def test_64_concurrent_streams_match_offline_and_are_counted(served):
         return text, usage, reason
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=300,
-                                    http_client=openai.DefaultAsyncHttpxClient(
-                                        limits=httpx.Limits(max_connections=NUM_CONCURRENT * 2)))
+        client = openai.AsyncOpenAI(
+            base_url=served.url + "/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=300,
+            http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=NUM_CONCURRENT * 2)),
+        )
         async with client:
             return await asyncio.gather(*[one(client, p) for p in prompts])
 
@@ -341,17 +422,20 @@ def test_64_concurrent_streams_match_offline_and_are_counted(served):
     assert finished == NUM_CONCURRENT
     generated = sum(len(served.reference[p][1]) for p in prompts)
     assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] == generated
-    assert after["jaxserve:time_to_first_token_seconds_count"] - before["jaxserve:time_to_first_token_seconds_count"] \
+    assert (
+        after["jaxserve:time_to_first_token_seconds_count"] - before["jaxserve:time_to_first_token_seconds_count"]
         == NUM_CONCURRENT
+    )
     assert after["jaxserve:kv_cache_used_pages"] == 0
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(served):
     before = served.metrics()
-    body = {"prompt": "Tell me a very long story about the sea.", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(base_url=served.url, timeout=60) as client, \
-            client.stream("POST", "/v1/completions", json=body) as r:
+    body = {"prompt": "Tell me a very long story about the sea.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=served.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200
         lines = 0
         for line in r.iter_lines():
@@ -405,10 +489,12 @@ def test_64_prompt_request_takes_the_steps_of_64_requests(served, monkeypatch):
         results["batch"] = httpx.post(served.url + "/v1/completions", json={**body, "prompt": prompts}, timeout=120)
 
     async def separate():
-        async with httpx.AsyncClient(base_url=served.url, timeout=120,
-                                     limits=httpx.Limits(max_connections=NUM_CONCURRENT)) as client:
-            results["separate"] = await asyncio.gather(*[client.post("/v1/completions", json={**body, "prompt": p})
-                                                         for p in prompts])
+        async with httpx.AsyncClient(
+            base_url=served.url, timeout=120, limits=httpx.Limits(max_connections=NUM_CONCURRENT)
+        ) as client:
+            results["separate"] = await asyncio.gather(
+                *[client.post("/v1/completions", json={**body, "prompt": p}) for p in prompts]
+            )
 
     batch_steps = _steps_for(served, monkeypatch, batch)
     separate_steps = _steps_for(served, monkeypatch, lambda: asyncio.run(separate()))
@@ -449,14 +535,20 @@ def test_failed_device_step_fails_its_request_frees_its_pages_and_serving_goes_o
 def test_chat_reply_cut_inside_an_emoji_has_no_replacement_char(served):
     first = httpx.post(served.url + "/tokenize", json={"prompt": "😀", "add_special_tokens": False}).json()["tokens"]
     assert len(first) > 1  # the emoji takes several byte-level tokens
-    kw = {"model": served.model, "messages": [{"role": "user", "content": "Smile!"}], "max_tokens": 1,
-          "temperature": 0, "logit_bias": {str(first[0]): 100}}
+    kw = {
+        "model": served.model,
+        "messages": [{"role": "user", "content": "Smile!"}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "logit_bias": {str(first[0]): 100},
+    }
     c = served.client()
     whole = c.chat.completions.create(**kw)
     assert whole.usage.completion_tokens == 1 and whole.choices[0].finish_reason == "length"
     assert "\ufffd" not in whole.choices[0].message.content
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
-                       if ch.choices)
+    streamed = "".join(
+        ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices
+    )
     assert streamed == whole.choices[0].message.content
 
 
@@ -465,8 +557,26 @@ def test_bench_serve_cli_reports_and_plots(served, tmp_path):
 
     png, js = tmp_path / "latency.png", tmp_path / "bench.json"
     args = build_parser().parse_args(
-        ["bench", "serve", "--base-url", served.url, "--num-prompts", "6", "--request-rate", "inf", "20",
-         "--input-len", "16", "--output-len", "8", "--plot", str(png), "--result-json", str(js)])
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            served.url,
+            "--num-prompts",
+            "6",
+            "--request-rate",
+            "inf",
+            "20",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--plot",
+            str(png),
+            "--result-json",
+            str(js),
+        ]
+    )
     assert args.func(args) == 0
     results = json.loads(js.read_text())["results"]
     assert [r["completed"] for r in results] == [6, 6] and all(r["output_tokens"] == 48 for r in results)
@@ -488,8 +598,13 @@ def _cheap(body) -> None:
 
     if not isinstance(body, dict):
         return
-    maximum = {"max_tokens": None, "max_completion_tokens": None, "max_output_tokens": None, "n": MAX_N,
-               "min_tokens": INT32_MAX}
+    maximum = {
+        "max_tokens": None,
+        "max_completion_tokens": None,
+        "max_output_tokens": None,
+        "n": MAX_N,
+        "min_tokens": INT32_MAX,
+    }
     for key, top in maximum.items():
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and 2 < v <= (top or v):
@@ -513,10 +628,17 @@ def test_fuzz_openapi_no_server_errors(served, mode):
 
     schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
-    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
-                                       "/detokenize", "/tokenizer_info"}
+    assert {op.path for op in ops} >= {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+    }
     statuses: dict[int, int] = {}
     for op in ops:
+
         @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(case=op.as_strategy(GenerationMode(mode)))
         def check(case):

@@ -63,9 +63,11 @@ def _prompt_logprobs(llm, ids: list[int], k: int) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------- lm-eval
-LL_REQUESTS = [("The capital of France is", " Paris"),
-               ("Water boils at a temperature of", " 100 degrees Celsius."),
-               ("", "Hello world")]  # an empty context: lm-eval puts its prefix token (the server's BOS) first
+LL_REQUESTS = [
+    ("The capital of France is", " Paris"),
+    ("Water boils at a temperature of", " 100 degrees Celsius."),
+    ("", "Hello world"),
+]  # an empty context: lm-eval puts its prefix token (the server's BOS) first
 
 
 def test_lm_eval_local_completions_offline(served, default_llm, monkeypatch):
@@ -77,8 +79,13 @@ def test_lm_eval_local_completions_offline(served, default_llm, monkeypatch):
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    lm = LocalCompletionsAPI(base_url=served.url + "/v1/completions", model=served.model, max_retries=1,
-                             max_length=MAX_MODEL_LEN, timeout=120)
+    lm = LocalCompletionsAPI(
+        base_url=served.url + "/v1/completions",
+        model=served.model,
+        max_retries=1,
+        max_length=MAX_MODEL_LEN,
+        timeout=120,
+    )
     assert lm.tokenizer_backend == "remote"  # auto-detected through /tokenizer_info and /tokenize
     tok = default_llm.tokenizer
     assert lm.eot_token_id == tok.eos_token_ids[0]
@@ -104,8 +111,13 @@ def test_lm_eval_local_completions_offline(served, default_llm, monkeypatch):
     gen = [Instance("generate_until", {}, ("Q: What is two plus two?\nA:", {"until": ["\n"], "max_gen_toks": 8}), 0)]
     (text,) = lm.generate_until(gen, disable_tqdm=True)
     ids = tok.encode("Q: What is two plus two?\nA:", add_special_tokens=False)
-    ref = default_llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, stop=["\n", tok.eos_token]),
-                               use_tqdm=False)[0].outputs[0].text
+    ref = (
+        default_llm.generate(
+            [ids], SamplingParams(temperature=0.0, max_tokens=8, stop=["\n", tok.eos_token]), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     assert text == ref
 
 
@@ -183,8 +195,12 @@ def test_echo_max_tokens_zero(served, default_llm):
 # ---------------------------------------------------------------------------------------------------- responses
 QUESTION = "What is the capital of France? Answer in one short sentence."
 INSTRUCTIONS = "You are a concise assistant."
-RESPONSE_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
-                   "response.content_part.added"]
+RESPONSE_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
 
 
 def test_responses_plain_and_streamed(served, default_llm):
@@ -195,8 +211,7 @@ def test_responses_plain_and_streamed(served, default_llm):
     r = client.responses.create(input=QUESTION, **kw)
     assert r.object == "response" and r.status == "completed" and r.output_text
     msg = r.output[0]
-    assert (msg.type, msg.role, msg.status, msg.content[0].type) == ("message", "assistant", "completed",
-                                                                    "output_text")
+    assert (msg.type, msg.role, msg.status, msg.content[0].type) == ("message", "assistant", "completed", "output_text")
     messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
     ref = default_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=48))[0]
     assert r.output_text == ref.outputs[0].text
@@ -206,15 +221,20 @@ def test_responses_plain_and_streamed(served, default_llm):
     chat = client.chat.completions.create(model=served.model, messages=messages, max_tokens=48, temperature=0)
     assert chat.choices[0].message.content == r.output_text
 
-    parts = client.responses.create(input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
-                                    **kw)
+    parts = client.responses.create(
+        input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}], **kw
+    )
     assert parts.output_text == r.output_text
 
     events = list(client.responses.create(input=QUESTION, stream=True, **kw))
     kinds = [e.type for e in events]
     assert kinds[:4] == RESPONSE_EVENTS
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     joined = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -230,8 +250,12 @@ def test_responses_cut_and_refused(served):
     """An answer cut by max_output_tokens is ``incomplete`` (and its stream ends in response.incomplete);
     fields of the Responses API not implemented are 400s naming them."""
     client = served.client()
-    kw = {"model": served.model, "input": "Tell me a long story about the sea.", "max_output_tokens": 3,
-          "temperature": 0}
+    kw = {
+        "model": served.model,
+        "input": "Tell me a long story about the sea.",
+        "max_output_tokens": 3,
+        "temperature": 0,
+    }
     r = client.responses.create(**kw)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3
@@ -239,9 +263,14 @@ def test_responses_cut_and_refused(served):
     assert events[-1].type == "response.incomplete"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
 
-    for field, value in [("previous_response_id", "resp_123"), ("background", True), ("reasoning", {"effort": "low"}),
-                         ("tools", [{"type": "function", "name": "f", "parameters": {}}]), ("n", 2),
-                         ("include", ["message.output_text.logprobs"])]:
+    for field, value in [
+        ("previous_response_id", "resp_123"),
+        ("background", True),
+        ("reasoning", {"effort": "low"}),
+        ("tools", [{"type": "function", "name": "f", "parameters": {}}]),
+        ("n", 2),
+        ("include", ["message.output_text.logprobs"]),
+    ]:
         r = served.post("/v1/responses", {"input": "Hi", "max_output_tokens": 2, field: value})
         assert r.status_code == 400, (field, r.text)
         err = r.json()["error"]
@@ -252,24 +281,44 @@ def test_responses_text_format_json_schema(served):
     """``text.format`` json_schema through the openai client: the answer validates with jsonschema; a bad schema
     is a 400 naming text.format.schema."""
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
-              "required": ["city", "population"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
     client = served.client()
     for temperature in (0.0, 1.0):
-        r = client.responses.create(model=served.model, input="The largest city in Japan, as JSON.",
-                                    max_output_tokens=60, temperature=temperature,
-                                    text={"format": {"type": "json_schema", "name": "city", "schema": schema,
-                                                     "strict": True}})
+        r = client.responses.create(
+            model=served.model,
+            input="The largest city in Japan, as JSON.",
+            max_output_tokens=60,
+            temperature=temperature,
+            text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
+        )
         assert r.status == "completed", r
         jsonschema.validate(json.loads(r.output_text), schema)
         assert r.text.format.type == "json_schema"
-    obj = client.responses.create(model=served.model, input="A person's name and age as a JSON object.",
-                                  max_output_tokens=120, temperature=0, text={"format": {"type": "json_object"}})
+    obj = client.responses.create(
+        model=served.model,
+        input="A person's name and age as a JSON object.",
+        max_output_tokens=120,
+        temperature=0,
+        text={"format": {"type": "json_object"}},
+    )
     assert obj.status == "completed", obj.output_text
     assert isinstance(json.loads(obj.output_text), dict)
-    bad = served.post("/v1/responses", {"input": "Hi", "max_output_tokens": 8, "text": {"format": {
-        "type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}})
+    bad = served.post(
+        "/v1/responses",
+        {
+            "input": "Hi",
+            "max_output_tokens": 8,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}},
+        },
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
 
 
@@ -278,18 +327,39 @@ def test_unimplemented_fields_are_refused(served):
     """A field that would change the output and is not implemented: 400 naming it (nested ones by their path),
     through raw HTTP and the openai client alike."""
     chat = {"model": served.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    cases = [("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "suffix": " end"}, "suffix"),
-             ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "modalities"),
-             ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "Hi", "audio": {"id": "a"}}]},
-              "messages.0.audio"),
-             ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
-                 {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]},
-              "messages.0.content.0.cache_control"),
-             ("/v1/chat/completions", {**chat, "stream": True, "stream_options": {"chunk_size": 4}},
-              "stream_options.chunk_size"),
-             ("/tokenize", {"prompt": "Hi", "return_token_strs": True}, "return_token_strs"),
-             ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "mm_processor_kwargs": {"a": 1}},
-              "mm_processor_kwargs")]
+    cases = [
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "suffix": " end"}, "suffix"),
+        ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "modalities"),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "user", "content": "Hi", "audio": {"id": "a"}}]},
+            "messages.0.audio",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **chat,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}],
+                    }
+                ],
+            },
+            "messages.0.content.0.cache_control",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "stream": True, "stream_options": {"chunk_size": 4}},
+            "stream_options.chunk_size",
+        ),
+        ("/tokenize", {"prompt": "Hi", "return_token_strs": True}, "return_token_strs"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "Hi"}], "mm_processor_kwargs": {"a": 1}},
+            "mm_processor_kwargs",
+        ),
+    ]
     for path, body, param in cases:
         r = served.post(path, body)
         assert r.status_code == 400, (param, r.text)
@@ -297,21 +367,33 @@ def test_unimplemented_fields_are_refused(served):
         assert err["param"] == param and "not supported" in err["message"] and param in err["message"], err
 
     with pytest.raises(openai.BadRequestError) as e:
-        served.client().completions.create(model=served.model, prompt="Hi", max_tokens=2,
-                                           extra_body={"use_beam_search": True})
+        served.client().completions.create(
+            model=served.model, prompt="Hi", max_tokens=2, extra_body={"use_beam_search": True}
+        )
     assert e.value.param == "use_beam_search"
 
 
 def test_metadata_and_unset_fields_are_accepted(served):
     """The IGNORED_FIELDS (any value) and unknown fields set to null/[]/{} change nothing: the same greedy answer
     as without them."""
-    base = {"model": served.model, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6,
-            "temperature": 0}
+    base = {
+        "model": served.model,
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
     plain = served.post("/v1/chat/completions", base)
     assert plain.status_code == 200, plain.text
-    metadata = {"user": "u-1", "metadata": {"run": "a"}, "store": True, "service_tier": "auto",
-                "safety_identifier": "s-1", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
-                "parallel_tool_calls": False}
+    metadata = {
+        "user": "u-1",
+        "metadata": {"run": "a"},
+        "store": True,
+        "service_tier": "auto",
+        "safety_identifier": "s-1",
+        "prompt_cache_key": "k",
+        "prompt_cache_retention": "24h",
+        "parallel_tool_calls": False,
+    }
     assert set(metadata) == set(IGNORED_FIELDS)
     unset = {"audio": None, "prediction": {}, "web_search_options": None, "modalities": []}
     nested = [{"role": "user", "content": "Name a color.", "refusal": None, "annotations": []}]
@@ -324,8 +406,10 @@ def test_metadata_and_unset_fields_are_accepted(served):
     assert served.post("/v1/completions", body).status_code == 200
     r = served.post("/v1/responses", {"model": served.model, "input": "Hi", "max_output_tokens": 2, **metadata})
     assert r.status_code == 200, r.text
-    r = served.post("/v1/chat/completions", {**base, "stream": True,
-                                             "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    r = served.post(
+        "/v1/chat/completions",
+        {**base, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
+    )
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     usage = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")][-1]["usage"]
     assert usage["completion_tokens"] == plain.json()["usage"]["completion_tokens"]

@@ -89,8 +89,9 @@ def test_fake_engine_serves():
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == " t7 t7 t7"
         with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}) as r:
             events = _events(r)
-        assert events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) \
-            == " t7 t7 t7"
+        assert (
+            events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == " t7 t7 t7"
+        )
 
 
 def test_engine_death_answers_503_not_a_hang():
@@ -107,8 +108,9 @@ def test_drain_aborts_running_streams_and_refuses_new_requests():
     app = build_app(FakeEngine(step_s=0.01))
     with TestClient(app) as client:
         engine = app.state.server.engine
-        with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 10_000 // 100,
-                                                            "stream": True}) as r:
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 10_000 // 100, "stream": True}
+        ) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             engine.begin_drain(0.0)
@@ -130,8 +132,10 @@ def test_drain_before_the_first_token_still_ends_every_choice():
             app.state.server.engine.begin_drain(0.0)
             events = [line[6:] for line in lines if line.startswith("data: ")]
         finals = [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
-        assert sorted((c["index"], c["finish_reason"]) for c in finals if c["finish_reason"]) == [(0, "abort"),
-                                                                                                  (1, "abort")]
+        assert sorted((c["index"], c["finish_reason"]) for c in finals if c["finish_reason"]) == [
+            (0, "abort"),
+            (1, "abort"),
+        ]
         assert events[-1] == "[DONE]"
 
 
@@ -164,7 +168,9 @@ def test_below_pattern(n):
 
 def test_server_layer_imports_no_jax():
     """The HTTP layer is host code: it gets an engine and never touches jax itself."""
-    code = ("import sys, jaxserve.server.app, jaxserve.server.launch, jaxserve.server.cli, jaxserve.benchmarks.serve; "
-            "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, jaxserve.server.app, jaxserve.server.launch, jaxserve.server.cli, jaxserve.benchmarks.serve; "
+        "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]; assert not bad, bad"
+    )
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

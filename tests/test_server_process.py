@@ -52,10 +52,29 @@ def test_serve_sigterm_drains_then_exits_zero(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve", "serve", "--port", str(port), "--max-model-len", "512",
-             "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--no-warmup", "--shutdown-timeout",
-             str(GRACE_S), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "jaxserve",
+                "serve",
+                "--port",
+                str(port),
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "8",
+                "--max-num-batched-tokens",
+                "128",
+                "--no-warmup",
+                "--shutdown-timeout",
+                str(GRACE_S),
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -70,11 +89,14 @@ def test_serve_sigterm_drains_then_exits_zero(tmp_path):
         # Compile the shapes the two requests need before timing anything.
         httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 2}, timeout=120)
 
-        short, long = ({"text": "", "finish": None, "done": False, "error": None, "first": threading.Event()}
-                       for _ in range(2))
+        short, long = (
+            {"text": "", "finish": None, "done": False, "error": None, "first": threading.Event()} for _ in range(2)
+        )
         body = {"prompt": "Tell me about the sea.", "temperature": 0, "ignore_eos": True}
-        threads = [threading.Thread(target=_stream, args=(url, {**body, "max_tokens": 8}, short)),
-                   threading.Thread(target=_stream, args=(url, {**body, "max_tokens": 480}, long))]
+        threads = [
+            threading.Thread(target=_stream, args=(url, {**body, "max_tokens": 8}, short)),
+            threading.Thread(target=_stream, args=(url, {**body, "max_tokens": 480}, long)),
+        ]
         for t in threads:
             t.start()
         assert long["first"].wait(60) and short["first"].wait(60)

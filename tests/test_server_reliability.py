@@ -72,16 +72,21 @@ def tokenizing_server(tokenizer):
 FOUR_MB = ("The quick brown fox jumps over the lazy dog; " * 100_000)[:4_000_000]
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": FOUR_MB, "max_tokens": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": FOUR_MB}]}),
-    ("/tokenize", {"prompt": FOUR_MB}),
-], ids=["completions", "chat", "tokenize"])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"prompt": FOUR_MB, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": FOUR_MB}]}),
+        ("/tokenize", {"prompt": FOUR_MB}),
+    ],
+    ids=["completions", "chat", "tokenize"],
+)
 def test_health_answers_while_a_4mb_prompt_is_tokenized(tokenizing_server, path, body):
     url = tokenizing_server.url
     content = json.dumps(body).encode()
-    prober = subprocess.Popen([sys.executable, "-c", PROBER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    prober = subprocess.Popen(
+        [sys.executable, "-c", PROBER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert prober.stdout.readline().strip() == "ready"
         t0 = time.monotonic()
@@ -107,8 +112,11 @@ def test_prompt_char_limit_is_answered_before_tokenizing():
         for path, body, param in [
             ("/v1/completions", {"prompt": "x" * 11}, "prompt"),
             ("/v1/completions", {"prompt": ["short", "x" * 11]}, "prompt"),
-            ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x" * 6},
-                                                   {"role": "user", "content": "y" * 6}]}, "messages"),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "system", "content": "x" * 6}, {"role": "user", "content": "y" * 6}]},
+                "messages",
+            ),
             ("/tokenize", {"prompt": "x" * 11}, "prompt"),
         ]:
             r = client.post(path, json=body)
@@ -196,8 +204,9 @@ def test_a_failed_step_fails_only_its_requests_and_the_server_serves_on():
                 import threading
 
                 b: dict = {}
-                tb = threading.Thread(target=lambda: b.update(r=client_b.post(
-                    "/v1/completions", json={"prompt": "b", "max_tokens": 3})))
+                tb = threading.Thread(
+                    target=lambda: b.update(r=client_b.post("/v1/completions", json={"prompt": "b", "max_tokens": 3}))
+                )
                 tb.start()
                 deadline = time.monotonic() + 10
                 while len(engine.requests) < 2 and time.monotonic() < deadline:
@@ -225,8 +234,10 @@ def test_steps_failing_in_a_row_kill_the_engine():
     engine = OneByOneEngine()
     engine.fail_always = True
     with TestClient(build_app(engine)) as client:
-        codes = [client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
-                 for _ in range(MAX_STEP_FAILURES + 1)]
+        codes = [
+            client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
+            for _ in range(MAX_STEP_FAILURES + 1)
+        ]
         assert codes == [500] * (MAX_STEP_FAILURES - 1) + [503, 503]
         assert client.get("/health").status_code == 503
 
@@ -281,16 +292,16 @@ def test_duplicate_authorization_headers_are_refused():
         assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"}).status_code == 200
         assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer x"}).status_code == 401
         for second in ("Bearer k", "Bearer x"):
-            r = client.post("/v1/completions", json=body,
-                            headers=[("Authorization", "Bearer k"), ("Authorization", second)])
+            r = client.post(
+                "/v1/completions", json=body, headers=[("Authorization", "Bearer k"), ("Authorization", second)]
+            )
             assert r.status_code == 400 and "more than one authorization" in r.json()["error"]["message"].lower()
 
 
 BAD_FIELDS = [
     ("best_of above n", "/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("best_of below n", "/v1/completions", {"prompt": "hi", "best_of": 1, "n": 2}, "best_of"),
-    ("chat best_of", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "best_of": 2},
-     "best_of"),
+    ("chat best_of", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
     ("object prompt", "/v1/completions", {"prompt": {"a": 1}}, "prompt"),
     ("boolean token ids", "/v1/completions", {"prompt": [True, False]}, "prompt"),
     ("boolean in a batch", "/v1/completions", {"prompt": [[1, 2], [3, True]]}, "prompt"),

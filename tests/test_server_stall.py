@@ -43,22 +43,23 @@ def _side_requests(vocab: int) -> list[dict]:
     reqs = [{"prompt": text(8), "logit_bias": bias(n)} for n in (33, 65, 129, 257, 513, 1024)]
     reqs += [{"prompt": text(n), "repetition_penalty": 1.1} for n in (40, 100, 300)]
     reqs += [{"prompt": text(20), "logprobs": k} for k in (1, 5, 20)]
-    reqs += [{"prompt": text(30), "echo": True, "logprobs": 2, "max_tokens": 1},
-             {"prompt": text(12), "presence_penalty": 0.5, "frequency_penalty": 0.5},
-             {"prompt": text(12), "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "seed": 7},
-             {"prompt": text(12), "n": 2, "temperature": 1.0, "seed": 3},
-             {"prompt": text(12), "stop": ["river", "city"]},
-             {"prompt": text(12), "min_tokens": 3, "stop_token_ids": [2]},
-             {"prompt": text(250), "temperature": 0.5, "repetition_penalty": 1.3, "logprobs": 3},
-             {"prompt": text(5), "logit_bias": bias(7), "presence_penalty": -0.5}]
+    reqs += [
+        {"prompt": text(30), "echo": True, "logprobs": 2, "max_tokens": 1},
+        {"prompt": text(12), "presence_penalty": 0.5, "frequency_penalty": 0.5},
+        {"prompt": text(12), "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "seed": 7},
+        {"prompt": text(12), "n": 2, "temperature": 1.0, "seed": 3},
+        {"prompt": text(12), "stop": ["river", "city"]},
+        {"prompt": text(12), "min_tokens": 3, "stop_token_ids": [2]},
+        {"prompt": text(250), "temperature": 0.5, "repetition_penalty": 1.3, "logprobs": 3},
+        {"prompt": text(5), "logit_bias": bias(7), "presence_penalty": -0.5},
+    ]
     assert len(reqs) == 20
     return [{"max_tokens": 4, **r} for r in reqs]
 
 
 @pytest.fixture(scope="module")
 def warm_server(default_loaded):
-    engine = LLMEngine(default_loaded, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=512,
-                       num_pages=256)
+    engine = LLMEngine(default_loaded, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=512, num_pages=256)
     engine.warmup()
     with ServerThread(build_app(engine, max_waiting=256, shutdown_timeout=5)) as thread:
         yield thread, engine
@@ -85,8 +86,14 @@ def test_no_request_stalls_a_running_stream(warm_server):
 
     sender = threading.Thread(target=send_side)
     sender.start()
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", url, json=body, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -107,5 +114,6 @@ def test_no_request_stalls_a_running_stream(warm_server):
     # chunks). So: at most one gap over 5x the median, and none over 2 s. A compile (the cause this test was written
     # for) is caught above.
     slow = sorted(g for g in gaps if g > 5 * median)
-    assert len(slow) <= 1 and max(gaps) <= 2.0, \
+    assert len(slow) <= 1 and max(gaps) <= 2.0, (
         f"gaps over 5x the {median * 1e3:.0f} ms median: {[round(g * 1e3) for g in slow]} ms"
+    )

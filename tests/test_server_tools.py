@@ -37,16 +37,29 @@ from jaxserve.server.tools import (  # noqa: E402
 
 slow = pytest.mark.slow  # the server tests load the default model
 
-WEATHER_PARAMS = {"type": "object",
-                  "properties": {"city": {"type": "string", "maxLength": 20},
-                                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                  "required": ["city", "unit"], "additionalProperties": False}
-TIME_PARAMS = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}},
-               "required": ["timezone"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
-                                            "parameters": WEATHER_PARAMS}}
-TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now in a time zone",
-                                         "parameters": TIME_PARAMS}}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 20}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The current weather in a city", "parameters": WEATHER_PARAMS},
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "description": "The time now in a time zone", "parameters": TIME_PARAMS},
+}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
@@ -57,7 +70,7 @@ def _run(parser: str, text: str, sizes=None, seed: int = 0) -> tuple[str, list[t
     events, i, rng = [], 0, random.Random(seed)
     while i < len(text):
         k = len(text) if sizes is None else rng.choice(sizes)
-        events += p.feed(text[i: i + k])
+        events += p.feed(text[i : i + k])
         i += k
     events += p.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
@@ -72,30 +85,66 @@ def _run(parser: str, text: str, sizes=None, seed: int = 0) -> tuple[str, list[t
 
 
 PARSE_CASES = [
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
-               '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n'
-               '</tool_call>\n',
-     "Let me check.", [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "CET"})]),
-    ("hermes", '<tool_call>{"arguments": {"q": "a \\"}\\" b", "n": [1, {"x": null}]}, "name": "search"}</tool_call>',
-     None, [("search", {"q": 'a "}" b', "n": [1, {"x": None}]})]),
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n'
+        "</tool_call>\n",
+        "Let me check.",
+        [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "CET"})],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"arguments": {"q": "a \\"}\\" b", "n": [1, {"x": null}]}, "name": "search"}</tool_call>',
+        None,
+        [("search", {"q": 'a "}" b', "n": [1, {"x": None}]})],
+    ),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>', None, [("f", {"x": 1})]),
     ("hermes", '<tool_call>\n{"name": "ping"}\n</tool_call>', None, [("ping", {})]),
-    ("hermes", "Plain text with a < sign and <tool but no call.\n", "Plain text with a < sign and <tool but no call.\n",
-     []),
-    ("hermes", '<tool_call>\nnot json\n</tool_call>', '<tool_call>\nnot json\n</tool_call>', []),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"x": 1', '<tool_call>\n{"name": "f", "arguments": {"x": 1',
-     []),  # cut off: the whole text is content
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}', None,
-     [("get_weather", {"city": "Oslo", "unit": "celsius"})]),
-    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": [1, 2]}}', None,
-     [("a", {}), ("b", {"k": [1, 2]})]),
+    (
+        "hermes",
+        "Plain text with a < sign and <tool but no call.\n",
+        "Plain text with a < sign and <tool but no call.\n",
+        [],
+    ),
+    ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": {"x": 1',
+        '<tool_call>\n{"name": "f", "arguments": {"x": 1',
+        [],
+    ),  # cut off: the whole text is content
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}',
+        None,
+        [("get_weather", {"city": "Oslo", "unit": "celsius"})],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": [1, 2]}}',
+        None,
+        [("a", {}), ("b", {"k": [1, 2]})],
+    ),
     ("llama3_json", '{"answer": 42, "name": {"first": "x"}}', '{"answer": 42, "name": {"first": "x"}}', []),
-    ("llama3_json", 'The call would be {"name": "a", "parameters": {}}', 'The call would be {"name": "a", '
-                    '"parameters": {}}', []),
-    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', "Sure.",
-     [("a", {"x": 1}), ("b", {})]),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "unit": "celsius"}', None,
-     [("get_weather", {"city": "Rome", "unit": "celsius"})]),
+    (
+        "llama3_json",
+        'The call would be {"name": "a", "parameters": {}}',
+        'The call would be {"name": "a", "parameters": {}}',
+        [],
+    ),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+        "Sure.",
+        [("a", {"x": 1}), ("b", {})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "unit": "celsius"}',
+        None,
+        [("get_weather", {"city": "Rome", "unit": "celsius"})],
+    ),
     ("mistral", '[TOOL_CALLS]{"name": "a", "arguments": {"list": [1, "]"]}}', None, [("a", {"list": [1, "]"]})]),
     ("mistral", "[TOOLS] is not a call marker", "[TOOLS] is not a call marker", []),
 ]
@@ -183,10 +232,13 @@ def test_tool_call_grammar_admits_valid_calls_in_the_parsers_format(parser, toke
     assert _accepts(ll_tokenizer, tokenizer, one, good)
     parsed = get_parser(parser).parse(good)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
-        ("get_weather", {"city": "Paris", "unit": "celsius"})]
-    for bad in (fmt.format_call("get_weather", {"city": "Paris", "unit": "kelvin"}),  # not in the enum
-                fmt.format_call("get_weather", {"city": "Paris"}),  # a required argument missing
-                fmt.format_call("delete_all", {})):  # not an allowed function
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ]
+    for bad in (
+        fmt.format_call("get_weather", {"city": "Paris", "unit": "kelvin"}),  # not in the enum
+        fmt.format_call("get_weather", {"city": "Paris"}),  # a required argument missing
+        fmt.format_call("delete_all", {}),
+    ):  # not an allowed function
         assert not _accepts(ll_tokenizer, tokenizer, one, bad)
     sep = {"hermes": "\n", "llama3_json": "; ", "mistral": None}[parser]
     if sep is not None:  # two calls: only when more than one is allowed
@@ -197,10 +249,12 @@ def test_tool_call_grammar_admits_valid_calls_in_the_parsers_format(parser, toke
 
 
 def test_tool_call_grammar_keeps_refs_of_the_parameters(tokenizer, ll_tokenizer):
-    params = {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"},
-                                                         "maxItems": 2}},
-              "required": ["items"], "$defs": {"Item": {"type": "object", "properties": {"q": {"type": "integer"}},
-                                                        "required": ["q"]}}}
+    params = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "maxItems": 2}},
+        "required": ["items"],
+        "$defs": {"Item": {"type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]}},
+    }
     g = tool_call_grammar("hermes", [{"name": "order", "parameters": params}], 1)
     fmt = PARSERS["hermes"]()
     assert _accepts(ll_tokenizer, tokenizer, g, fmt.format_call("order", {"items": [{"q": 1}, {"q": 2}]}))
@@ -208,11 +262,21 @@ def test_tool_call_grammar_keeps_refs_of_the_parameters(tokenizer, ll_tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------- rendering
-REPLAY = [{"role": "user", "content": "Weather in Paris?"},
-          {"role": "assistant", "content": None, "tool_calls": [
-              {"id": "call_1", "type": "function",
-               "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-          {"role": "tool", "content": "18 degrees, sunny", "tool_call_id": "call_1"}]
+REPLAY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+            }
+        ],
+    },
+    {"role": "tool", "content": "18 degrees, sunny", "tool_call_id": "call_1"},
+]
 
 
 def _render(tokenizer, messages, tools=None, template=None):
@@ -233,24 +297,30 @@ def test_tools_and_replayed_calls_render_in_the_default_template(tokenizer):
         tokenizer.apply_chat_template(REPLAY)
     text = _render(tokenizer, REPLAY, tools=[WEATHER])
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text.split("\n</tools>")[0]
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
-            '"celsius"}}\n</tool_call><|im_end|>') in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}\n</tool_call><|im_end|>'
+    ) in text
     assert "<|im_start|>tool\n18 degrees, sunny<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
 
 
 def test_templates_that_render_tool_calls_get_their_arguments_as_objects(tokenizer):
-    template = ("{% if tools %}[tools]{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
-                "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% for c in m.tool_calls or [] %}"
-                "CALL {{ c.function.name }} city={{ c.function.arguments.city }}{% endfor %}\n{% endfor %}")
+    template = (
+        "{% if tools %}[tools]{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% for c in m.tool_calls or [] %}"
+        "CALL {{ c.function.name }} city={{ c.function.arguments.city }}{% endfor %}\n{% endfor %}"
+    )
     text = _render(tokenizer, REPLAY, tools=[WEATHER], template=template)
     assert text.startswith("[tools] get_weather[user]") and "CALL get_weather city=Paris" in text
     assert "<tool_call>" not in text and "[tool] 18 degrees, sunny" in text
 
 
 def test_templates_that_refuse_the_tool_role_get_results_as_text(tokenizer):
-    template = ("{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
-                "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
-                "[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    template = (
+        "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
+        "[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    )
     text = _render(tokenizer, REPLAY, template=template)
     assert "[user] <tool_response>\n18 degrees, sunny\n</tool_response>" in text
     assert '[assistant] <tool_call>\n{"name": "get_weather"' in text
@@ -290,38 +360,66 @@ def _valid(instance, schema) -> None:
 
 
 JSON_SCHEMAS = {
-    "person": {"type": "object",
-               "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
-                              "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                              "email": {"type": "string", "maxLength": 24}},
-               "required": ["name", "age"], "additionalProperties": False},
-    "order": {"type": "object",
-              "properties": {
-                  "order": {"type": "object",
-                            "properties": {"id": {"type": "integer", "minimum": 1},
-                                           "items": {"type": "array", "minItems": 1, "maxItems": 3,
-                                                     "items": {"type": "object",
-                                                               "properties": {"sku": {"type": "string",
-                                                                                      "maxLength": 8},
-                                                                              "qty": {"type": "integer",
-                                                                                      "minimum": 1,
-                                                                                      "maximum": 9}},
-                                                               "required": ["sku", "qty"],
-                                                               "additionalProperties": False}}},
-                            "required": ["id", "items"], "additionalProperties": False},
-                  "status": {"enum": ["open", "shipped", "closed"]}},
-              "required": ["order", "status"], "additionalProperties": False},
-    "reading": {"type": "object",
-                "properties": {"celsius": {"type": "number", "minimum": -50, "maximum": 60},
-                               "humidity": {"type": "integer", "exclusiveMinimum": 0, "maximum": 100},
-                               "raining": {"type": "boolean"}},
-                "required": ["celsius", "humidity", "raining"], "additionalProperties": False},
-    "tagged": {"type": "object",
-               "properties": {"level": {"type": "integer", "enum": [1, 2, 3]},
-                              "tags": {"type": "array", "maxItems": 3,
-                                       "items": {"type": "string", "enum": ["red", "green", "blue"]}},
-                              "note": {"type": ["string", "null"], "maxLength": 16}},
-               "required": ["level"], "additionalProperties": False},
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "maxLength": 24},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "order": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1},
+                    "items": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 3,
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "sku": {"type": "string", "maxLength": 8},
+                                "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                            },
+                            "required": ["sku", "qty"],
+                            "additionalProperties": False,
+                        },
+                    },
+                },
+                "required": ["id", "items"],
+                "additionalProperties": False,
+            },
+            "status": {"enum": ["open", "shipped", "closed"]},
+        },
+        "required": ["order", "status"],
+        "additionalProperties": False,
+    },
+    "reading": {
+        "type": "object",
+        "properties": {
+            "celsius": {"type": "number", "minimum": -50, "maximum": 60},
+            "humidity": {"type": "integer", "exclusiveMinimum": 0, "maximum": 100},
+            "raining": {"type": "boolean"},
+        },
+        "required": ["celsius", "humidity", "raining"],
+        "additionalProperties": False,
+    },
+    "tagged": {
+        "type": "object",
+        "properties": {
+            "level": {"type": "integer", "enum": [1, 2, 3]},
+            "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "enum": ["red", "green", "blue"]}},
+            "note": {"type": ["string", "null"], "maxLength": 16},
+        },
+        "required": ["level"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -332,10 +430,16 @@ def test_json_schemas_hold_at_temperatures_0_and_1(served):
     def ask(job):
         name, temperature = job
         r = c.chat.completions.create(
-            model=served.model, temperature=temperature, seed=7, max_tokens=160,
+            model=served.model,
+            temperature=temperature,
+            seed=7,
+            max_tokens=160,
             messages=[{"role": "user", "content": f"Give an example {name} record as JSON."}],
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": name, "schema": JSON_SCHEMAS[name], "strict": True}})
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": name, "schema": JSON_SCHEMAS[name], "strict": True},
+            },
+        )
         return name, temperature, r.choices[0]
 
     for name, temperature, choice in _parallel(ask, [(n, t) for n in JSON_SCHEMAS for t in (0.0, 1.0)]):
@@ -355,10 +459,16 @@ def test_ten_more_schemas_through_the_openai_client(served):
     def ask(job):
         i, temperature = job
         r = c.chat.completions.create(
-            model=served.model, temperature=temperature, seed=i, max_tokens=160,
+            model=served.model,
+            temperature=temperature,
+            seed=i,
+            max_tokens=160,
             messages=[{"role": "user", "content": PROMPTS[i]}],
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": f"schema{i}", "schema": ENGINE_SCHEMAS[i], "strict": True}})
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": f"schema{i}", "schema": ENGINE_SCHEMAS[i], "strict": True},
+            },
+        )
         return i, temperature, r.choices[0]
 
     jobs = [(i, t) for i in range(len(ENGINE_SCHEMAS)) for t in (0.0, 1.0)]
@@ -374,12 +484,25 @@ def test_regex_and_choice_hold_on_64_samples(served):
     options = ["red", "green", "light blue"]
     texts, picks = [], []
     for seed in range(4):  # n is at most 16 per request
-        r = c.completions.create(model=served.model, prompt="A product code:", temperature=1.0, seed=seed, n=16,
-                                 max_tokens=24, extra_body={"structured_outputs": {"regex": pattern}})
+        r = c.completions.create(
+            model=served.model,
+            prompt="A product code:",
+            temperature=1.0,
+            seed=seed,
+            n=16,
+            max_tokens=24,
+            extra_body={"structured_outputs": {"regex": pattern}},
+        )
         texts += [ch.text for ch in r.choices]
-        r = c.chat.completions.create(model=served.model, temperature=1.0, seed=seed, n=16, max_tokens=10,
-                                      messages=[{"role": "user", "content": "Name a color."}],
-                                      extra_body={"structured_outputs": {"choice": options}})
+        r = c.chat.completions.create(
+            model=served.model,
+            temperature=1.0,
+            seed=seed,
+            n=16,
+            max_tokens=10,
+            messages=[{"role": "user", "content": "Name a color."}],
+            extra_body={"structured_outputs": {"choice": options}},
+        )
         picks += [ch.message.content for ch in r.choices]
     assert len(texts) == len(picks) == 64
     assert all(re.fullmatch(pattern, t) for t in texts), [t for t in texts if not re.fullmatch(pattern, t)]
@@ -389,15 +512,26 @@ def test_regex_and_choice_hold_on_64_samples(served):
 @slow
 def test_json_object_and_streamed_json_schema(served):
     c = served.client()
-    r = c.chat.completions.create(model=served.model, temperature=0, max_tokens=120,
-                                  messages=[{"role": "user", "content": 'Answer in JSON: {"capital of France": ...}'}],
-                                  response_format={"type": "json_object"})
+    r = c.chat.completions.create(
+        model=served.model,
+        temperature=0,
+        max_tokens=120,
+        messages=[{"role": "user", "content": 'Answer in JSON: {"capital of France": ...}'}],
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     schema = JSON_SCHEMAS["person"]
-    chunks = list(c.chat.completions.create(
-        model=served.model, temperature=1.0, seed=3, max_tokens=120, stream=True,
-        messages=[{"role": "user", "content": "A person, as JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}))
+    chunks = list(
+        c.chat.completions.create(
+            model=served.model,
+            temperature=1.0,
+            seed=3,
+            max_tokens=120,
+            stream=True,
+            messages=[{"role": "user", "content": "A person, as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        )
+    )
     _valid(json.loads("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)), schema)
 
 
@@ -411,8 +545,13 @@ class Person(BaseModel):
 def test_openai_parse_returns_the_pydantic_object(served):
     c = served.client()
     parse = c.chat.completions.parse if hasattr(c.chat.completions, "parse") else c.beta.chat.completions.parse
-    r = parse(model=served.model, temperature=0, max_tokens=80, response_format=Person,
-              messages=[{"role": "user", "content": "Invent a person."}])
+    r = parse(
+        model=served.model,
+        temperature=0,
+        max_tokens=80,
+        response_format=Person,
+        messages=[{"role": "user", "content": "Invent a person."}],
+    )
     assert isinstance(r.choices[0].message.parsed, Person)
 
 
@@ -420,22 +559,50 @@ def test_openai_parse_returns_the_pydantic_object(served):
 def test_regex_choice_and_legacy_guided_fields(served):
     c = served.client()
     pattern = r"[A-Z][a-z]{2,8} [0-9]{2}"
-    r = c.completions.create(model=served.model, prompt="A name and an age:", temperature=1.0, seed=1,
-                             max_tokens=30, extra_body={"structured_outputs": {"regex": pattern}})
+    r = c.completions.create(
+        model=served.model,
+        prompt="A name and an age:",
+        temperature=1.0,
+        seed=1,
+        max_tokens=30,
+        extra_body={"structured_outputs": {"regex": pattern}},
+    )
     assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
     options = ["yes", "no", "maybe"]
-    r = c.chat.completions.create(model=served.model, temperature=1.0, seed=2, max_tokens=10,
-                                  messages=[{"role": "user", "content": "Is the sky green?"}],
-                                  extra_body={"structured_outputs": {"choice": options}})
+    r = c.chat.completions.create(
+        model=served.model,
+        temperature=1.0,
+        seed=2,
+        max_tokens=10,
+        messages=[{"role": "user", "content": "Is the sky green?"}],
+        extra_body={"structured_outputs": {"choice": options}},
+    )
     assert r.choices[0].message.content in options
-    r = c.completions.create(model=served.model, prompt="Pick a color:", temperature=1.0, seed=3, max_tokens=10,
-                             extra_body={"guided_choice": ["red", "green"], "guided_decoding_backend": "llguidance"})
+    r = c.completions.create(
+        model=served.model,
+        prompt="Pick a color:",
+        temperature=1.0,
+        seed=3,
+        max_tokens=10,
+        extra_body={"guided_choice": ["red", "green"], "guided_decoding_backend": "llguidance"},
+    )
     assert r.choices[0].text in ("red", "green")
-    r = c.completions.create(model=served.model, prompt="A year:", temperature=1.0, seed=4, max_tokens=10,
-                             extra_body={"guided_regex": "(19|20)[0-9]{2}"})
+    r = c.completions.create(
+        model=served.model,
+        prompt="A year:",
+        temperature=1.0,
+        seed=4,
+        max_tokens=10,
+        extra_body={"guided_regex": "(19|20)[0-9]{2}"},
+    )
     assert re.fullmatch("(19|20)[0-9]{2}", r.choices[0].text)
-    r = c.completions.create(model=served.model, prompt="Answer:", temperature=0, max_tokens=10,
-                             extra_body={"guided_grammar": 'root ::= "A" | "B"'})
+    r = c.completions.create(
+        model=served.model,
+        prompt="Answer:",
+        temperature=0,
+        max_tokens=10,
+        extra_body={"guided_grammar": 'root ::= "A" | "B"'},
+    )
     assert r.choices[0].text in ("A", "B")
 
 
@@ -463,18 +630,30 @@ def _stream_calls(chunks) -> tuple[str, dict[int, dict], str | None]:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_forced_tool_calls_are_valid(served, stream):
     c = served.client()
-    cases = [("required", True, None), ("required", False, None),
-             ({"type": "function", "function": {"name": "get_time"}}, True, "get_time")]
+    cases = [
+        ("required", True, None),
+        ("required", False, None),
+        ({"type": "function", "function": {"name": "get_time"}}, True, "get_time"),
+    ]
 
     def ask(case):
         choice, parallel, named = case
-        kw = dict(model=served.model, temperature=1.0, seed=11, max_tokens=200, tools=[WEATHER, TIME],
-                  tool_choice=choice, parallel_tool_calls=parallel,
-                  messages=[{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}])
+        kw = dict(
+            model=served.model,
+            temperature=1.0,
+            seed=11,
+            max_tokens=200,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            messages=[{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}],
+        )
         if not stream:
             r = c.chat.completions.create(**kw).choices[0]
-            calls = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
-                     for t in r.message.tool_calls or []]
+            calls = [
+                {"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+                for t in r.message.tool_calls or []
+            ]
             assert all(t.type == "function" for t in r.message.tool_calls or [])
             return case, r.message.content, calls, r.finish_reason
         content, calls, finish = _stream_calls(c.chat.completions.create(stream=True, **kw))
@@ -496,11 +675,19 @@ def test_forced_tool_calls_are_valid(served, stream):
 def test_auto_tool_choice_reads_the_calls_the_model_writes(served, stream):
     """With tool_choice auto the model's own text is parsed; here a choice constraint makes it write a call in the
     Hermes format (the default template's), after a sentence."""
-    written = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-               '"unit": "celsius"}}\n</tool_call>')
-    kw = dict(model=served.model, temperature=0, max_tokens=80, tools=[WEATHER], tool_choice="auto",
-              messages=[{"role": "user", "content": "Weather in Paris?"}],
-              extra_body={"structured_outputs": {"choice": [written]}})
+    written = (
+        'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}\n</tool_call>'
+    )
+    kw = dict(
+        model=served.model,
+        temperature=0,
+        max_tokens=80,
+        tools=[WEATHER],
+        tool_choice="auto",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        extra_body={"structured_outputs": {"choice": [written]}},
+    )
     c = served.client()
     if stream:
         content, calls, finish = _stream_calls(c.chat.completions.create(stream=True, **kw))
@@ -511,7 +698,8 @@ def test_auto_tool_choice_reads_the_calls_the_model_writes(served, stream):
         calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in r.message.tool_calls]
     assert content == "Let me look that up." and finish == "tool_calls"
     assert [(x["name"], json.loads(x["arguments"])) for x in calls] == [
-        ("get_weather", {"city": "Paris", "unit": "celsius"})]
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ]
     kw["tool_choice"] = "none"  # not offered: the same text is content
     r = c.chat.completions.create(**kw).choices[0]
     assert r.message.content == written and not r.message.tool_calls and r.finish_reason == "stop"
@@ -519,48 +707,68 @@ def test_auto_tool_choice_reads_the_calls_the_model_writes(served, stream):
 
 @slow
 def test_legacy_functions_and_tool_call_replay(served):
-    r = served.post("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Weather in Rome?"}], "temperature": 0, "max_tokens": 100,
-        "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}).json()
+    r = served.post(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Weather in Rome?"}],
+            "temperature": 0,
+            "max_tokens": 100,
+            "functions": [WEATHER["function"]],
+            "function_call": {"name": "get_weather"},
+        },
+    ).json()
     choice = r["choices"][0]
     assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
     call = choice["message"]["function_call"]
     assert call["name"] == "get_weather"
     _valid(json.loads(call["arguments"]), WEATHER_PARAMS)
     # the second turn, as clients send it: the assistant's calls with null content, then the tool's result
-    r = served.post("/v1/chat/completions", {"messages": REPLAY, "tools": [WEATHER], "temperature": 0,
-                                             "max_tokens": 12})
+    r = served.post(
+        "/v1/chat/completions", {"messages": REPLAY, "tools": [WEATHER], "temperature": 0, "max_tokens": 12}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 @slow
-@pytest.mark.parametrize("body,param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format.json_schema.schema"),
-    ({"guided_json": {"type": "object", "properties": {"a": {"type": 5}}}}, "guided_json"),
-    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
-    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
-    ({"guided_choice": ["a"], "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
-    ({"guided_choice": ["yes", "x\U000A87A0"]}, "guided_choice"),  # no token of this vocabulary starts with 0xF2
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"function_call": {"name": ""}}, "function_call"),  # a named (if empty) function and no functions
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
-      "tool_choice": "required"}, "tools"),
-    ({"tools": [WEATHER], "functions": [TIME["function"]]}, "functions"),
-    ({"tools": [WEATHER, WEATHER]}, "tools"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_json": {"type": "object", "properties": {"a": {"type": 5}}}}, "guided_json"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+        ({"guided_choice": ["a"], "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+        ({"guided_choice": ["yes", "x\U000a87a0"]}, "guided_choice"),  # no token of this vocabulary starts with 0xF2
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"function_call": {"name": ""}}, "function_call"),  # a named (if empty) function and no functions
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"tools": [WEATHER], "functions": [TIME["function"]]}, "functions"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ],
+)
 def test_bad_constraints_and_tool_choices_are_400_naming_the_field(served, body, param):
-    r = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                                             **body})
+    r = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param, err
@@ -573,7 +781,7 @@ def test_bad_constraints_and_tool_choices_are_400_naming_the_field(served, body,
 def test_a_grammar_the_vocabulary_cannot_follow_is_a_400_and_the_server_serves_on(served, stream):
     """A regex forcing a character no token spells (found mid-generation, not at compile time): the request fails
     with a 400 naming structured_outputs (not a 500), streamed or not, and the next request is served."""
-    body = {"prompt": "hi", "max_tokens": 8, "stream": stream, "structured_outputs": {"regex": "ab\U000A87A0c"}}
+    body = {"prompt": "hi", "max_tokens": 8, "stream": stream, "structured_outputs": {"regex": "ab\U000a87a0c"}}
     r = served.post("/v1/completions", body)
     if stream:
         assert r.status_code == 200, r.text
@@ -590,8 +798,10 @@ def test_a_grammar_the_vocabulary_cannot_follow_is_a_400_and_the_server_serves_o
 
 @slow
 def test_completions_and_chat_name_a_bad_type_or_schema(served):
-    for path, extra in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                        ("/v1/completions", {"prompt": "hi"})):
+    for path, extra in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ):
         r = served.post(path, {**extra, "max_tokens": 4, "response_format": {"type": "yaml"}})
         assert r.status_code == 400 and "response_format.type" in r.json()["error"]["message"], r.text
         r = served.post(path, {**extra, "max_tokens": 4, "guided_json": {"type": "object", "required": "a"}})
@@ -602,15 +812,24 @@ def test_completions_and_chat_name_a_bad_type_or_schema(served):
 @pytest.fixture(scope="module")
 def chat_model(served):
     lc = pytest.importorskip("langchain_openai")
-    return lc.ChatOpenAI(base_url=served.url + "/v1", api_key="x", model=served.model, temperature=0,
-                         max_tokens=120, max_retries=0, timeout=300)
+    return lc.ChatOpenAI(
+        base_url=served.url + "/v1",
+        api_key="x",
+        model=served.model,
+        temperature=0,
+        max_tokens=120,
+        max_retries=0,
+        timeout=300,
+    )
 
 
 @slow
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
 def test_langchain_structured_output(chat_model, method):
-    prompt = ('Invent a person. Answer with a JSON object with the keys "name" (a first name) and "age" (a number), '
-              'for example {"name": "Ann", "age": 31}.')
+    prompt = (
+        'Invent a person. Answer with a JSON object with the keys "name" (a first name) and "age" (a number), '
+        'for example {"name": "Ann", "age": 31}.'
+    )
     out = chat_model.with_structured_output(Person, method=method).invoke(prompt)
     assert isinstance(out, Person)
 
@@ -630,7 +849,8 @@ def test_langchain_tool_loop(chat_model):
     assert [c["name"] for c in ai.tool_calls] == ["get_weather"] and isinstance(ai.tool_calls[0]["args"]["city"], str)
     streamed = None
     for chunk in chat_model.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False).stream(
-            messages):
+        messages
+    ):
         streamed = chunk if streamed is None else streamed + chunk
     assert [c["name"] for c in streamed.tool_calls] == ["get_weather"]
     assert isinstance(streamed.tool_calls[0]["args"]["city"], str)
@@ -644,7 +864,13 @@ def test_langchain_tool_loop(chat_model):
 def test_litellm_response_format(served):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of its price list
     litellm = pytest.importorskip("litellm")
-    r = litellm.completion(model=f"openai/{served.model}", api_base=served.url + "/v1", api_key="x", temperature=0,
-                           max_tokens=80, response_format=Person,
-                           messages=[{"role": "user", "content": "Invent a person."}])
+    r = litellm.completion(
+        model=f"openai/{served.model}",
+        api_base=served.url + "/v1",
+        api_key="x",
+        temperature=0,
+        max_tokens=80,
+        response_format=Person,
+        messages=[{"role": "user", "content": "Invent a person."}],
+    )
     Person.model_validate_json(r.choices[0].message.content)

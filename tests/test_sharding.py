@@ -27,11 +27,22 @@ ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_t
 
 
 def _tiny(tokenizer_path, num_heads=8, num_kv_heads=2, **cfg) -> LoadedModel:
-    cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=num_heads,
-                      num_kv_heads=num_kv_heads, head_dim=16, max_position_embeddings=256, **cfg)
+    cfg = ModelConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        max_position_embeddings=256,
+        **cfg,
+    )
     rng = np.random.default_rng(0)
-    params = {name: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
-              for name, s in param_schema(cfg).items()}
+    params = {
+        name: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
+        for name, s in param_schema(cfg).items()
+    }
     return LoadedModel("tiny", cfg, params, tokenizer_path)
 
 
@@ -105,8 +116,11 @@ def test_default_model_tp3_equals_one_device(default_loaded, default_llm):
     # layer loop) and one for the vocabulary-parallel embedding lookup; all-gathers only of [rows, V] logits
     # (the sampled rows, and every row under the prompt-logprobs branch). Nothing moves the KV pool.
     hlo = runner.lower_step(16, 8).compile().as_text()
-    collectives = re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                             r"(?:-start)?\(", hlo)
+    collectives = re.findall(
+        r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+        r"(?:-start)?\(",
+        hlo,
+    )
     d, v = default_loaded.config.hidden_size, default_loaded.config.vocab_size
     assert [shape for shape, op in collectives if op == "all-reduce"] == [f"f32[16,{d}]{{1,0}}"] * 3, collectives
     gathers = [shape for shape, op in collectives if op == "all-gather"]

@@ -39,16 +39,19 @@ PROMPTS = [
 
 
 # ------------------------------------------------------------------------------------------------ host side
-@pytest.mark.parametrize("tokens, k, n_max, n_min, want", [
-    ([1, 2, 3, 9, 1, 2, 3], 3, 3, 1, [9, 1, 2]),  # the suffix 1 2 3 occurred at 0: what followed it
-    ([1, 2, 3, 9, 1, 2, 3], 1, 3, 1, [9]),  # at most k
-    ([5, 1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 1, [8, 1]),  # the latest earlier occurrence wins
-    ([4, 4, 4, 4], 3, 2, 1, [4]),  # overlapping: 4 4 at 1 is followed by the last 4 only
-    ([1, 2, 3, 4], 3, 3, 1, []),  # nothing recurs
-    ([7, 1, 2, 9, 3, 2], 2, 3, 2, []),  # only a 1-gram recurs, and n_min is 2
-    ([7, 1, 2, 9, 3, 2], 2, 3, 1, [9, 3]),
-    ([3], 2, 3, 1, []),
-])
+@pytest.mark.parametrize(
+    "tokens, k, n_max, n_min, want",
+    [
+        ([1, 2, 3, 9, 1, 2, 3], 3, 3, 1, [9, 1, 2]),  # the suffix 1 2 3 occurred at 0: what followed it
+        ([1, 2, 3, 9, 1, 2, 3], 1, 3, 1, [9]),  # at most k
+        ([5, 1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 1, [8, 1]),  # the latest earlier occurrence wins
+        ([4, 4, 4, 4], 3, 2, 1, [4]),  # overlapping: 4 4 at 1 is followed by the last 4 only
+        ([1, 2, 3, 4], 3, 3, 1, []),  # nothing recurs
+        ([7, 1, 2, 9, 3, 2], 2, 3, 2, []),  # only a 1-gram recurs, and n_min is 2
+        ([7, 1, 2, 9, 3, 2], 2, 3, 1, [9, 3]),
+        ([3], 2, 3, 1, []),
+    ],
+)
 def test_propose_ngram(tokens, k, n_max, n_min, want):
     assert propose_ngram(tokens, k, n_max, n_min) == want
 
@@ -60,16 +63,19 @@ def test_accepted_counts_the_confirmed_prefix():
     assert accepted([], [4]) == 0
 
 
-@pytest.mark.parametrize("value, words", [
-    ({"method": "eagle"}, "method"),
-    ({"method": "ngram", "draft": "x"}, "unknown key"),
-    ({"method": "draft_model"}, "speculative_config.model"),
-    ({"method": "ngram", "model": "x"}, "speculative_config.model"),
-    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-    ("{not json", "JSON"),
-    ([1, 2], "object"),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({"method": "eagle"}, "method"),
+        ({"method": "ngram", "draft": "x"}, "unknown key"),
+        ({"method": "draft_model"}, "speculative_config.model"),
+        ({"method": "ngram", "model": "x"}, "speculative_config.model"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ("{not json", "JSON"),
+        ([1, 2], "object"),
+    ],
+)
 def test_bad_speculative_config_is_named(value, words):
     with pytest.raises(ValueError, match=words):
         EngineConfig(speculative_config=value)
@@ -146,8 +152,10 @@ def test_sampled_with_seeds_is_identical(engines):
     seed (each position's draw is plain decoding's draw there), hence the same distribution."""
     plain, spec = engines
     prompts = [_chat(plain, p) for p in PROMPTS[:8]] * 4
-    params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, top_k=50, min_tokens=4, seed=s, logprobs=1)
-              for s in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, top_k=50, min_tokens=4, seed=s, logprobs=1)
+        for s in range(len(prompts))
+    ]
     _same(plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False))
 
 
@@ -172,8 +180,14 @@ def test_stops_n_penalties_and_bias_are_identical(engines):
 def test_preemption_loses_nothing_with_proposals(default_loaded, engines):
     """A pool too small for the batch: requests are preempted and recomputed, with proposals in flight."""
     plain, _ = engines
-    tight = LLM(default_loaded, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, num_pages=24,
-                speculative_config=SPEC)
+    tight = LLM(
+        default_loaded,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        num_pages=24,
+        speculative_config=SPEC,
+    )
     prompts = [_chat(plain, p) for p in PROMPTS]
     params = SamplingParams(max_tokens=40, temperature=0.0)
     b = tight.generate(prompts, params, use_tqdm=False)
@@ -203,11 +217,20 @@ def _tiny_draft(default_loaded):
 
     from jaxserve.loading.weights import param_shapes
 
-    cfg = dataclasses.replace(default_loaded.config, num_layers=2, hidden_size=64, intermediate_size=128,
-                              num_heads=4, num_kv_heads=2, head_dim=16)
+    cfg = dataclasses.replace(
+        default_loaded.config,
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     rng = np.random.default_rng(0)
-    params = {name: (rng.standard_normal(shape) * 0.05 + (1.0 if "norm" in name else 0.0)).astype(np.float32)
-              for name, shape in param_shapes(cfg).items()}
+    params = {
+        name: (rng.standard_normal(shape) * 0.05 + (1.0 if "norm" in name else 0.0)).astype(np.float32)
+        for name, shape in param_shapes(cfg).items()
+    }
     return dataclasses.replace(default_loaded, name="tiny-draft", config=cfg, params=params)
 
 
@@ -218,8 +241,14 @@ def test_draft_model_output_is_identical(default_loaded, engines, draft):
     draft is mostly rejected. Both give plain decoding's outputs, and every page is freed."""
     plain, _ = engines
     model = default_loaded if draft == "itself" else _tiny_draft(default_loaded)
-    spec = LLM(default_loaded, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, num_pages=256,
-               speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    spec = LLM(
+        default_loaded,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        num_pages=256,
+        speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3},
+    )
     prompts = [_chat(plain, p) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)
     _same(plain.generate(prompts, greedy, use_tqdm=False), spec.generate(prompts, greedy, use_tqdm=False))
@@ -238,8 +267,14 @@ def test_draft_model_output_is_identical(default_loaded, engines, draft):
 def test_draft_model_under_a_small_budget_and_pool(default_loaded, engines):
     """A 32-token budget (the draft catches up on each prompt in chunks) and a pool small enough to preempt."""
     plain, _ = engines
-    spec = LLM(default_loaded, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=512, num_pages=20,
-               speculative_config={"method": "draft_model", "model": default_loaded, "num_speculative_tokens": 4})
+    spec = LLM(
+        default_loaded,
+        max_num_seqs=16,
+        max_num_batched_tokens=32,
+        max_model_len=512,
+        num_pages=20,
+        speculative_config={"method": "draft_model", "model": default_loaded, "num_speculative_tokens": 4},
+    )
     prompts = [_chat(plain, p) for p in PROMPTS[:10]]
     params = SamplingParams(max_tokens=32, temperature=0.0)
     b = spec.generate(prompts, params, use_tqdm=False)
@@ -253,8 +288,12 @@ def test_a_draft_of_another_vocabulary_is_refused(default_loaded):
 
     other = dataclasses.replace(default_loaded, config=dataclasses.replace(default_loaded.config, vocab_size=1000))
     with pytest.raises(ValueError, match="vocabulary"):
-        LLM(default_loaded, max_model_len=128, num_pages=16,
-            speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2})
+        LLM(
+            default_loaded,
+            max_model_len=128,
+            num_pages=16,
+            speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2},
+        )
 
 
 @pytest.mark.slow
@@ -266,12 +305,19 @@ def test_the_server_counts_proposals_in_metrics(default_loaded):
     from jaxserve.server.launch import ServerThread
     from jaxserve.server.metrics import parse_metrics
 
-    engine = LLMEngine(default_loaded, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=256, num_pages=32,
-                       speculative_config=SPEC)
+    engine = LLMEngine(
+        default_loaded,
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        max_model_len=256,
+        num_pages=32,
+        speculative_config=SPEC,
+    )
     app = build_app(engine, shutdown_timeout=5)
     with ServerThread(app) as thread:
-        r = httpx.post(thread.url + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 24,
-                                                             "temperature": 0}, timeout=300)
+        r = httpx.post(
+            thread.url + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0}, timeout=300
+        )
         assert r.status_code == 200, r.text
         metrics = parse_metrics(httpx.get(thread.url + "/metrics", timeout=60).text)
     drafted = metrics["jaxserve:spec_decode_num_draft_tokens_total"]

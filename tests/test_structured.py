@@ -23,37 +23,88 @@ llg_numpy = pytest.importorskip("llguidance.numpy")
 # (``additionalProperties: false``, as OpenAI's strict mode requires): an open object lets a small model add
 # keys until max_tokens.
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"]},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                      "population": {"type": "integer", "minimum": 0}},
-     "required": ["city"]},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                      "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}},
-     "required": ["color", "hex"]},
-    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                                                "minItems": 1, "maxItems": 4}},
-     "required": ["items"]},
-    {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 60},
-                                      "unit": {"enum": ["C", "F"]}},
-     "required": ["temperature", "unit"]},
-    {"type": "object", "properties": {"person": {"type": "object", "properties": {
-        "first": {"type": "string", "maxLength": 16}, "last": {"type": "string", "maxLength": 16}},
-        "required": ["first", "last"]}, "verified": {"type": "boolean"}},
-     "required": ["person", "verified"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "population": {"type": "integer", "minimum": 0}},
+        "required": ["city"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"},
+        },
+        "required": ["color", "hex"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 4}
+        },
+        "required": ["items"],
+    },
+    {
+        "type": "object",
+        "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 60}, "unit": {"enum": ["C", "F"]}},
+        "required": ["temperature", "unit"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {
+                    "first": {"type": "string", "maxLength": 16},
+                    "last": {"type": "string", "maxLength": 16},
+                },
+                "required": ["first", "last"],
+            },
+            "verified": {"type": "boolean"},
+        },
+        "required": ["person", "verified"],
+    },
     {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 2, "maxItems": 5},
-    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
-                                      "tags": {"type": "array", "items": {"enum": ["news", "sport", "tech"]},
-                                               "maxItems": 3},
-                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["title", "tags"]},
-    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
-                                      "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
-     "required": ["answer", "confidence"], "additionalProperties": False},
-    {"type": "object", "properties": {"points": {"type": "array", "maxItems": 3, "items": {
-        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-        "required": ["x", "y"]}}}, "required": ["points"]},
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 40},
+            "tags": {"type": "array", "items": {"enum": ["news", "sport", "tech"]}, "maxItems": 3},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["title", "tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["answer", "confidence"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "points": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                    "required": ["x", "y"],
+                },
+            }
+        },
+        "required": ["points"],
+    },
 ]
 
 
@@ -69,10 +120,18 @@ def _closed(schema):
 
 SCHEMAS = [_closed(s) for s in SCHEMAS]
 
-PROMPTS = ["Describe a person as JSON.", "Give me data about a city in JSON.", "Pick a color, as JSON.",
-           "A shopping list in JSON.", "Today's weather as JSON.", "A user record as JSON.",
-           "Some small numbers as a JSON list.", "A news article summary as JSON.", "Is water wet? Answer in JSON.",
-           "Three points on a plane, as JSON."]
+PROMPTS = [
+    "Describe a person as JSON.",
+    "Give me data about a city in JSON.",
+    "Pick a color, as JSON.",
+    "A shopping list in JSON.",
+    "Today's weather as JSON.",
+    "A user record as JSON.",
+    "Some small numbers as a JSON list.",
+    "A news article summary as JSON.",
+    "Is water wet? Answer in JSON.",
+    "Three points on a plane, as JSON.",
+]
 
 
 def _chat(llm, text: str) -> list[int]:
@@ -113,10 +172,16 @@ def test_sampler_mask_matches_llguidance_numpy():
         assert allowed[np.arange(b), toks].all(), f"seed {seed} drew a banned token"
 
 
-@pytest.mark.parametrize("extreme", [
-    dict(repetition_penalty=5e-324), dict(repetition_penalty=1e-40), dict(repetition_penalty=1e300),
-    dict(temperature=1e300), dict(temperature=1e300, repetition_penalty=5e-324, presence_penalty=2.0),
-])
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        dict(repetition_penalty=5e-324),
+        dict(repetition_penalty=1e-40),
+        dict(repetition_penalty=1e300),
+        dict(temperature=1e300),
+        dict(temperature=1e300, repetition_penalty=5e-324, presence_penalty=2.0),
+    ],
+)
 def test_extreme_parameters_never_lift_the_mask(extreme):
     """Penalties and temperatures past float32's range (valid request values) once made inf / nan logits that
     let a banned token win: the draw stays within llguidance's own unpacking of the mask, greedy or not."""
@@ -131,8 +196,12 @@ def test_extreme_parameters_never_lift_the_mask(extreme):
     allowed = np.isfinite(allowed)
     history = [list(range(0, v, 2))] * b  # every even token seen: most banned ones and some allowed ones
     for seed in range(4):
-        params = [SamplingParams(seed=seed, **{"temperature": 0.0, **extreme}) if i == 0 else
-                  SamplingParams(seed=seed, **{"temperature": 1.0, **extreme}) for i in range(b)]
+        params = [
+            SamplingParams(seed=seed, **{"temperature": 0.0, **extreme})
+            if i == 0
+            else SamplingParams(seed=seed, **{"temperature": 1.0, **extreme})
+            for i in range(b)
+        ]
         meta = SamplingMetadata.from_params(params, token_mask=mask, prompt_ids=history, output_ids=history)
         toks = np.asarray(sample(logits, meta, max_logprobs=0).tokens)
         assert allowed[np.arange(b), toks].all(), (extreme, seed, toks)
@@ -164,13 +233,16 @@ def test_params_validation():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("field, value, words", [
-    ("json", '{"type": "object", "properties": {"a": {"type": "wrong"}}}', "json"),
-    ("json", "{not json", "json"),
-    ("regex", "a(b", "regex"),
-    ("grammar", 'start: "a" undefined_rule', "grammar"),
-    ("grammar", 'root ::= "a" (', "grammar"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("json", '{"type": "object", "properties": {"a": {"type": "wrong"}}}', "json"),
+        ("json", "{not json", "json"),
+        ("regex", "a(b", "regex"),
+        ("grammar", 'start: "a" undefined_rule', "grammar"),
+        ("grammar", 'root ::= "a" (', "grammar"),
+    ],
+)
 def test_bad_constraints_name_the_field(llm, field, value, words):
     with pytest.raises(ValueError, match=rf"request 'bad'.*structured_outputs\.{words}"):
         llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs={field: value}))
@@ -178,7 +250,7 @@ def test_bad_constraints_name_the_field(llm, field, value, words):
 
 
 # A character whose UTF-8 bytes (F2 A8 9E A0) no token of SmolLM2's byte-level vocabulary begins with.
-UNSPELLABLE = "\U000A87A0"
+UNSPELLABLE = "\U000a87a0"
 
 
 def test_the_default_vocabulary_cannot_spell_the_test_character(llm):
@@ -235,12 +307,15 @@ def test_a_regex_the_vocabulary_cannot_follow_fails_that_request_alone(llm):
 
 # ---------------------------------------------------------------------------------------------- generation
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_schemas_validate(llm, temperature):
     prompts = [_chat(llm, p) for p in PROMPTS]
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=160, structured_outputs={"json": s})
-              for i, s in enumerate(SCHEMAS)]
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=160, structured_outputs={"json": s})
+        for i, s in enumerate(SCHEMAS)
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for schema, out in zip(SCHEMAS, outs):
         c = out.outputs[0]
@@ -251,8 +326,9 @@ def test_json_schemas_validate(llm, temperature):
 @pytest.mark.slow
 def test_json_object_choice_regex_grammar(llm):
     n = 50
-    params = SamplingParams(n=n, temperature=1.0, seed=3, max_tokens=24,
-                            structured_outputs={"choice": ["red", "green", "light blue"]})
+    params = SamplingParams(
+        n=n, temperature=1.0, seed=3, max_tokens=24, structured_outputs={"choice": ["red", "green", "light blue"]}
+    )
     out = llm.generate([_chat(llm, "Name a color.")], params, use_tqdm=False)[0]
     assert len(out.outputs) == n and all(c.text in ("red", "green", "light blue") for c in out.outputs)
     assert all(c.finish_reason == "stop" for c in out.outputs)
@@ -262,17 +338,22 @@ def test_json_object_choice_regex_grammar(llm):
     out = llm.generate([_chat(llm, "Make up a product code.")], params, use_tqdm=False)[0]
     assert all(re.fullmatch(pattern, c.text) for c in out.outputs), [c.text for c in out.outputs]
 
-    obj = llm.generate([_chat(llm, "Anything, as JSON.")], SamplingParams(
-        temperature=0.8, seed=5, max_tokens=120, structured_outputs={"json_object": True}), use_tqdm=False)[0]
+    obj = llm.generate(
+        [_chat(llm, "Anything, as JSON.")],
+        SamplingParams(temperature=0.8, seed=5, max_tokens=120, structured_outputs={"json_object": True}),
+        use_tqdm=False,
+    )[0]
     assert isinstance(json.loads(obj.outputs[0].text), dict)
 
     lark = 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'
     gbnf = 'root ::= "The answer is " [0-9] [0-9]? "."'
     for grammar in (lark, gbnf):
-        out = llm.generate([_chat(llm, "What is 6 times 7?")], SamplingParams(
-            n=8, temperature=1.0, seed=6, max_tokens=16, structured_outputs={"grammar": grammar}), use_tqdm=False)[0]
-        assert all(re.fullmatch(r"The answer is \d{1,3}\.", c.text) for c in out.outputs), \
-            [c.text for c in out.outputs]
+        out = llm.generate(
+            [_chat(llm, "What is 6 times 7?")],
+            SamplingParams(n=8, temperature=1.0, seed=6, max_tokens=16, structured_outputs={"grammar": grammar}),
+            use_tqdm=False,
+        )[0]
+        assert all(re.fullmatch(r"The answer is \d{1,3}\.", c.text) for c in out.outputs), [c.text for c in out.outputs]
 
 
 @pytest.mark.slow
@@ -285,9 +366,17 @@ def test_constraints_mix_with_plain_requests_stops_logprobs_and_preemption(defau
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
 
     tiny = LLM(default_loaded, max_num_seqs=12, max_num_batched_tokens=128, max_model_len=1024, num_pages=20)
-    constrained = [SamplingParams(temperature=0.0, max_tokens=80, logprobs=2, stop=["}"],
-                                  include_stop_str_in_output=True, structured_outputs={"json": schema})
-                   for _ in range(6)]
+    constrained = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=80,
+            logprobs=2,
+            stop=["}"],
+            include_stop_str_in_output=True,
+            structured_outputs={"json": schema},
+        )
+        for _ in range(6)
+    ]
     outs = tiny.generate(prompts + [_chat(llm, p) for p in PROMPTS[:6]], plain + constrained, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:6]] == expected
     stats = tiny.engine.get_stats()
@@ -305,8 +394,9 @@ def test_greedy_constrained_equals_greedy_when_the_model_already_complies(llm):
     prompt = _chat(llm, "What is the capital of France?")
     free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     pattern = re.escape(free.text) if free.finish_reason == "stop" else re.escape(free.text) + ".*"
-    constrained = llm.generate([prompt], SamplingParams(
-        temperature=0.0, max_tokens=12, structured_outputs={"regex": pattern}), use_tqdm=False)[0].outputs[0]
+    constrained = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": pattern}), use_tqdm=False
+    )[0].outputs[0]
     if free.finish_reason == "stop":  # free decoding sampled EOS; the constrained one ends with its grammar
         assert free.token_ids[-1] in llm.engine.eos_token_ids
         assert constrained.token_ids == free.token_ids[:-1] and constrained.text == free.text
@@ -359,6 +449,12 @@ def test_tensor_parallel_constrained_equals_one_device(default_loaded, llm):
     prompts = [_chat(llm, p) for p in PROMPTS[:4]]
     params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"json": s}) for s in SCHEMAS[:4]]
     one = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    tp = LLM(default_loaded, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, num_pages=200,
-             tensor_parallel_size=3)  # 9 attention heads, 3 KV heads
+    tp = LLM(
+        default_loaded,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        num_pages=200,
+        tensor_parallel_size=3,
+    )  # 9 attention heads, 3 KV heads
     assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == one

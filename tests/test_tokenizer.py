@@ -59,9 +59,19 @@ CONVERSATIONS = [
 ]
 
 # Characters for generated texts: ASCII, whitespace, accents, CJK, Arabic, emoji (4-byte, with modifiers and ZWJ).
-ALPHABET = list("abcdefghij XYZ0123456789.,!?'\n\t") + list("éüñçÅ日本語中文한국어مرحبا") + [
-    "😀", "👍🏽", "👨\u200d👩\u200d👧", "🇫🇷", "❤️", "\u00a0", "€",
-]
+ALPHABET = (
+    list("abcdefghij XYZ0123456789.,!?'\n\t")
+    + list("éüñçÅ日本語中文한국어مرحبا")
+    + [
+        "😀",
+        "👍🏽",
+        "👨\u200d👩\u200d👧",
+        "🇫🇷",
+        "❤️",
+        "\u00a0",
+        "€",
+    ]
+)
 
 
 def random_text(rng: random.Random, max_len: int = 40) -> str:
@@ -159,19 +169,42 @@ def byte_level_vocab() -> tuple[list[str], list[str]]:
 def test_gguf_bpe_pre_tokenizers_match_hf(byte_level_vocab, tmp_path, pre):
     tokens, merges = byte_level_vocab
     path = _write_gguf(
-        tmp_path / "bpe.gguf", "gpt2", tokenizer_pre=pre, token_list=tokens, token_merges=merges,
-        token_types=[3] + [1] * (len(tokens) - 1), bos_token_id=0, eos_token_id=0,
+        tmp_path / "bpe.gguf",
+        "gpt2",
+        tokenizer_pre=pre,
+        token_list=tokens,
+        token_merges=merges,
+        token_types=[3] + [1] * (len(tokens) - 1),
+        bos_token_id=0,
+        eos_token_id=0,
         # HF reads a model config from the file too
-        context_length=64, embedding_length=8, block_count=1, feed_forward_length=16, head_count=2,
-        head_count_kv=2, layer_norm_rms_eps=1e-5,
+        context_length=64,
+        embedding_length=8,
+        block_count=1,
+        feed_forward_length=16,
+        head_count=2,
+        head_count_kv=2,
+        layer_norm_rms_eps=1e-5,
     )
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     ours = load_tokenizer(path)
     rng = random.Random(7)
-    texts = TEXTS + [
-        "12345678 fox 1 22 333 4444", "THEY'VE we'll I'M HeLLo", "x\n\n  \n y", "東京123abc", "a  1  b",
-    ] + [" ".join(rng.choice(["the", "fox", "I'm", "WE'LL", "東京", "42", "12345", " ", "\n", "!?"])
-                  for _ in range(12)) for _ in range(40)]
+    texts = (
+        TEXTS
+        + [
+            "12345678 fox 1 22 333 4444",
+            "THEY'VE we'll I'M HeLLo",
+            "x\n\n  \n y",
+            "東京123abc",
+            "a  1  b",
+        ]
+        + [
+            " ".join(
+                rng.choice(["the", "fox", "I'm", "WE'LL", "東京", "42", "12345", " ", "\n", "!?"]) for _ in range(12)
+            )
+            for _ in range(40)
+        ]
+    )
     for text in texts:
         assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
@@ -206,8 +239,12 @@ def spm_models(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("spm")
     common = dict(vocab_size=600, byte_fallback=True, minloglevel=2, character_coverage=1.0)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(tmp / "bpe"), model_type="bpe",
-        normalization_rule_name="identity", remove_extra_whitespaces=False, **common,
+        sentence_iterator=iter(lines),
+        model_prefix=str(tmp / "bpe"),
+        model_type="bpe",
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        **common,
     )
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_prefix=str(tmp / "unigram"), model_type="unigram", **common
@@ -244,8 +281,14 @@ def test_sentencepiece_model_matches_sentencepiece(spm_models, kind):
 
 def _hf_spm_dir(tmp_path: Path, model: Path, added: dict | None = None) -> Path:
     shutil.copy(model, tmp_path / "tokenizer.model")
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-              "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
     if added:
         config["added_tokens_decoder"] = added
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
@@ -313,10 +356,15 @@ def spm_gguf(spm_models, tmp_path_factory) -> Path:
     proto.ParseFromString(spm_models["bpe"].read_bytes())
     path = tmp_path_factory.mktemp("gguf") / "spm.gguf"
     return _write_gguf(
-        path, "llama",
-        token_list=[p.piece for p in proto.pieces], token_scores=[p.score for p in proto.pieces],
-        token_types=[p.type for p in proto.pieces], bos_token_id=proto.trainer_spec.bos_id,
-        eos_token_id=proto.trainer_spec.eos_id, unk_token_id=proto.trainer_spec.unk_id, add_bos_token=True,
+        path,
+        "llama",
+        token_list=[p.piece for p in proto.pieces],
+        token_scores=[p.score for p in proto.pieces],
+        token_types=[p.type for p in proto.pieces],
+        bos_token_id=proto.trainer_spec.bos_id,
+        eos_token_id=proto.trainer_spec.eos_id,
+        unk_token_id=proto.trainer_spec.unk_id,
+        add_bos_token=True,
         chat_template="{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}",
     )
 
@@ -390,8 +438,9 @@ def bpe_json(tmp_path_factory) -> Path:
         vocab_size=700, special_tokens=HF_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     backend.train_from_iterator(lines, trainer)
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[
-        ("<s>", backend.token_to_id("<s>"))])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+    )
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
     backend.save(str(path))
     return path
@@ -399,8 +448,13 @@ def bpe_json(tmp_path_factory) -> Path:
 
 def _hf_json_dir(tmp_path: Path, tokenizer_json: Path, variant: str) -> Path:
     shutil.copy(tokenizer_json, tmp_path / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE,
+    }
     if variant == "flags":  # next to a tokenizer.json, its post-processor decides (HF 5 ignores these flags)
         config |= {"add_bos_token": False, "add_eos_token": True}
     elif variant == "jinja-file":  # the newer layout: the template in its own file

@@ -48,8 +48,11 @@ def _no_persistent_cache():
 def _mesh(topology: str) -> jax.sharding.Mesh:
     """A one-chip mesh of ``topology``. A missing libtpu is an install error (it is in the dev extra): fail."""
     if importlib.util.find_spec("libtpu") is None:
-        pytest.fail("libtpu is not installed, so nothing can compile for a TPU: install the dev extra "
-                    "(pip install -e '.[dev]', which brings jax[tpu] and its libtpu)", pytrace=False)
+        pytest.fail(
+            "libtpu is not installed, so nothing can compile for a TPU: install the dev extra "
+            "(pip install -e '.[dev]', which brings jax[tpu] and its libtpu)",
+            pytrace=False,
+        )
     from jax.experimental import topologies
 
     devices = topologies.get_topology_desc(topology, "tpu").devices
@@ -75,21 +78,52 @@ def _check_tpu_kernel(compiled, name: str) -> None:
     assert mem is not None and mem.argument_size_in_bytes > 0
 
 
-def compile_attention(topology, dtype, num_q_heads, num_kv_heads, head_dim, page_size, num_tokens, num_seqs,
-                      soft_cap=None, kv_dtype=None, **kernel_options):
+def compile_attention(
+    topology,
+    dtype,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    num_tokens,
+    num_seqs,
+    soft_cap=None,
+    kv_dtype=None,
+    **kernel_options,
+):
     """AOT-compiles ragged_paged_attention_tpu for one chip of ``topology`` (pages in ``kv_dtype``, default
     ``dtype``); returns the compiled executable."""
     mesh = _mesh(topology)
     a = functools.partial(_abstract, mesh)
     cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     i32 = lambda *shape: a(shape, jnp.int32)  # noqa: E731
-    args = (a((num_tokens, num_q_heads, head_dim), dtype), cache, cache, i32(), i32(num_seqs),
-            i32(num_seqs, MAX_CTX // page_size), i32(num_seqs + 1), i32(), i32())
+    args = (
+        a((num_tokens, num_q_heads, head_dim), dtype),
+        cache,
+        cache,
+        i32(),
+        i32(num_seqs),
+        i32(num_seqs, MAX_CTX // page_size),
+        i32(num_seqs + 1),
+        i32(),
+        i32(),
+    )
 
     def step(q, k, v, layer, kv_lens, page_indices, cu_q_lens, n, window):
-        return ragged_paged_attention_tpu(q, k, v, layer, kv_lens, page_indices, cu_q_lens, n,
-                                          sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap,
-                                          **kernel_options)
+        return ragged_paged_attention_tpu(
+            q,
+            k,
+            v,
+            layer,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            n,
+            sm_scale=head_dim**-0.5,
+            sliding_window=window,
+            soft_cap=soft_cap,
+            **kernel_options,
+        )
 
     with jax.set_mesh(mesh):
         compiled = jax.jit(step).lower(*args).compile()
@@ -105,8 +139,11 @@ def compile_write_kv(topology, dtype, num_kv_heads, head_dim, page_size, num_tok
     cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     new = a((num_tokens, num_kv_heads, head_dim), dtype)
     with jax.set_mesh(mesh):
-        compiled = jax.jit(write_kv_tpu, donate_argnums=(0, 1)).lower(
-            cache, cache, a((), jnp.int32), new, new, a((num_tokens,), jnp.int32)).compile()
+        compiled = (
+            jax.jit(write_kv_tpu, donate_argnums=(0, 1))
+            .lower(cache, cache, a((), jnp.int32), new, new, a((num_tokens,), jnp.int32))
+            .compile()
+        )
     _check_tpu_kernel(compiled, "write_kv_tpu")
     return compiled
 
@@ -133,8 +170,10 @@ def test_attention_compiles_for_tpu(topology, corner):
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("dtype,num_kv_heads,head_dim,page_size,num_tokens",
-                         [(BF16, 8, 128, 16, 256), (F32, 1, 64, 64, 32), (BF16, 2, 256, 32, 32)])
+@pytest.mark.parametrize(
+    "dtype,num_kv_heads,head_dim,page_size,num_tokens",
+    [(BF16, 8, 128, 16, 256), (F32, 1, 64, 64, 32), (BF16, 2, 256, 32, 32)],
+)
 def test_write_kv_compiles_for_tpu(topology, dtype, num_kv_heads, head_dim, page_size, num_tokens):
     compile_write_kv(topology, dtype, num_kv_heads, head_dim, page_size, num_tokens)
 

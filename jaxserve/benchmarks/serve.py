@@ -23,9 +23,37 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-_WORDS = ["the", "a", "of", "river", "city", "light", "north", "stone", "garden", "music", "paper", "window", "seven",
-          "quiet", "market", "winter", "bright", "history", "engine", "forest", "number", "table", "ocean", "silver",
-          "story", "mountain", "coffee", "language", "science"]
+_WORDS = [
+    "the",
+    "a",
+    "of",
+    "river",
+    "city",
+    "light",
+    "north",
+    "stone",
+    "garden",
+    "music",
+    "paper",
+    "window",
+    "seven",
+    "quiet",
+    "market",
+    "winter",
+    "bright",
+    "history",
+    "engine",
+    "forest",
+    "number",
+    "table",
+    "ocean",
+    "silver",
+    "story",
+    "mountain",
+    "coffee",
+    "language",
+    "science",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,8 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
-    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
-                   help="requests per second (several: a sweep; inf: all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[float("inf")],
+        help="requests per second (several: a sweep; inf: all at once)",
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
@@ -112,16 +145,23 @@ async def _prompts(client, args, headers: dict) -> list[tuple[list[int], int]]:
     for _ in range(args.num_prompts):
         want = draw(args.input_len)
         text = " ".join(rng.choice(_WORDS) for _ in range(want * 2 + 8))
-        r = await client.post(f"{args.base_url}/tokenize", json={"prompt": text, "add_special_tokens": False},
-                              headers=headers)
+        r = await client.post(
+            f"{args.base_url}/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=headers
+        )
         r.raise_for_status()
         out.append((r.json()["tokens"][:want], draw(args.output_len)))
     return out
 
 
 def _payload(args, model: str, ids: list[int], out_len: int, detok: str | None) -> dict:
-    common = {"model": model, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True, "stream": True,
-              "stream_options": {"include_usage": True}}
+    common = {
+        "model": model,
+        "max_tokens": out_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.endpoint == "/v1/completions":
         return {**common, "prompt": ids}
     return {**common, "messages": [{"role": "user", "content": detok}]}
@@ -164,12 +204,20 @@ async def run_rate(client, args, model: str, work, headers: dict, rate: float) -
     n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_len for r in ok)
     errors = sorted({r.error for r in results if not r.ok})
     return {
-        "request_rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "errors": errors[:5],
-        "duration_s": duration, "input_tokens": n_in, "output_tokens": n_out,
-        "request_throughput": len(ok) / duration, "output_throughput": n_out / duration,
+        "request_rate": rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors[:5],
+        "duration_s": duration,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration,
-        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_ms": _stats([r.e2e for r in ok]),
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "e2e_ms": _stats([r.e2e for r in ok]),
     }
 
 
@@ -178,8 +226,10 @@ def print_result(r: dict) -> None:
     print(f"\n==== request rate {rate}/s: {r['completed']} completed, {r['failed']} failed in {r['duration_s']:.1f}s")
     for e in r["errors"]:
         print(f"  error: {e}")
-    print(f"  throughput: {r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, "
-          f"{r['total_token_throughput']:.1f} total tok/s")
+    print(
+        f"  throughput: {r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, "
+        f"{r['total_token_throughput']:.1f} total tok/s"
+    )
     print(f"  {'(ms)':<6}{'mean':>10}{'median':>10}{'p99':>10}")
     for key in ("ttft", "tpot", "itl", "e2e"):
         s = r[f"{key}_ms"]
@@ -250,8 +300,9 @@ def _require(module: str, what: str = "jaxserve bench serve"):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ModuleNotFoundError(f"{what} needs {module}: pip install {module} (or the bench extra: "
-                                  f"pip install -e \".[bench]\")") from e
+        raise ModuleNotFoundError(
+            f'{what} needs {module}: pip install {module} (or the bench extra: pip install -e ".[bench]")'
+        ) from e
 
 
 def main(args) -> int:
@@ -270,7 +321,10 @@ def main(args) -> int:
             kept = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
             json.dump({"args": kept, "results": results}, f, indent=1)
     if args.plot:
-        plot(results, args.plot, f"jaxserve bench serve: {args.num_prompts} requests, ~{args.input_len} in / "
-                                 f"{args.output_len} out tokens")
+        plot(
+            results,
+            args.plot,
+            f"jaxserve bench serve: {args.num_prompts} requests, ~{args.input_len} in / {args.output_len} out tokens",
+        )
         print(f"plot: {args.plot}")
     return 0 if all(r["completed"] for r in results) else 1

@@ -54,10 +54,13 @@ def resolve_model_path(model: str | Path | None) -> Path:
         raise FileNotFoundError(f"could not fetch {hf_repo!r} from the Hugging Face hub: {e}") from e
 
 
-def load_model(model: str | Path | None = None, dtype: str = "float32",
-               check_config: Callable[[ModelConfig], object] | None = None,
-               shardings: Callable[[ModelConfig], dict] | None = None,
-               keep_quantized: bool = False) -> LoadedModel:
+def load_model(
+    model: str | Path | None = None,
+    dtype: str = "float32",
+    check_config: Callable[[ModelConfig], object] | None = None,
+    shardings: Callable[[ModelConfig], dict] | None = None,
+    keep_quantized: bool = False,
+) -> LoadedModel:
     """Loads config + weights (as host arrays of ``dtype``) from any supported source.
 
     ``check_config`` sees the model's config before any weight is read (it raises to refuse the model).
@@ -80,15 +83,23 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
         ckpt = GGUFCheckpoint(path)
         cfg = ckpt.model_config()
         check(cfg)
-        params = params_from_hf_tensors(cfg, ckpt.iter_hf_tensors(progress=False, quantized=keep_quantized), dtype,
-                                        total=len(ckpt.tensors), shardings=shardings and shardings(cfg))
+        params = params_from_hf_tensors(
+            cfg,
+            ckpt.iter_hf_tensors(progress=False, quantized=keep_quantized),
+            dtype,
+            total=len(ckpt.tensors),
+            shardings=shardings and shardings(cfg),
+        )
         return LoadedModel(path.stem, cfg, params, path)
     if keep_quantized:
-        raise ValueError(f"quantization='gguf' serves a GGUF file's own quantized weights; {path} is not a GGUF "
-                         "file (quantize on load with 'int8' or 'int4' instead)")
+        raise ValueError(
+            f"quantization='gguf' serves a GGUF file's own quantized weights; {path} is not a GGUF "
+            "file (quantize on load with 'int8' or 'int4' instead)"
+        )
     if orbax_ckpt.is_orbax_dir(path):
-        cfg, params, saved_dtype = orbax_ckpt.load(path, None if shardings is None else
-                                                   lambda cfg: (check(cfg), shardings(cfg))[1])
+        cfg, params, saved_dtype = orbax_ckpt.load(
+            path, None if shardings is None else lambda cfg: (check(cfg), shardings(cfg))[1]
+        )
         if shardings is None:
             check(cfg)
         if saved_dtype != dtype:
@@ -102,14 +113,16 @@ def load_model(model: str | Path | None = None, dtype: str = "float32",
 
         cfg = read_config(path)
         check(cfg)
-        params = params_from_hf_tensors(cfg, iter_hf_dir(path), dtype, total=count_tensors(path),
-                                        shardings=shardings and shardings(cfg))
+        params = params_from_hf_tensors(
+            cfg, iter_hf_dir(path), dtype, total=count_tensors(path), shardings=shardings and shardings(cfg)
+        )
         return LoadedModel(path.name, cfg, params, path)
     raise FileNotFoundError(f"{path} is not a GGUF file, an HF model directory (config.json) or an orbax directory")
 
 
-def convert(src: str | Path | None, dst: str | Path, dtype: str = "float32",
-            quantization: str | None = None) -> ModelConfig:
+def convert(
+    src: str | Path | None, dst: str | Path, dtype: str = "float32", quantization: str | None = None
+) -> ModelConfig:
     """Writes an orbax checkpoint of a model (``jaxserve convert SRC DST``), which ``LLM(dst)`` restores shard by
     shard onto any mesh.
 
@@ -142,8 +155,12 @@ def convert(src: str | Path | None, dst: str | Path, dtype: str = "float32",
 
         from jaxserve import quant
 
-        params = {name: jax.tree.map(np.asarray, quant.quantize_param(name, value, quantization))
-                  if name in quant.QUANTIZED_PARAMS else value for name, value in params.items()}
+        params = {
+            name: jax.tree.map(np.asarray, quant.quantize_param(name, value, quantization))
+            if name in quant.QUANTIZED_PARAMS
+            else value
+            for name, value in params.items()
+        }
     orbax_ckpt.save(dst, loaded.config, params, dtype)
     orbax_ckpt.copy_tokenizer(path, Path(dst).resolve())
     return loaded.config

@@ -59,19 +59,27 @@ def quantization_config(model_dir: str | Path) -> dict | None:
     method = q.get("quant_method", "compressed-tensors")
     if method == "awq":
         if q.get("bits", 4) != 4 or str(q.get("version", "gemm")).lower() != "gemm":
-            raise ValueError(f"{model_dir}: AWQ checkpoints are read in their 4-bit GEMM layout; this one has bits="
-                             f"{q.get('bits')}, version={q.get('version')!r}")
+            raise ValueError(
+                f"{model_dir}: AWQ checkpoints are read in their 4-bit GEMM layout; this one has bits="
+                f"{q.get('bits')}, version={q.get('version')!r}"
+            )
         return q
     if method != "compressed-tensors":
-        raise ValueError(f"{model_dir}: quantization_config.quant_method {method!r} is not supported; jaxserve reads "
-                         "compressed-tensors and AutoAWQ (GEMM) checkpoints, and GGUF files (convert GPTQ ones to "
-                         "compressed-tensors with llm-compressor)")
+        raise ValueError(
+            f"{model_dir}: quantization_config.quant_method {method!r} is not supported; jaxserve reads "
+            "compressed-tensors and AutoAWQ (GEMM) checkpoints, and GGUF files (convert GPTQ ones to "
+            "compressed-tensors with llm-compressor)"
+        )
     formats = {q.get("format")} | {g.get("format") for g in (q.get("config_groups") or {}).values()}
-    unknown = sorted(str(f) for f in formats - {None, "pack-quantized", "int-quantized", "float-quantized",
-                                                "naive-quantized", "dense"})
+    unknown = sorted(
+        str(f)
+        for f in formats - {None, "pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "dense"}
+    )
     if unknown:
-        raise ValueError(f"{model_dir}: compressed-tensors format {', '.join(unknown)} is not supported "
-                         "(pack-quantized, int-quantized, float-quantized and naive-quantized are)")
+        raise ValueError(
+            f"{model_dir}: compressed-tensors format {', '.join(unknown)} is not supported "
+            "(pack-quantized, int-quantized, float-quantized and naive-quantized are)"
+        )
     return q
 
 
@@ -80,12 +88,19 @@ def _dynamic_int8_activations(qcfg: dict) -> bool:
     groups = [g for g in (qcfg.get("config_groups") or {}).values() if g.get("input_activations")]
     if not groups:
         return False
-    ok = all(g["input_activations"].get("type", "int") == "int" and g["input_activations"].get("num_bits") == 8
-             and g["input_activations"].get("dynamic") is True
-             and g["input_activations"].get("strategy") in ("token", None) for g in groups)
+    ok = all(
+        g["input_activations"].get("type", "int") == "int"
+        and g["input_activations"].get("num_bits") == 8
+        and g["input_activations"].get("dynamic") is True
+        and g["input_activations"].get("strategy") in ("token", None)
+        for g in groups
+    )
     if not ok:
-        logger.warning("this checkpoint also quantizes activations (%s); jaxserve serves its weights quantized and "
-                       "its activations in float", [g["input_activations"] for g in groups])
+        logger.warning(
+            "this checkpoint also quantizes activations (%s); jaxserve serves its weights quantized and "
+            "its activations in float",
+            [g["input_activations"] for g in groups],
+        )
     return ok
 
 
@@ -102,8 +117,10 @@ def _packed_bits(name: str, words: int, count: int) -> int:
     for bits in (4, 8):
         if words == -(-count * bits // 32):
             return bits
-    raise ValueError(f"{name}: {words} int32 words per row hold {count} values, which is neither 4-bit nor 8-bit "
-                     "packing (the only ones supported)")
+    raise ValueError(
+        f"{name}: {words} int32 words per row hold {count} values, which is neither 4-bit nor 8-bit "
+        "packing (the only ones supported)"
+    )
 
 
 def _group_scale(name: str, scale: np.ndarray, out: int, cols: int) -> tuple[np.ndarray, int]:
@@ -183,8 +200,9 @@ def _awq_module(name: str, parts: dict, qcfg: dict) -> GGUFQuantized:
     scale = np.ascontiguousarray(np.asarray(parts["scales"], np.float32).T)  # [out, groups]
     out, cols = q.shape
     if scale.shape[0] != out or cols % scale.shape[1]:
-        raise ValueError(f"{name}.scales has shape {parts['scales'].shape}, which does not group a [{cols}, {out}] "
-                         "qweight")
+        raise ValueError(
+            f"{name}.scales has shape {parts['scales'].shape}, which does not group a [{cols}, {out}] qweight"
+        )
     if "qzeros" in parts and qcfg.get("zero_point", True):
         zero = -_awq_unpack(parts["qzeros"]).T.astype(np.float32) * scale
         return GGUFQuantized(np.ascontiguousarray(q), scale, zero, bits=4, offset=0, group=cols // scale.shape[1])

@@ -61,7 +61,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- dequantization
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 at byte ``start`` of every block, as float32. [n, 1]"""
-    return blocks[:, start:start + 2].view(np.float16).astype(np.float32)
+    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
@@ -109,8 +109,8 @@ def _q4_1(b):  # d, m: f16 | qs: 16 bytes; x = d * q + m
 
 
 def _q5(b, qh_at):  # 5-bit values: a nibble plus bit j of the little-endian uint32 qh
-    high = np.unpackbits(b[:, qh_at:qh_at + 4], axis=1, bitorder="little") << 4
-    return _nibbles(b[:, qh_at + 4:qh_at + 20], 16) | high
+    high = np.unpackbits(b[:, qh_at : qh_at + 4], axis=1, bitorder="little") << 4
+    return _nibbles(b[:, qh_at + 4 : qh_at + 20], 16) | high
 
 
 def _q5_0(b):  # d: f16 | qh: 4 bytes | qs: 16 bytes; x = d * (q - 16)
@@ -175,15 +175,25 @@ def _q8_k(b):  # d: f32 | qs: 256 int8 | bsums: 16 int16 (only used by dot produ
 
 
 _BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
-    _Q.Q4_0: _q4_0, _Q.Q4_1: _q4_1, _Q.Q5_0: _q5_0, _Q.Q5_1: _q5_1, _Q.Q8_0: _q8_0, _Q.Q2_K: _q2_k, _Q.Q3_K: _q3_k,
-    _Q.Q4_K: _q4_k, _Q.Q5_K: _q5_k, _Q.Q6_K: _q6_k, _Q.Q8_K: _q8_k,
+    _Q.Q4_0: _q4_0,
+    _Q.Q4_1: _q4_1,
+    _Q.Q5_0: _q5_0,
+    _Q.Q5_1: _q5_1,
+    _Q.Q8_0: _q8_0,
+    _Q.Q2_K: _q2_k,
+    _Q.Q3_K: _q3_k,
+    _Q.Q4_K: _q4_k,
+    _Q.Q5_K: _q5_k,
+    _Q.Q6_K: _q6_k,
+    _Q.Q8_K: _q8_k,
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (_Q.F32, _Q.F16, _Q.BF16, *_BLOCK_DEQUANT)
 _CHUNK_VALUES = 1 << 18  # values per dequantization chunk: temporaries of ~1 MiB stay in cache
 
 
-def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, ...], *,
-               name: str | None = None) -> np.ndarray:
+def dequantize(
+    raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, ...], *, name: str | None = None
+) -> np.ndarray:
     """Dequantizes the raw bytes of one ggml tensor to float32.
 
     Args:
@@ -206,18 +216,21 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[
     except ValueError:
         raise ValueError(f"unknown ggml type {qtype!r}{what}") from None
     if qtype not in SUPPORTED_TYPES:
-        raise ValueError(f"unsupported ggml type {qtype.name}{what}; supported: "
-                         f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
+        raise ValueError(
+            f"unsupported ggml type {qtype.name}{what}; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}"
+        )
     shape = tuple(int(s) for s in shape)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     count = int(np.prod(shape, dtype=np.int64))
     if shape and shape[-1] % block_size:
-        raise ValueError(f"{qtype.name} {label}: last dimension {shape[-1]} is not a multiple of the "
-                         f"block size {block_size}")
+        raise ValueError(
+            f"{qtype.name} {label}: last dimension {shape[-1]} is not a multiple of the block size {block_size}"
+        )
     buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if buf.size != count // block_size * type_size:
-        raise ValueError(f"{qtype.name} {label} of shape {shape} needs {count // block_size * type_size} "
-                         f"bytes, got {buf.size}")
+        raise ValueError(
+            f"{qtype.name} {label} of shape {shape} needs {count // block_size * type_size} bytes, got {buf.size}"
+        )
     if qtype == _Q.F32:
         return buf.view(np.float32).reshape(shape).copy()
     if qtype == _Q.F16:
@@ -228,7 +241,7 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[
     out = np.empty((blocks.shape[0], block_size), np.float32)
     fn, step = _BLOCK_DEQUANT[qtype], max(1, _CHUNK_VALUES // block_size)
     for start in range(0, blocks.shape[0], step):
-        out[start:start + step] = fn(blocks[start:start + step])
+        out[start : start + step] = fn(blocks[start : start + step])
     return out.reshape(shape)
 
 
@@ -250,12 +263,13 @@ class GGUFQuantized:
 
     def map_rows(self, fn) -> GGUFQuantized:
         """The same tensor with ``fn`` applied to the rows (output channels) of every part."""
-        return dataclasses.replace(self, values=fn(self.values), scale=fn(self.scale),
-                                   zero=None if self.zero is None else fn(self.zero))
+        return dataclasses.replace(
+            self, values=fn(self.values), scale=fn(self.scale), zero=None if self.zero is None else fn(self.zero)
+        )
 
 
 def _d16(b: np.ndarray, start: int) -> np.ndarray:
-    return b[:, start:start + 2].view(np.float16)
+    return b[:, start : start + 2].view(np.float16)
 
 
 def _k_repack(b: np.ndarray, values: np.ndarray):
@@ -271,16 +285,29 @@ _REPACK = {
     _Q.Q4_0: (4, 8, 32, lambda b: (_nibbles(b[:, 2:18], 16), _d16(b, 0), None)),
     _Q.Q4_1: (4, 0, 32, lambda b: (_nibbles(b[:, 4:20], 16), _d16(b, 0), _d16(b, 2))),
     _Q.Q4_K: (4, 0, 32, lambda b: _k_repack(b, _nibbles(b[:, 16:144], 32))),
-    _Q.Q5_K: (8, 0, 32, lambda b: _k_repack(b, (_nibbles(b[:, 48:176], 32) | (_bit_planes(b[:, 16:48]) << 4))
-                                            .view(np.int8))),
-    _Q.Q6_K: (8, 32, 16, lambda b: ((_nibbles(b[:, 0:128], 64) | (_crumbs(b[:, 128:192], 32) << 4)).view(np.int8),
-                                    _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), None)),
+    _Q.Q5_K: (
+        8,
+        0,
+        32,
+        lambda b: _k_repack(b, (_nibbles(b[:, 48:176], 32) | (_bit_planes(b[:, 16:48]) << 4)).view(np.int8)),
+    ),
+    _Q.Q6_K: (
+        8,
+        32,
+        16,
+        lambda b: (
+            (_nibbles(b[:, 0:128], 64) | (_crumbs(b[:, 128:192], 32) << 4)).view(np.int8),
+            _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32),
+            None,
+        ),
+    ),
 }
 REPACKABLE_TYPES = tuple(_REPACK)
 
 
-def repack(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *,
-           name: str | None = None) -> GGUFQuantized:
+def repack(
+    raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *, name: str | None = None
+) -> GGUFQuantized:
     """A Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrix's blocks as values and scales (see ``GGUFQuantized``).
 
     Raises:
@@ -288,8 +315,10 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int,
     """
     qtype = GGMLQuantizationType(qtype)
     if qtype not in _REPACK:
-        raise ValueError(f"{qtype.name} tensor {name!r} cannot be served quantized (served as is: "
-                         f"{', '.join(t.name for t in REPACKABLE_TYPES)})")
+        raise ValueError(
+            f"{qtype.name} tensor {name!r} cannot be served quantized (served as is: "
+            f"{', '.join(t.name for t in REPACKABLE_TYPES)})"
+        )
     out_dim, in_dim = (int(x) for x in shape)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
@@ -297,8 +326,14 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int,
         raise ValueError(f"{qtype.name} tensor {name!r} of shape {shape} does not match its {buf.size} bytes")
     bits, offset, group, fn = _REPACK[qtype]
     values, scale, zero = fn(buf.reshape(-1, type_size))
-    return GGUFQuantized(values.reshape(out_dim, in_dim).copy(), scale.reshape(out_dim, -1).copy(),
-                         None if zero is None else zero.reshape(out_dim, -1).copy(), bits, offset, group)
+    return GGUFQuantized(
+        values.reshape(out_dim, in_dim).copy(),
+        scale.reshape(out_dim, -1).copy(),
+        None if zero is None else zero.reshape(out_dim, -1).copy(),
+        bits,
+        offset,
+        group,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- file parsing
@@ -325,8 +360,16 @@ _GGUF_MAGIC = b"GGUF"
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 # GGUF value type id -> (struct format, numpy dtype) for scalars; 8 = string, 9 = array.
 _SCALARS = {
-    0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16), 4: ("<I", np.uint32),
-    5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_), 10: ("<Q", np.uint64), 11: ("<q", np.int64),
+    0: ("<B", np.uint8),
+    1: ("<b", np.int8),
+    2: ("<H", np.uint16),
+    3: ("<h", np.int16),
+    4: ("<I", np.uint32),
+    5: ("<i", np.int32),
+    6: ("<f", np.float32),
+    7: ("<?", np.bool_),
+    10: ("<Q", np.uint64),
+    11: ("<q", np.int64),
     12: ("<d", np.float64),
 }
 _STRUCTS = {t: struct.Struct(fmt) for t, (fmt, _) in _SCALARS.items()}
@@ -356,7 +399,7 @@ class _Cursor:
         n = self.u64()
         start = self.take(n)
         try:
-            return self.buf[start:start + n].decode("utf-8")
+            return self.buf[start : start + n].decode("utf-8")
         except UnicodeDecodeError as e:
             raise _Corrupt(f"string at offset {start} is not UTF-8") from e
 
@@ -371,7 +414,7 @@ class _Cursor:
                 pos += 8
                 if pos + n > size:
                     raise _Truncated(f"string at offset {pos} runs past the end ({size} bytes)")
-                out.append(buf[pos:pos + n].decode("utf-8"))
+                out.append(buf[pos : pos + n].decode("utf-8"))
                 pos += n
         except UnicodeDecodeError as e:
             raise _Corrupt(f"string at offset {pos} is not UTF-8") from e
@@ -455,16 +498,24 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
 
 # GGUF tensor name -> HF name; ``{i}`` is the layer. ffn_norm is the pre-MLP norm: HF calls it
 # post_attention_layernorm except in Gemma-2, where that name belongs to the norm after attention.
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
@@ -498,12 +549,16 @@ def _llama3_rope_scaling(freqs: np.ndarray, head_dim: int, theta: float, meta: d
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * np.pi / inv_freq
     smooth = (orig / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    expected = np.where(wavelen < orig / scaling.high_freq_factor, 1.0,
-                        np.where(wavelen > orig / scaling.low_freq_factor, factor,
-                                 1.0 / ((1 - smooth) / factor + smooth)))
+    expected = np.where(
+        wavelen < orig / scaling.high_freq_factor,
+        1.0,
+        np.where(wavelen > orig / scaling.low_freq_factor, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+    )
     if freqs.shape != expected.shape or not np.allclose(freqs, expected, rtol=1e-4):
-        raise ValueError("rope_freqs.weight does not match llama3 rope scaling "
-                         f"(factor={factor}, low=1, high=4, original={orig}); this rope scaling is not supported")
+        raise ValueError(
+            "rope_freqs.weight does not match llama3 rope scaling "
+            f"(factor={factor}, low=1, high=4, original={orig}); this rope scaling is not supported"
+        )
     return scaling
 
 
@@ -577,8 +632,10 @@ class GGUFCheckpoint:
     def _arch(self) -> str:
         arch = self.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"{self.path.name}: GGUF architecture {arch!r} is not supported; "
-                             f"jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"{self.path.name}: GGUF architecture {arch!r} is not supported; "
+                f"jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         return arch
 
     def _meta(self, key: str, default: Any = ...) -> Any:
@@ -632,8 +689,9 @@ class GGUFCheckpoint:
         if "rope_freqs.weight" in self.tensors:
             if rope_scaling is not None:
                 raise ValueError(f"{self.path.name}: both rope.scaling.type and rope_freqs.weight are set")
-            rope_scaling = _llama3_rope_scaling(self.tensor("rope_freqs.weight").reshape(-1), head_dim, theta,
-                                                self.metadata, arch)
+            rope_scaling = _llama3_rope_scaling(
+                self.tensor("rope_freqs.weight").reshape(-1), head_dim, theta, self.metadata, arch
+            )
 
         sliding_window = self._meta(a + "attention.sliding_window", None) or None
         sliding_layers = None
@@ -708,8 +766,9 @@ class GGUFCheckpoint:
                 out[hf] = info.shape
         return out
 
-    def iter_hf_tensors(self, progress: bool = True,
-                        quantized: bool = False) -> Iterator[tuple[str, np.ndarray | GGUFQuantized]]:
+    def iter_hf_tensors(
+        self, progress: bool = True, quantized: bool = False
+    ) -> Iterator[tuple[str, np.ndarray | GGUFQuantized]]:
         """Yields ``(hf_name, float32 array)`` for every weight, in HF transformers' naming and layout.
 
         llama's q/k rows are un-permuted, and Gemma's norm weights (stored by llama.cpp as ``1 + w``) are
@@ -729,8 +788,15 @@ class GGUFCheckpoint:
         names = [(name, self.hf_name(name)) for name in self.tensors]  # fail on unknown names before any work
         names = [(name, hf) for name, hf in names if hf is not None]
         total = sum(self.tensors[name].nbytes for name, _ in names)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {self.path.name}", delay=1.0,
-                  disable=not progress, leave=False) as bar:
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc=f"Loading {self.path.name}",
+            delay=1.0,
+            disable=not progress,
+            leave=False,
+        ) as bar:
             fallback = []
             for name, hf in names:
                 info = self.tensors[name]
@@ -752,6 +818,9 @@ class GGUFCheckpoint:
                 bar.update(self.tensors[name].nbytes)
                 yield hf, w
             if fallback:
-                logger.warning("%s: %d matrices of types that are not served quantized were dequantized to float: %s",
-                               self.path.name, len(fallback), ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8
-                                                                                          else ""))
+                logger.warning(
+                    "%s: %d matrices of types that are not served quantized were dequantized to float: %s",
+                    self.path.name,
+                    len(fallback),
+                    ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""),
+                )

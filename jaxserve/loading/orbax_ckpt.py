@@ -19,8 +19,14 @@ import numpy as np
 from jaxserve.config import ModelConfig
 
 MARKER = "jaxserve.json"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                    "generation_config.json", "chat_template.jinja")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def is_orbax_dir(path: Path) -> bool:
@@ -44,8 +50,11 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict[str, np.ndarray], dtype
     tree, quantized = {}, {}
     for name, value in params.items():
         if is_quantized(value):
-            tree[name] = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
-                          if not f.metadata.get("static") and getattr(value, f.name) is not None}
+            tree[name] = {
+                f.name: getattr(value, f.name)
+                for f in dataclasses.fields(value)
+                if not f.metadata.get("static") and getattr(value, f.name) is not None
+            }
             quantized[name] = _static(value)
         else:
             tree[name] = value
@@ -59,8 +68,10 @@ def save(dst: str | Path, cfg: ModelConfig, params: dict[str, np.ndarray], dtype
 def _rebuild(params: dict, quantized: dict) -> dict:
     from jaxserve.quant import QArray
 
-    return {name: QArray(**{"zero": None} | value, **quantized[name]) if name in quantized else value  # zero: optional
-            for name, value in params.items()}
+    return {
+        name: QArray(**{"zero": None} | value, **quantized[name]) if name in quantized else value  # zero: optional
+        for name, value in params.items()
+    }
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
@@ -111,7 +122,8 @@ def load(path: str | Path, shardings: Callable[[ModelConfig], dict] | None = Non
     def abstract(m, sharding):
         return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=fit_sharding(sharding, tuple(m.shape)))
 
-    target = {name: jax.tree.map(lambda m, s=placement[name]: abstract(m, s), value,
-                                 is_leaf=lambda m: hasattr(m, "shape"))
-              for name, value in stored.items()}
+    target = {
+        name: jax.tree.map(lambda m, s=placement[name]: abstract(m, s), value, is_leaf=lambda m: hasattr(m, "shape"))
+        for name, value in stored.items()
+    }
     return cfg, _rebuild(ckpt.restore(path / "params", target), quantized), meta["dtype"]

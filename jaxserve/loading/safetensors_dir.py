@@ -17,9 +17,18 @@ import numpy as np
 from jaxserve.config import ModelConfig
 
 _DTYPES = {
-    "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 
 
@@ -76,7 +85,7 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         start, end = info["data_offsets"]
         if base + end > mm.shape[0]:
             raise ValueError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
-        yield name, mm[base + start: base + end].view(dtype).reshape(info["shape"])
+        yield name, mm[base + start : base + end].view(dtype).reshape(info["shape"])
 
 
 def count_tensors(model_dir: str | Path) -> int:

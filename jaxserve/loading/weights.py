@@ -85,8 +85,11 @@ def params_from_hf_tensors(
     """
     np_dtype = _NP_DTYPES[dtype]
     shapes = param_shapes(cfg)
-    params = ({name: np.empty(shape, np_dtype) for name, shape in shapes.items()} if shardings is None else
-              _DeviceParams(shapes, np_dtype, shardings))
+    params = (
+        {name: np.empty(shape, np_dtype) for name, shape in shapes.items()}
+        if shardings is None
+        else _DeviceParams(shapes, np_dtype, shardings)
+    )
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict] = {}  # name -> {layer: QArray parts} of checkpoints served quantized
     for hf_name, array in tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False):
@@ -100,8 +103,10 @@ def params_from_hf_tensors(
             expected = shapes[name] if layer is None else shapes[name][1:]
             got = array.values.T.shape if transpose else array.values.shape
             if got != expected:
-                raise ValueError(f"tensor {hf_name!r} has shape {array.values.shape}, expected "
-                                 f"{tuple(expected[::-1] if transpose else expected)}")
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {array.values.shape}, expected "
+                    f"{tuple(expected[::-1] if transpose else expected)}"
+                )
             quantized.setdefault(name, {})[layer] = _quantized_parts(array, transpose)
             filled[name].add(layer)
             continue
@@ -129,8 +134,9 @@ def params_from_hf_tensors(
     out = params if shardings is None else params.arrays
     for name, layers in quantized.items():
         if len(filled[name]) != len(layers):
-            raise ValueError(f"weight {name!r} is quantized in some layers and not in others: it cannot be served "
-                             "quantized")
+            raise ValueError(
+                f"weight {name!r} is quantized in some layers and not in others: it cannot be served quantized"
+            )
         out[name] = _stack_quantized(layers)
     return out
 
@@ -160,8 +166,10 @@ def _stack_quantized(layers: dict):
     if None in layers:
         return QArray(**layers[None])
     order = sorted(layers)
-    stacked = {k: None if layers[order[0]][k] is None else np.stack([layers[i][k] for i in order])
-               for k in ("q", "scale", "zero")}
+    stacked = {
+        k: None if layers[order[0]][k] is None else np.stack([layers[i][k] for i in order])
+        for k in ("q", "scale", "zero")
+    }
     return QArray(**stacked, **static)
 
 
@@ -175,8 +183,9 @@ class _DeviceParams:
 
         self.shapes, self.dtype, self.shardings = shapes, dtype, shardings
         self.arrays: dict = {}
-        self._write = jax.jit(lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0),
-                              donate_argnums=0)  # in place: the stacked array is never copied
+        self._write = jax.jit(
+            lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0), donate_argnums=0
+        )  # in place: the stacked array is never copied
 
     def __contains__(self, name) -> bool:
         return name in self.shapes

@@ -107,8 +107,9 @@ def pack_bf16(w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint32)
 
 
-def matmul(x: jax.Array, w: jax.Array | quant.QArray, rows_fn: RowsFn | None = None,
-           layer: jax.Array | None = None) -> jax.Array:
+def matmul(
+    x: jax.Array, w: jax.Array | quant.QArray, rows_fn: RowsFn | None = None, layer: jax.Array | None = None
+) -> jax.Array:
     """x @ w in w's dtype (uint32: bfloat16 pairs from :func:`pack_bf16`; a ``QArray``: quantized, see
     ``jaxserve.quant.matmul``), accumulated in x's dtype.
 
@@ -153,8 +154,15 @@ class ParamSpec:
 def param_schema(cfg: ModelConfig) -> dict[str, ParamSpec]:
     """Every parameter of :class:`Llama` for this config: the model builds from it, loaders fill it, the
     sharding rules place it."""
-    L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.vocab_size)
+    L, D, N, K, H, F, V = (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
 
     def norm(*dims: tuple[int, str]) -> ParamSpec:
         return ParamSpec(tuple(n for n, _ in dims), tuple(a for _, a in dims), norm=True)
@@ -167,7 +175,9 @@ def param_schema(cfg: ModelConfig) -> dict[str, ParamSpec]:
     schema = {
         "embed": dense((V, "vocab"), embed),
         "attn_norm": norm(layers, embed),
-        "wq": dense(layers, embed, q), "wk": dense(layers, embed, kv), "wv": dense(layers, embed, kv),
+        "wq": dense(layers, embed, q),
+        "wk": dense(layers, embed, kv),
+        "wv": dense(layers, embed, kv),
         "wo": dense(layers, q, embed),
     }
     if cfg.attention_bias:
@@ -176,8 +186,13 @@ def param_schema(cfg: ModelConfig) -> dict[str, ParamSpec]:
         schema.update(q_norm=norm(layers, (H, "head_dim")), k_norm=norm(layers, (H, "head_dim")))
     if cfg.sandwich_norms:
         schema.update(post_attn_norm=norm(layers, embed), post_mlp_norm=norm(layers, embed))
-    schema.update(mlp_norm=norm(layers, embed), w_gate=dense(layers, embed, mlp), w_up=dense(layers, embed, mlp),
-                  w_down=dense(layers, mlp, embed), final_norm=norm(embed))
+    schema.update(
+        mlp_norm=norm(layers, embed),
+        w_gate=dense(layers, embed, mlp),
+        w_up=dense(layers, embed, mlp),
+        w_down=dense(layers, mlp, embed),
+        final_norm=norm(embed),
+    )
     if not cfg.tie_word_embeddings:
         schema["lm_head"] = dense(embed, (V, "vocab"))
     return schema
@@ -196,12 +211,31 @@ class Llama(nnx.Module):
         init = nnx.initializers.normal(0.02)
         for name, spec in param_schema(cfg).items():
             # Gemma scales by (1 + w): its norms start from w = 0, the others' from w = 1.
-            value = (jnp.full(spec.shape, 1.0 - cfg.norm_weight_offset, dtype) if spec.norm
-                     else init(rngs.params(), spec.shape, dtype))
+            value = (
+                jnp.full(spec.shape, 1.0 - cfg.norm_weight_offset, dtype)
+                if spec.norm
+                else init(rngs.params(), spec.shape, dtype)
+            )
             setattr(self, name, nnx.Param(value))
 
-    _LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
-                     "post_attn_norm", "post_mlp_norm", "mlp_norm", "w_gate", "w_up", "w_down")
+    _LAYER_PARAMS = (
+        "attn_norm",
+        "wq",
+        "wk",
+        "wv",
+        "wo",
+        "bq",
+        "bk",
+        "bv",
+        "q_norm",
+        "k_norm",
+        "post_attn_norm",
+        "post_mlp_norm",
+        "mlp_norm",
+        "w_gate",
+        "w_up",
+        "w_down",
+    )
     MATMUL_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
     def matmul_weights(self) -> dict[str, jax.Array]:
@@ -279,8 +313,17 @@ class Llama(nnx.Module):
             q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
             k_cache, v_cache = write_kv_fn(k_cache, v_cache, layer_idx, k, v, batch.slot_mapping)
             attn = attention_fn(
-                q, k_cache, v_cache, layer_idx, batch.kv_lens, batch.page_indices, batch.cu_q_lens,
-                batch.num_seqs, sm_scale=cfg.attn_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+                q,
+                k_cache,
+                v_cache,
+                layer_idx,
+                batch.kv_lens,
+                batch.page_indices,
+                batch.cu_q_lens,
+                batch.num_seqs,
+                sm_scale=cfg.attn_scale,
+                sliding_window=window,
+                soft_cap=cfg.attn_logit_softcap,
             )  # [T, N, H]
             o = mul(attn.reshape(T, N * H), "wo")
             if cfg.sandwich_norms:
@@ -298,8 +341,9 @@ class Llama(nnx.Module):
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
         return rms_norm(x, self.final_norm[...], eps, off), k_cache, v_cache
 
-    def logits(self, hidden: jax.Array, matmul_weights: dict[str, jax.Array] | None = None,
-               rows_fn: RowsFn | None = None) -> jax.Array:
+    def logits(
+        self, hidden: jax.Array, matmul_weights: dict[str, jax.Array] | None = None, rows_fn: RowsFn | None = None
+    ) -> jax.Array:
         """[..., D] -> [..., V] float32 logits (with Gemma-2's final soft cap); ``matmul_weights`` and ``rows_fn``
         as in ``__call__``."""
         if matmul_weights is not None and (math.prod(hidden.shape[:-1]) >= MATMUL_WEIGHTS_MIN_ROWS or rows_fn):

@@ -54,11 +54,21 @@ def _streamed(model) -> dict:
 
 def _event_schema(chunk_ref: str) -> dict:
     """One server-sent event: ``data`` is a JSON chunk (or an error) or the final ``[DONE]``."""
-    json_data = {"type": "string", "contentMediaType": "application/json",
-                 "contentSchema": {"anyOf": [{"$ref": chunk_ref}, {"$ref": "#/components/schemas/ErrorResponse"}]}}
-    return {"type": "object", "required": ["data"],
-            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}, "event": {"type": "string"},
-                           "id": {"type": "string"}, "retry": {"type": "integer"}}}
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [{"$ref": chunk_ref}, {"$ref": "#/components/schemas/ErrorResponse"}]},
+    }
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"anyOf": [{"const": "[DONE]"}, json_data]},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
 
 
 class _Guard:
@@ -75,17 +85,22 @@ class _Guard:
         if key and scope["path"].startswith(_PROTECTED):
             given = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
             if len(given) > 1:  # which one to believe? (a proxy may have added one) Neither.
-                return await error_response(400, "More than one Authorization header.",
-                                            code="invalid_api_key")(scope, receive, send)
+                return await error_response(400, "More than one Authorization header.", code="invalid_api_key")(
+                    scope, receive, send
+                )
             if not secrets.compare_digest(given[0] if given else b"", f"Bearer {key}".encode()):
-                return await error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                                            code="invalid_api_key",
-                                            headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return await error_response(
+                    401,
+                    "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.state.max_body_bytes
-        too_large = error_response(413, f"The request body is larger than the limit of {limit} bytes.",
-                                   code="request_too_large")
+        too_large = error_response(
+            413, f"The request body is larger than the limit of {limit} bytes.", code="request_too_large"
+        )
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             if not length.isdigit():
@@ -114,10 +129,17 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
-def build_app(engine, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-              max_body_bytes: int = 4 * 1024 * 1024, max_waiting: int = 256,
-              shutdown_timeout: float = 30.0, max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS,
-              tool_call_parser: str | None = None) -> FastAPI:
+def build_app(
+    engine,
+    *,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = 4 * 1024 * 1024,
+    max_waiting: int = 256,
+    shutdown_timeout: float = 30.0,
+    max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS,
+    tool_call_parser: str | None = None,
+) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``LLMEngine``); the engine thread runs while the app does.
 
     Args:
@@ -133,8 +155,7 @@ def build_app(engine, *, served_model_names: list[str] | None = None, api_key: s
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)} or None, got {tool_call_parser!r}")
     names = list(served_model_names or [engine.model_name])
-    state = ServerState(AsyncEngine(engine, names[0], max_waiting), names, api_key, max_body_bytes,
-                        max_prompt_chars)
+    state = ServerState(AsyncEngine(engine, names[0], max_waiting), names, api_key, max_body_bytes, max_prompt_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -144,9 +165,13 @@ def build_app(engine, *, served_model_names: list[str] | None = None, api_key: s
         finally:
             await state.engine.shutdown(shutdown_timeout)
 
-    app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan,
-                  default_response_class=JSONResponse,
-                  description="OpenAI-compatible API of the jaxserve JAX inference engine.")
+    app = FastAPI(
+        title="jaxserve",
+        version=jaxserve.__version__,
+        lifespan=lifespan,
+        default_response_class=JSONResponse,
+        description="OpenAI-compatible API of the jaxserve JAX inference engine.",
+    )
     app.state.server = state
     app.state.tool_call_parser = tool_call_parser
     install_error_handlers(app)
@@ -159,8 +184,7 @@ def build_app(engine, *, served_model_names: list[str] | None = None, api_key: s
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     common = _errors(400, 401, 404, 413, 503)
     app.post("/v1/completions", responses={**_streamed(CompletionResponse), **common})(create_completion)
-    app.post("/v1/chat/completions", responses={**_streamed(ChatCompletionResponse), **common})(
-        create_chat_completion)
+    app.post("/v1/chat/completions", responses={**_streamed(ChatCompletionResponse), **common})(create_chat_completion)
     app.post("/v1/responses", responses={**_streamed(ResponseObject), **common})(create_response)
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
@@ -182,8 +206,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def version():
         return {"version": jaxserve.__version__}
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
     async def metrics():
         return Response(generate_latest(state.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -191,8 +218,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(req: TokenizeRequest):
         state.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            ids = await render_chat(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                    req.chat_template_kwargs, parser=app.state.tool_call_parser)
+            ids = await render_chat(
+                state,
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+                parser=app.state.tool_call_parser,
+            )
         else:
             state.check_prompt_chars(len(req.prompt))
             ids = await state.encode(req.prompt, req.add_special_tokens is not False)
@@ -223,24 +256,39 @@ def _tokenizer_info(tok, max_model_len: int) -> dict:
     plain, full = tok.encode("a", add_special_tokens=False), tok.encode("a", add_special_tokens=True)
     extra = len(full) - len(plain)
     add_bos = extra > 0 and tok.bos_token_id is not None and full[0] == tok.bos_token_id
-    added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
-                      "single_word": t.single_word, "special": t.special}
-             for i, t in sorted(tok.added_tokens.items())}
-    return {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_tokens,
-            "add_bos_token": add_bos, "add_eos_token": extra > int(add_bos),
-            "model_max_length": max_model_len, "chat_template": tok.chat_template,
-            "clean_up_tokenization_spaces": False, "added_tokens_decoder": added}
+    added = {
+        str(i): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
+        for i, t in sorted(tok.added_tokens.items())
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **tok.special_tokens,
+        "add_bos_token": add_bos,
+        "add_eos_token": extra > int(add_bos),
+        "model_max_length": max_model_len,
+        "chat_template": tok.chat_template,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": added,
+    }
 
 
 def _tokens_body(ids: list[int], max_model_len: int, piece: int = 32 * 1024) -> bytes:
     """A TokenizeResponse's JSON, written in pieces."""
-    tokens = ",".join([",".join(map(str, ids[i: i + piece])) for i in range(0, len(ids), piece)])
+    tokens = ",".join([",".join(map(str, ids[i : i + piece])) for i in range(0, len(ids), piece)])
     return f'{{"count":{len(ids)},"max_model_len":{max_model_len},"tokens":[{tokens}]}}'.encode()
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
-    return ModelCard(id=name, created=state.created, root=state.engine.engine.model_name,
-                     max_model_len=state.max_model_len)
+    return ModelCard(
+        id=name, created=state.created, root=state.engine.engine.model_name, max_model_len=state.max_model_len
+    )
 
 
 def below_pattern(n: int) -> str:
@@ -287,9 +335,11 @@ def _tidy_openapi(app: FastAPI, with_auth: bool, vocab_size: int) -> None:
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
-            for path, chunk in (("/v1/completions", CompletionStreamResponse),
-                                ("/v1/chat/completions", ChatCompletionChunk),
-                                ("/v1/responses", ResponseStreamEvent)):
+            for path, chunk in (
+                ("/v1/completions", CompletionStreamResponse),
+                ("/v1/chat/completions", ChatCompletionChunk),
+                ("/v1/responses", ResponseStreamEvent),
+            ):
                 chunk_schema = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(chunk_schema.pop("$defs", {}))
                 components[chunk.__name__] = chunk_schema
@@ -297,7 +347,8 @@ def _tidy_openapi(app: FastAPI, with_auth: bool, vocab_size: int) -> None:
                 content["text/event-stream"] = {"schema": _event_schema(f"#/components/schemas/{chunk.__name__}")}
             if with_auth:
                 schema.setdefault("components", {})["securitySchemes"] = {
-                    "bearer": {"type": "http", "scheme": "bearer"}}
+                    "bearer": {"type": "http", "scheme": "bearer"}
+                }
                 for route, path in schema["paths"].items():
                     if route.startswith(_PROTECTED):
                         for op in path.values():
@@ -306,4 +357,3 @@ def _tidy_openapi(app: FastAPI, with_auth: bool, vocab_size: int) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
-

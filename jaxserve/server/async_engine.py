@@ -170,8 +170,13 @@ class AsyncEngine:
         return self._num_waiting
 
     # ------------------------------------------------------------------ requests (event loop)
-    async def add_requests(self, items: Sequence[tuple[str, Sequence[int]]], params: SamplingParams,
-                           priority: int = 0, arrival: float | None = None) -> list[RequestStream]:
+    async def add_requests(
+        self,
+        items: Sequence[tuple[str, Sequence[int]]],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival: float | None = None,
+    ) -> list[RequestStream]:
         """Queues the ``(request_id, prompt_ids)`` of one client request as one command: the engine admits them
         all between two steps (so the next step can schedule them all), or none. Returns their streams.
 
@@ -185,8 +190,9 @@ class AsyncEngine:
         if self.draining:
             raise ServerBusyError("the server is shutting down", retry_after=5)
         if self._num_waiting >= self.max_waiting:
-            raise ServerBusyError(f"{self._num_waiting} requests are already waiting (limit {self.max_waiting}); "
-                                  "retry later")
+            raise ServerBusyError(
+                f"{self._num_waiting} requests are already waiting (limit {self.max_waiting}); retry later"
+            )
         structured = getattr(self.engine, "structured", None)
         if params.structured_outputs is not None and structured is not None:
             # Compile the grammar here, in a worker thread (cached by the engine), so the engine thread, which
@@ -388,4 +394,3 @@ def _admit(engine, batch: list[tuple]) -> None:
         for rid in added:
             engine.abort_request(rid)
         raise
-

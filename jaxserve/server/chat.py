@@ -68,9 +68,10 @@ def _message(m: ChatMessage) -> dict:
     if m.function_call is not None and not calls:
         calls = [(None, m.function_call)]
     if calls:
-        msg["tool_calls"] = [{"id": cid, "type": "function",
-                              "function": {"name": f.name, "arguments": _args_value(f.arguments)}}
-                             for cid, f in calls]
+        msg["tool_calls"] = [
+            {"id": cid, "type": "function", "function": {"name": f.name, "arguments": _args_value(f.arguments)}}
+            for cid, f in calls
+        ]
     if m.tool_call_id is not None:
         msg["tool_call_id"] = m.tool_call_id
     return msg
@@ -104,8 +105,9 @@ def _with_tools_prompt(msgs: list[dict], tools: list[dict], parser: str) -> list
     return [{"role": "system", "content": prompt}] + msgs
 
 
-def _render(tokenizer, msgs: list[dict], add_generation_prompt: bool, kwargs: dict, tools: list[dict] | None,
-            parser: str | None) -> str:
+def _render(
+    tokenizer, msgs: list[dict], add_generation_prompt: bool, kwargs: dict, tools: list[dict] | None, parser: str | None
+) -> str:
     """The conversation in the chat template. Tools go to the template when it renders them, else into a system
     prompt; replayed tool calls likewise (else written as text). If the template refuses the conversation and it
     holds tool messages, they are retried as text (calls in the assistant's content, results as user messages)."""
@@ -121,19 +123,25 @@ def _render(tokenizer, msgs: list[dict], add_generation_prompt: bool, kwargs: di
         if has_calls and "tool_calls" not in source:
             msgs = _calls_as_text(msgs, parser, results_as_user=False)
     try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             tools=tools, **kwargs)
+        return tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools, **kwargs
+        )
     except Exception as e:
         first = e
     if has_calls or any(m["role"] == "tool" for m in msgs):
         try:
-            return tokenizer.apply_chat_template(_calls_as_text(msgs, parser, results_as_user=True),
-                                                 add_generation_prompt=add_generation_prompt, tokenize=False,
-                                                 tools=tools, **kwargs)
+            return tokenizer.apply_chat_template(
+                _calls_as_text(msgs, parser, results_as_user=True),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                tools=tools,
+                **kwargs,
+            )
         except Exception:  # noqa: BLE001 - the first error is the one to report
             pass
-    raise APIError(400, f"the chat template could not render these messages: {type(first).__name__}: {first}",
-                   param="messages") from first
+    raise APIError(
+        400, f"the chat template could not render these messages: {type(first).__name__}: {first}", param="messages"
+    ) from first
 
 
 def tool_parser_name(state: ServerState, configured: str | None, tools: list[dict] | None = None) -> str:
@@ -146,9 +154,16 @@ def tool_parser_name(state: ServerState, configured: str | None, tools: list[dic
         return "hermes"
 
 
-async def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool | None,
-                      continue_final_message: bool | None, template_kwargs: dict | None, *,
-                      tools: list[dict] | None = None, parser: str | None = None) -> list[int]:
+async def render_chat(
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool | None,
+    continue_final_message: bool | None,
+    template_kwargs: dict | None,
+    *,
+    tools: list[dict] | None = None,
+    parser: str | None = None,
+) -> list[int]:
     """Token ids of the conversation in the model's chat template (400 if the template refuses it).
 
     ``tools``: OpenAI tool definitions to offer the model; ``parser``: the tool-call format replayed calls and
@@ -164,14 +179,25 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], add_gener
         kwargs.pop(reserved, None)
     if not parser and (tools or any("tool_calls" in m for m in msgs)):
         parser = tool_parser_name(state, None, tools)
-    text = await off_loop(size, _render, state.tokenizer, msgs, not cont and add_generation_prompt is not False,
-                          kwargs, tools or None, parser)
+    text = await off_loop(
+        size,
+        _render,
+        state.tokenizer,
+        msgs,
+        not cont and add_generation_prompt is not False,
+        kwargs,
+        tools or None,
+        parser,
+    )
     if cont:  # end the text right after the last message's content, so the model carries on from there
         last = msgs[-1]["content"]
         at = text.rfind(last) if last else -1
         if at < 0:
-            raise APIError(400, "continue_final_message: the final message's content is not in the rendered "
-                                "template", param="continue_final_message")
+            raise APIError(
+                400,
+                "continue_final_message: the final message's content is not in the rendered template",
+                param="continue_final_message",
+            )
         text = text[: at + len(last)]
     ids = await state.encode(text, add_special_tokens=False)
     if not ids:
@@ -196,8 +222,12 @@ def _tool_constraint(req: ChatCompletionRequest, plan: ToolPlan, parser: str, to
         return own
     choice = "function_call" if plan.legacy else "tool_choice"
     if own is not None:
-        raise APIError(400, f"{choice} forces a tool call, so {own.source.split('.')[0]} cannot constrain the "
-                            "output too; leave one of them out", param=own.source.split(".")[0])
+        raise APIError(
+            400,
+            f"{choice} forces a tool call, so {own.source.split('.')[0]} cannot constrain the "
+            "output too; leave one of them out",
+            param=own.source.split(".")[0],
+        )
     grammar = tool_call_grammar(parser, plan.forced, plan.max_calls, _special_marker(tokenizer, parser))
     return Constraint({"grammar": grammar}, "functions" if plan.legacy else "tools")  # their schemas are in it
 
@@ -211,17 +241,27 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     plan = plan_tools(req)
     configured = getattr(raw.app.state, "tool_call_parser", None)
     parser = tool_parser_name(state, configured, plan.tools or None) if plan.parse else configured
-    ids = await render_chat(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                            req.chat_template_kwargs, tools=plan.tools, parser=parser)
+    ids = await render_chat(
+        state,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+        tools=plan.tools,
+        parser=parser,
+    )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    check_context(len(ids), max_tokens, state.max_model_len,
-                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    check_context(
+        len(ids),
+        max_tokens,
+        state.max_model_len,
+        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+    )
     k = (req.top_logprobs or 0) if req.logprobs else None
     constraint = _tool_constraint(req, plan, parser, state.tokenizer)
     if plan.parse and _special_marker(state.tokenizer, parser) is not None:
         req = req.model_copy(update={"skip_special_tokens": False})  # the parser must see the call marker
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, vocab_size=state.vocab_size,
-                             constraint=constraint)
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, vocab_size=state.vocab_size, constraint=constraint)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         streams = await state.add_all(rid, [ids], params, req.priority or 0, arrival)
@@ -232,23 +272,34 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
 
 
 class _Ctx:
-    def __init__(self, req: ChatCompletionRequest, rid: str, model: str, num_prompt: int, k: int | None,
-                 plan: ToolPlan, parser: str):
+    def __init__(
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        model: str,
+        num_prompt: int,
+        k: int | None,
+        plan: ToolPlan,
+        parser: str,
+    ):
         self.req, self.rid, self.model, self.num_prompt, self.k = req, rid, model, num_prompt, k
         self.plan, self.parser = plan, parser
         self.created = int(time.time())
 
     def usage(self, generated: int) -> dict:
-        return {"prompt_tokens": self.num_prompt, "completion_tokens": generated,
-                "total_tokens": self.num_prompt + generated}
+        return {
+            "prompt_tokens": self.num_prompt,
+            "completion_tokens": generated,
+            "total_tokens": self.num_prompt + generated,
+        }
 
     def _logprobs(self, c, lo: int) -> dict | None:
         if self.k is None or c.logprobs is None:
             return None
-        return {"content": chat_logprobs(c.token_ids[lo:], c.logprobs[lo:len(c.token_ids)], self.k)}
+        return {"content": chat_logprobs(c.token_ids[lo:], c.logprobs[lo : len(c.token_ids)], self.k)}
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
-        """"tool_calls" ("function_call" for legacy functions) when the answer made calls and ended by itself."""
+        """ "tool_calls" ("function_call" for legacy functions) when the answer made calls and ended by itself."""
         if called and reason == "stop":
             return "function_call" if self.plan.legacy else "tool_calls"
         return reason
@@ -271,18 +322,35 @@ class _Ctx:
         choices = []
         for c in out.outputs:
             msg, called = self._message(c.text)
-            choices.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c, 0),
-                            "finish_reason": self._finish_reason(c.finish_reason, called),
-                            "stop_reason": c.stop_reason})
-        body = {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(sum(len(c.token_ids) for c in out.outputs))}
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": msg,
+                    "logprobs": self._logprobs(c, 0),
+                    "finish_reason": self._finish_reason(c.finish_reason, called),
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        body = {
+            "id": self.rid,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(sum(len(c.token_ids) for c in out.outputs)),
+        }
         if self.req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs(getattr(out, "prompt_logprobs", None))
         return body
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        chunk = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": choices}
+        chunk = {
+            "id": self.rid,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if usage is not None:
             chunk["usage"] = usage
         return chunk
@@ -296,8 +364,12 @@ class _Ctx:
             if isinstance(e, ContentDelta):
                 delta["content"] = delta.get("content", "") + e.text
             elif isinstance(e, CallStart):
-                calls[e.index] = {"index": e.index, "id": e.id, "type": "function",
-                                  "function": {"name": e.name, "arguments": ""}}
+                calls[e.index] = {
+                    "index": e.index,
+                    "id": e.id,
+                    "type": "function",
+                    "function": {"name": e.name, "arguments": ""},
+                }
             elif isinstance(e, ArgsDelta):
                 entry = calls.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
                 entry["function"]["arguments"] += e.text
@@ -315,8 +387,19 @@ class _Ctx:
         continuous = include_usage and bool(opts.continuous_usage_stats)
         n = self.req.n or 1
         for i in range(n):  # the role first, as OpenAI does
-            yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}], self.usage(0) if continuous else None))
+            yield sse(
+                self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    self.usage(0) if continuous else None,
+                )
+            )
         parsers = [get_parser(self.parser) for _ in range(n)] if self.plan.parse else None
         sent_text = [0] * n
         sent_tok = [0] * n
@@ -328,7 +411,7 @@ class _Ctx:
                     i = c.index
                     if finished[i]:
                         continue
-                    new = c.text[sent_text[i]:]
+                    new = c.text[sent_text[i] :]
                     generated[i] = len(c.token_ids)
                     if parsers is not None:
                         events = parsers[i].feed(new) if new else []
@@ -341,8 +424,12 @@ class _Ctx:
                     if not delta and c.finish_reason is None:
                         continue
                     called = parsers is not None and bool(parsers[i].calls)
-                    choice = {"index": i, "delta": delta, "logprobs": self._logprobs(c, sent_tok[i]),
-                              "finish_reason": self._finish_reason(c.finish_reason, called)}
+                    choice = {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": self._logprobs(c, sent_tok[i]),
+                        "finish_reason": self._finish_reason(c.finish_reason, called),
+                    }
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
                     sent_tok[i], finished[i] = len(c.token_ids), c.finished

@@ -31,15 +31,32 @@ def serve(args) -> int:
         logger.info("compiled %d step buckets", n)
     if engine.is_follower:
         return _follow(engine)
-    logger.info("model %s ready in %.1fs (max_model_len %d, %d KV pages)", engine.model_name,
-                time.perf_counter() - t0, engine.scheduler_config.max_model_len, engine.runner.num_pages)
-    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
-                    max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting_requests,
-                    shutdown_timeout=args.shutdown_timeout, max_prompt_chars=args.max_prompt_chars or None,
-                    tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser)
+    logger.info(
+        "model %s ready in %.1fs (max_model_len %d, %d KV pages)",
+        engine.model_name,
+        time.perf_counter() - t0,
+        engine.scheduler_config.max_model_len,
+        engine.runner.num_pages,
+    )
+    app = build_app(
+        engine,
+        served_model_names=args.served_model_name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting=args.max_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout,
+        max_prompt_chars=args.max_prompt_chars or None,
+        tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
+    )
     try:
-        return run_server(app, args.host, args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
-                          header_timeout=args.header_timeout)
+        return run_server(
+            app,
+            args.host,
+            args.port,
+            log_level=args.log_level,
+            shutdown_timeout=args.shutdown_timeout,
+            header_timeout=args.header_timeout,
+        )
     finally:
         engine.release_followers()
 

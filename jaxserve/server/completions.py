@@ -60,14 +60,19 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     max_tokens = req.max_tokens
     if max_tokens == 0:  # the prompt alone: the engine generates one token, which the answer leaves out
         if not req.echo:
-            raise APIError(400, "max_tokens=0 asks for no tokens: it is served only with echo=true, which returns "
-                                "the prompt (and its logprobs)", param="max_tokens")
+            raise APIError(
+                400,
+                "max_tokens=0 asks for no tokens: it is served only with echo=true, which returns "
+                "the prompt (and its logprobs)",
+                param="max_tokens",
+            )
         if req.min_tokens:
             raise APIError(400, f"min_tokens={req.min_tokens} with max_tokens=0", param="min_tokens")
         max_tokens = 1
     constraint = request_constraint(req)
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=state.vocab_size,
-                             constraint=constraint)
+    params = sampling_params(
+        req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=state.vocab_size, constraint=constraint
+    )
     rid = f"cmpl-{uuid.uuid4().hex}"
     try:
         streams = await state.add_all(rid, prompts, params, req.priority or 0, arrival)
@@ -89,9 +94,15 @@ class _Ctx:
         """``c`` as answered: with max_tokens=0, without the one token generated (finish_reason "length")."""
         if not self.prompt_only:
             return c
-        return dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
-                                   logprobs=None if c.logprobs is None else [],
-                                   finish_reason="length" if c.finished else None, stop_reason=None)
+        return dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            cumulative_logprob=None,
+            logprobs=None if c.logprobs is None else [],
+            finish_reason="length" if c.finished else None,
+            stop_reason=None,
+        )
 
     def prompt_text(self, k: int) -> str:
         if k not in self._prompt_texts:
@@ -115,23 +126,34 @@ class _Ctx:
         ids = self.prompts[k]
         lp = completion_logprobs(ids[1:], entries[1:], self.req.logprobs, 0)
         first = self.state.tokenizer.decode(ids[:1], skip_special_tokens=False)
-        return {"tokens": [first] + lp["tokens"], "token_logprobs": [None] + lp["token_logprobs"],
-                "top_logprobs": [None] + lp["top_logprobs"],
-                "text_offset": [0] + [o + len(first) for o in lp["text_offset"]]}
+        return {
+            "tokens": [first] + lp["tokens"],
+            "token_logprobs": [None] + lp["token_logprobs"],
+            "top_logprobs": [None] + lp["top_logprobs"],
+            "text_offset": [0] + [o + len(first) for o in lp["text_offset"]],
+        }
 
     def _choice(self, k: int, out: RequestOutput, c, text: str, tok_lo: int, text_offset: int, echo: bool) -> dict:
         logprobs = None
         if self.req.logprobs is not None and c.logprobs is not None:
-            logprobs = completion_logprobs(c.token_ids[tok_lo:], c.logprobs[tok_lo:len(c.token_ids)],
-                                           self.req.logprobs, text_offset)
+            logprobs = completion_logprobs(
+                c.token_ids[tok_lo:], c.logprobs[tok_lo : len(c.token_ids)], self.req.logprobs, text_offset
+            )
             if echo:
                 head = self._echo_logprobs(k, out)
                 if head is not None:
                     shift = len(self.prompt_text(k))
-                    logprobs = {key: head[key] + ([o + shift for o in logprobs[key]] if key == "text_offset"
-                                                  else logprobs[key]) for key in logprobs}
-        return {"index": k * self.n + c.index, "text": text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    logprobs = {
+                        key: head[key] + ([o + shift for o in logprobs[key]] if key == "text_offset" else logprobs[key])
+                        for key in logprobs
+                    }
+        return {
+            "index": k * self.n + c.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices, generated = [], 0
@@ -143,12 +165,23 @@ class _Ctx:
                     choice["prompt_logprobs"] = prompt_logprobs(getattr(out, "prompt_logprobs", None))
                 choices.append(choice)
                 generated += len(c.token_ids)
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(generated)}
+        return {
+            "id": self.rid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(generated),
+        }
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        chunk = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": choices}
+        chunk = {
+            "id": self.rid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if usage is not None:
             chunk["usage"] = usage
         return chunk

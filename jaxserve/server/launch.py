@@ -79,13 +79,27 @@ class GracefulServer(uvicorn.Server):
         return 128 + signal.SIGINT if self.stop_signal == signal.SIGINT else 0
 
 
-def make_server(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-                shutdown_timeout: float = 30.0, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> GracefulServer:
+def make_server(
+    app,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    log_level: str = "info",
+    shutdown_timeout: float = 30.0,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+) -> GracefulServer:
     """The server for ``app`` (``header_timeout``: seconds a client may take to send a request's headers)."""
     protocol = type("H11HeaderDeadline", (_HeaderDeadline,), {"header_timeout": header_timeout})
     # uvicorn's own deadline comes a little after ours, so aborted streams can still send their last event.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
-                            timeout_graceful_shutdown=shutdown_timeout + 5, http=protocol)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=shutdown_timeout + 5,
+        http=protocol,
+    )
     return GracefulServer(config, app.state.server.engine, shutdown_timeout)
 
 
@@ -111,12 +125,20 @@ class ServerThread:
             openai.OpenAI(base_url=srv.url + "/v1", api_key="x")...
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
-                 shutdown_timeout: float = 5.0, header_timeout: float = DEFAULT_HEADER_TIMEOUT):
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_level: str = "warning",
+        shutdown_timeout: float = 5.0,
+        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    ):
         self.host, self.port = host, port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self.server = make_server(app, host, self.port, log_level=log_level, shutdown_timeout=shutdown_timeout,
-                                  header_timeout=header_timeout)
+        self.server = make_server(
+            app, host, self.port, log_level=log_level, shutdown_timeout=shutdown_timeout, header_timeout=header_timeout
+        )
         self._thread = threading.Thread(target=self.server.run, name="jaxserve-http", daemon=True)
 
     def start(self, timeout: float = 60.0) -> ServerThread:

@@ -45,8 +45,11 @@ def request_constraint(req: _SamplingRequest) -> Constraint | None:
         if rf.type == "json_object":
             found.append(Constraint({"json_object": True}, "response_format"))
         elif rf.json_schema is None:
-            raise APIError(400, "response_format.type is json_schema but response_format.json_schema is missing",
-                           param="response_format.json_schema")
+            raise APIError(
+                400,
+                "response_format.type is json_schema but response_format.json_schema is missing",
+                param="response_format.json_schema",
+            )
         elif rf.json_schema.schema_ is None:
             found.append(Constraint({"json_object": True}, "response_format.json_schema"))
         else:
@@ -60,8 +63,11 @@ def request_constraint(req: _SamplingRequest) -> Constraint | None:
             found.append(Constraint({kind: value}, name))
     if len(found) > 1:
         names = [c.source.split(".")[0] for c in found]
-        raise APIError(400, f"a request may set one constraint on its output, this one sets {len(found)}: "
-                            f"{', '.join(names)}", param=names[1])
+        raise APIError(
+            400,
+            f"a request may set one constraint on its output, this one sets {len(found)}: {', '.join(names)}",
+            param=names[1],
+        )
     return found[0] if found else None
 
 
@@ -73,12 +79,18 @@ def renamed_constraint_error(e: APIError, constraint: Constraint | None) -> APIE
         return e
     if constraint.source == "structured_outputs":  # the request's own words: name the member
         return APIError(400, e.message, param=m.group(0), code=e.code)
-    message = e.message[: m.start()] + constraint.source + e.message[m.end():]
+    message = e.message[: m.start()] + constraint.source + e.message[m.end() :]
     return APIError(400, message, param=constraint.source, code=e.code)
 
 
-def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
-                    vocab_size: int, constraint: Constraint | None | bool = True) -> SamplingParams:
+def sampling_params(
+    req: _SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    constraint: Constraint | None | bool = True,
+) -> SamplingParams:
     """The engine's parameters for ``req`` (max_tokens and logprobs resolved by the endpoint).
 
     ``constraint``: the output's constraint; True (the default): the one the request's fields set
@@ -92,8 +104,12 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
         constraint = request_constraint(req)
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
-        raise APIError(400, f"best_of={req.best_of} is not supported: this server does not rank candidates, so "
-                            f"best_of must equal n ({n}) or be left out", param="best_of")
+        raise APIError(
+            400,
+            f"best_of={req.best_of} is not supported: this server does not rank candidates, so "
+            f"best_of must equal n ({n}) or be left out",
+            param="best_of",
+        )
     bias = None
     if req.logit_bias:
         bias = {int(k): v for k, v in req.logit_bias.items()}
@@ -142,14 +158,22 @@ def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, p
     try:
         check_prompt_length(num_prompt, max_model_len)
     except ValueError:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                            f"{num_prompt} tokens, which leaves no room for a completion. Shorten the prompt.",
-                       param="prompt", code="context_length_exceeded") from None
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt} tokens, which leaves no room for a completion. Shorten the prompt.",
+            param="prompt",
+            code="context_length_exceeded",
+        ) from None
     if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
-                            f"completion). Shorten the prompt or reduce {param}.",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+            f"completion). Shorten the prompt or reduce {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- logprobs
@@ -188,12 +212,17 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
     for tid, entry in zip(token_ids, entries):
         chosen = entry.get(tid)
         tok = _text(chosen)
-        content.append({
-            "token": tok, "logprob": _lp(chosen.logprob) if chosen is not None else -9999.0,
-            "bytes": list(tok.encode()),
-            "top_logprobs": [{"token": _text(lp), "logprob": _lp(lp.logprob), "bytes": list(_text(lp).encode())}
-                             for _, lp in _top(entry, k)],
-        })
+        content.append(
+            {
+                "token": tok,
+                "logprob": _lp(chosen.logprob) if chosen is not None else -9999.0,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": _text(lp), "logprob": _lp(lp.logprob), "bytes": list(_text(lp).encode())}
+                    for _, lp in _top(entry, k)
+                ],
+            }
+        )
     return content
 
 
@@ -201,5 +230,9 @@ def prompt_logprobs(entries) -> list[dict | None] | None:
     """vLLM's ``prompt_logprobs``: per prompt position ``{token_id: {logprob, decoded_token}}`` (None first)."""
     if entries is None:
         return None
-    return [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "decoded_token": lp.decoded_token}
-                                    for t, lp in e.items()} for e in entries]
+    return [
+        None
+        if e is None
+        else {str(t): {"logprob": _lp(lp.logprob), "decoded_token": lp.decoded_token} for t, lp in e.items()}
+        for e in entries
+    ]

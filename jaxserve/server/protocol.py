@@ -41,11 +41,21 @@ TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$", json_schema_
 # Request fields that cannot change what is generated (who is asking, what to store, billing and cache hints):
 # accepted with any value in every request body and ignored. Any other field a model does not declare is refused
 # (400 naming it), unless its value is null, [] or {} (nothing asked for: clients send those for unset options).
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "parallel_tool_calls")
+IGNORED_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "parallel_tool_calls",
+)
 
-_UNSET_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}],
-                 "description": "fields not listed here are refused unless null, [] or {}"}
+_UNSET_SCHEMA = {
+    "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}],
+    "description": "fields not listed here are refused unless null, [] or {}",
+}
 
 
 def _is_unset(value) -> bool:
@@ -62,8 +72,12 @@ class _Strict(BaseModel):
     """A JSON object of the API: undeclared keys are refused (``extra_forbidden``, answered 400 naming the key),
     except those whose value asks for nothing (null, [], {})."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid",
-                              json_schema_extra=lambda schema, cls: cls._schema_extra(schema))
+    model_config = ConfigDict(
+        strict=True,
+        allow_inf_nan=False,
+        extra="forbid",
+        json_schema_extra=lambda schema, cls: cls._schema_extra(schema),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -169,12 +183,18 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
-             | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                         Field(min_length=1, max_length=MAX_BATCH_PROMPTS)])
-    max_tokens: Int(0) | None = Field(16, description="default 16; null = up to the context length; 0 (with "
-                                                        "echo) = only the prompt, with its logprobs")
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)
+        ]
+    )
+    max_tokens: Int(0) | None = Field(
+        16,
+        description="default 16; null = up to the context length; 0 (with echo) = only the prompt, with its logprobs",
+    )
     logprobs: Int(0, MAX_LOGPROBS) | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True
@@ -196,6 +216,7 @@ class ToolCallIn(_Strict):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -227,7 +248,6 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Int(1) | None = Field(None, description="default: up to the context length")
@@ -239,7 +259,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="default: auto with tools, none without")
+        None, description="default: auto with tools, none without"
+    )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call")
     functions: list[FunctionDefinition] | None = Field(None, description="older form of tools")
     function_call: Literal["none", "auto"] | NamedFunction | None = Field(None, description="older tool_choice")
@@ -264,8 +285,10 @@ def _tokenize_kind(body) -> str:
 
 
 # POST /tokenize: a chat (with "messages") or a text; told apart first, so errors are those of the one meant
-TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("text")]
-                            | Annotated[TokenizeChatRequest, Tag("chat")], Discriminator(_tokenize_kind)]
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("text")] | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(_tokenize_kind),
+]
 
 
 class DetokenizeRequest(_Request):
@@ -312,7 +335,8 @@ class ResponsesRequest(_SamplingRequest):
     any other (``n``, ``prompt_logprobs``, ...) set to something else than its default is answered 400."""
 
     input: NonEmptyStr | Annotated[list[ResponseInputMessage], Field(min_length=1)] = Field(
-        description="a user message, or the conversation")
+        description="a user message, or the conversation"
+    )
     instructions: str | None = Field(None, description="a system message before the input")
     max_output_tokens: Int(1) | None = Field(None, description="default: up to the context length")
     text: ResponseTextConfig | None = None
@@ -321,9 +345,26 @@ class ResponsesRequest(_SamplingRequest):
 
 # The fields of _SamplingRequest that /v1/responses serves.
 RESPONSES_SAMPLING_FIELDS = (
-    "model", "temperature", "top_p", "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty",
-    "logit_bias", "seed", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output", "priority")
+    "model",
+    "temperature",
+    "top_p",
+    "stop",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "priority",
+)
 
 
 # ---------------------------------------------------------------------------------------------------- responses

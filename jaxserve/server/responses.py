@@ -74,8 +74,9 @@ def text_format_constraint(req: ResponsesRequest) -> Constraint | None:
     if fmt.type == "json_object":
         return Constraint({"json_object": True}, "text.format")
     if fmt.schema_ is None:
-        raise APIError(400, "text.format.type is json_schema but text.format.schema is missing",
-                       param="text.format.schema")
+        raise APIError(
+            400, "text.format.type is json_schema but text.format.schema is missing", param="text.format.schema"
+        )
     return Constraint({"json": fmt.schema_}, "text.format.schema")
 
 
@@ -87,8 +88,9 @@ async def create_response(req: ResponsesRequest, raw: Request) -> Response:
     ids = await render_chat(state, to_chat_messages(req), True, False, None)
     check_context(len(ids), req.max_output_tokens, state.max_model_len, "max_output_tokens")
     constraint = text_format_constraint(req)
-    params = sampling_params(req, max_tokens=req.max_output_tokens, logprobs=None, vocab_size=state.vocab_size,
-                             constraint=constraint)
+    params = sampling_params(
+        req, max_tokens=req.max_output_tokens, logprobs=None, vocab_size=state.vocab_size, constraint=constraint
+    )
     rid = f"resp_{uuid.uuid4().hex}"
     try:
         streams = await state.add_all(rid, [ids], params, req.priority or 0, arrival)
@@ -98,9 +100,13 @@ async def create_response(req: ResponsesRequest, raw: Request) -> Response:
     return await respond(raw, streams, bool(req.stream), ctx.events, lambda finals: ctx.response(finals[0]))
 
 
-_ERROR_CODES = ((ServerBusyError, "server_busy"), (EngineDeadError, "engine_dead"),
-                (EngineStepError, "engine_step_failed"), (ValueError, "invalid_request"),
-                (APIError, "invalid_request"))
+_ERROR_CODES = (
+    (ServerBusyError, "server_busy"),
+    (EngineDeadError, "engine_dead"),
+    (EngineStepError, "engine_step_failed"),
+    (ValueError, "invalid_request"),
+    (APIError, "invalid_request"),
+)
 
 
 def _part(text: str) -> dict:
@@ -127,23 +133,48 @@ class _Ctx:
 
     def _usage(self, out: RequestOutput) -> dict:
         generated = len(out.outputs[0].token_ids)
-        return {"input_tokens": self.num_prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-                "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.num_prompt + generated}
+        return {
+            "input_tokens": self.num_prompt,
+            "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+            "output_tokens": generated,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.num_prompt + generated,
+        }
 
     def _message(self, status: str, content: list[dict]) -> dict:
         return {"id": self.msg_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
-    def _response(self, status: str, output: list[dict], usage: dict | None = None, incomplete: dict | None = None,
-                  error: dict | None = None) -> dict:
+    def _response(
+        self,
+        status: str,
+        output: list[dict],
+        usage: dict | None = None,
+        incomplete: dict | None = None,
+        error: dict | None = None,
+    ) -> dict:
         req = self.req
-        return {"id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": error,
-                "incomplete_details": incomplete, "instructions": req.instructions,
-                "max_output_tokens": req.max_output_tokens, "model": self.model, "output": output,
-                "parallel_tool_calls": True, "temperature": 1.0 if req.temperature is None else req.temperature,
-                "top_p": 1.0 if req.top_p is None else req.top_p, "tool_choice": "auto", "tools": [],
-                "text": {"format": self._format()}, "truncation": "disabled", "store": False, "metadata": {},
-                "usage": usage}
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": True,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "tool_choice": "auto",
+            "tools": [],
+            "text": {"format": self._format()},
+            "truncation": "disabled",
+            "store": False,
+            "metadata": {},
+            "usage": usage,
+        }
 
     def _format(self) -> dict:
         fmt = self.req.text.format if self.req.text is not None else None
@@ -195,6 +226,7 @@ class _Ctx:
         yield self._event("response.output_text.done", **where, text=text, logprobs=[])
         yield self._event("response.content_part.done", **where, part=_part(text))
         yield self._event("response.output_item.done", output_index=0, item=message)
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(response["status"],
-                                                                                          "response.failed")
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+            response["status"], "response.failed"
+        )
         yield self._event(kind, response=response)

@@ -68,15 +68,24 @@ class ServerState:
         """The served name ``name`` asks for (None: the first); 404 for any other."""
         if name is None or name in self.served_model_names:
             return name or self.model_name
-        raise APIError(404, f"The model {name!r} does not exist; this server serves {self.served_model_names}.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model {name!r} does not exist; this server serves {self.served_model_names}.",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
         """400 naming the limit when a prompt is longer than ``max_prompt_chars`` (checked before any tokenizing)."""
         limit = self.max_prompt_chars
         if limit is not None and num_chars > limit:
-            raise APIError(400, f"The {param} has {num_chars} characters, more than this server's limit of {limit} "
-                                "(--max-prompt-chars).", param=param, code="prompt_too_long")
+            raise APIError(
+                400,
+                f"The {param} has {num_chars} characters, more than this server's limit of {limit} "
+                "(--max-prompt-chars).",
+                param=param,
+                code="prompt_too_long",
+            )
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a long text is tokenized in a worker thread, the event loop free meanwhile."""
@@ -89,8 +98,9 @@ class ServerState:
     async def decode(self, ids: list[int]) -> str:
         return await off_loop(len(ids), self.tokenizer.decode, ids, False)
 
-    async def add_all(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-                      arrival: float) -> list[RequestStream]:
+    async def add_all(
+        self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int, arrival: float
+    ) -> list[RequestStream]:
         """Admits every prompt of a request at once, or none, mapping refusals to HTTP errors (503 + Retry-After
         when busy, 400 naming the bad prompt when invalid)."""
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{k}" for k in range(len(prompts))]
@@ -161,8 +171,9 @@ class SSEResponse(StreamingResponse):
     request whose client disconnected is aborted even if its body iterator never started."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -198,12 +209,17 @@ def close_all(streams: list[RequestStream]) -> Callable[[], None]:
     def close():
         for s in streams:
             s.close()
+
     return close
 
 
-async def respond(raw: Request, streams: list[RequestStream], stream: bool,
-                  events: Callable[[list[RequestStream]], AsyncIterator[str]],
-                  body: Callable[[list[RequestOutput]], dict]) -> Response:
+async def respond(
+    raw: Request,
+    streams: list[RequestStream],
+    stream: bool,
+    events: Callable[[list[RequestStream]], AsyncIterator[str]],
+    body: Callable[[list[RequestOutput]], dict],
+) -> Response:
     """A handler's answer: the SSE ``events`` when ``stream``, else ``body`` of every stream's final output as
     JSON (499 when the client left first). However it ends, the streams are closed: unfinished requests abort."""
     if stream:

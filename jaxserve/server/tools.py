@@ -191,7 +191,7 @@ class _CallScan(_JsonStrings):
     def _string_end(self, pos: int) -> None:
         if self.phase == "key":
             try:
-                self.key = json.loads(self.text[self.key_start: pos + 1])
+                self.key = json.loads(self.text[self.key_start : pos + 1])
             except ValueError:
                 self.key = None
             if self.first_key is None:
@@ -201,7 +201,7 @@ class _CallScan(_JsonStrings):
             self._value_end(pos + 1)
 
     def _value_end(self, end: int) -> None:
-        raw = self.text[self.value_start: end].rstrip(_WS)
+        raw = self.text[self.value_start : end].rstrip(_WS)
         if self.key is not None:
             self.values.setdefault(self.key, (self.value_start, self.value_start + len(raw)))
         self.phase = "after"
@@ -214,7 +214,7 @@ class _CallScan(_JsonStrings):
         if span is None:
             return None
         try:
-            v = json.loads(self.text[span[0]: span[1]])
+            v = json.loads(self.text[span[0] : span[1]])
         except ValueError:
             return None
         return v if isinstance(v, str) else None
@@ -236,7 +236,7 @@ class _CallScan(_JsonStrings):
             return "{}" if self.done else ""
         span = self.values.get(key)
         if span is not None:
-            raw = self.text[span[0]: span[1]]
+            raw = self.text[span[0] : span[1]]
             if raw.startswith('"'):
                 try:
                     return json.loads(raw)
@@ -335,7 +335,7 @@ class ToolCallParser:
         if hit is not None:
             at, marker = hit
             self._content(text[:at].rstrip(_WS))  # nor is whitespace right before one
-            self.pending = text[at + len(marker):]
+            self.pending = text[at + len(marker) :]
             self._enter_region(marker)
             return
         if final:
@@ -345,7 +345,7 @@ class ToolCallParser:
         out = text[: len(text) - _held_back(text, self.markers)]
         body = out.rstrip(_WS)  # trailing whitespace waits: a call may follow it
         self._content(body)
-        self.pending = text[len(body):]
+        self.pending = text[len(body) :]
 
     def _enter_region(self, marker: str) -> None:
         self.mode = "calls"
@@ -387,7 +387,7 @@ class ToolCallParser:
             self._started = True
         call = self.calls[-1]
         if len(args) > self._args_sent and args.startswith(call.arguments):
-            piece = args[self._args_sent:]
+            piece = args[self._args_sent :]
             call.arguments = args
             self._args_sent = len(args)
             self._events.append(ArgsDelta(len(self.calls) - 1, piece))
@@ -450,7 +450,7 @@ class HermesParser(ToolCallParser):
         if self._scan is None:  # the object closed: whitespace, then the end tag
             text = self.pending.lstrip(_WS)
             if text.startswith(self.end):
-                self.pending = text[len(self.end):]
+                self.pending = text[len(self.end) :]
                 self._close_region()
             elif text and not self.end.startswith(text):
                 self.pending = text  # no end tag: carry on with the text
@@ -466,15 +466,16 @@ class HermesParser(ToolCallParser):
         return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
     def instructions(self):
-        return ("For each function call, return a JSON object with the function name and its arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+        return (
+            "For each function call, return a JSON object with the function name and its arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
 
     def grammar(self, functions, max_calls, marker_rule=None):
         start = marker_rule or json.dumps("<tool_call>")
         rep = f' ("\\n" call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
-        return (f"start: call{rep}\n"
-                f'call: {start} "\\n" fn "\\n" {json.dumps(self.end)}\n' + _fn_rules(functions))
+        return f'start: call{rep}\ncall: {start} "\\n" fn "\\n" {json.dumps(self.end)}\n' + _fn_rules(functions)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -510,8 +511,10 @@ class Llama3JsonParser(ToolCallParser):
         return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
 
     def instructions(self):
-        return ('To call a function, answer with only a JSON object of the form {"name": <function-name>, '
-                '"parameters": <args-json-object>}; separate several calls with "; ".')
+        return (
+            'To call a function, answer with only a JSON object of the form {"name": <function-name>, '
+            '"parameters": <args-json-object>}; separate several calls with "; ".'
+        )
 
     def grammar(self, functions, max_calls, marker_rule=None):
         rep = f' ("; " fn){{0,{max_calls - 1}}}' if max_calls > 1 else ""
@@ -535,8 +538,11 @@ class MistralParser(ToolCallParser):
             used = self._value.feed(self.pending)
             self._raw += self.pending[:used]
             self.pending = self.pending[used:]
-            self._progress(self._named, self._value.text if self._value.text[:1] in "{[" or self._value.done
-                           else "", self._value.done)
+            self._progress(
+                self._named,
+                self._value.text if self._value.text[:1] in "{[" or self._value.done else "",
+                self._value.done,
+            )
             if self._value.invalid:
                 self._abandon_region()
             elif self._value.done:
@@ -575,7 +581,7 @@ class MistralParser(ToolCallParser):
                     return
                 self._named = text[:at].strip(_WS)
                 self._raw += text[: at + 6]
-                self.pending = text[at + 6:]
+                self.pending = text[at + 6 :]
                 self._new_scan()
                 self._value = _ValueScan()
                 return
@@ -598,8 +604,10 @@ class MistralParser(ToolCallParser):
         return "[TOOL_CALLS]" + json.dumps([{"name": name, "arguments": args}], ensure_ascii=False)
 
     def instructions(self):
-        return ('To call functions, answer with [TOOL_CALLS] followed by a JSON list of the calls: '
-                '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]')
+        return (
+            "To call functions, answer with [TOOL_CALLS] followed by a JSON list of the calls: "
+            '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'
+        )
 
     def grammar(self, functions, max_calls, marker_rule=None):
         start = marker_rule or json.dumps("[TOOL_CALLS]")
@@ -671,8 +679,10 @@ def _fn_rules(functions: list[str]) -> str:
 def _rebase_refs(node, base: str):
     """A copy of a schema whose local ``$ref``s ("#...") point into it at ``base`` of an enclosing schema."""
     if isinstance(node, dict):
-        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else
-                    _rebase_refs(v, base)) for k, v in node.items()}
+        return {
+            k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase_refs(v, base))
+            for k, v in node.items()
+        }
     if isinstance(node, list):
         return [_rebase_refs(v, base) for v in node]
     return node
@@ -682,9 +692,13 @@ def call_schema(name: str, parameters: dict | None, args_key: str = "arguments")
     """The JSON schema of one call object ``{"name": name, args_key: <arguments>}`` (name first). Missing
     parameters mean a function without arguments (``{}``), as in OpenAI's API."""
     params = parameters if parameters else {"type": "object", "properties": {}, "additionalProperties": False}
-    return {"type": "object",
-            "properties": {"name": {"const": name}, args_key: _rebase_refs(params, f"#/properties/{args_key}")},
-            "required": ["name", args_key], "additionalProperties": False, "x-guidance": _JSON_STYLE}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, args_key: _rebase_refs(params, f"#/properties/{args_key}")},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+        "x-guidance": _JSON_STYLE,
+    }
 
 
 def tool_call_grammar(parser: str, tools: list[dict], max_calls: int, marker_token_id: int | None = None) -> str:
@@ -697,8 +711,7 @@ def tool_call_grammar(parser: str, tools: list[dict], max_calls: int, marker_tok
             grammar then asks for that token, not the marker's spelling).
     """
     p = PARSERS[parser]
-    rules = [json.dumps(call_schema(t["name"], t.get("parameters"), p.args_key), ensure_ascii=False)
-             for t in tools]
+    rules = [json.dumps(call_schema(t["name"], t.get("parameters"), p.args_key), ensure_ascii=False) for t in tools]
     marker = f"<[{marker_token_id}]>" if marker_token_id is not None else None
     return p().grammar(rules, max_calls, marker)
 
@@ -708,9 +721,11 @@ def tools_system_prompt(tools: list[dict], parser: str) -> str:
     """The tools as a system prompt (Hermes style: the definitions in ``<tools>``, then how to call), for chat
     templates that do not render ``tools`` themselves."""
     defs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{defs}\n</tools>"
-            f"\n\n{PARSERS[parser]().instructions()}")
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{defs}\n</tools>"
+        f"\n\n{PARSERS[parser]().instructions()}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- requests
@@ -746,8 +761,9 @@ def plan_tools(req) -> ToolPlan:
     """
     legacy = req.functions is not None or req.function_call is not None
     if legacy and (req.tools is not None or req.tool_choice is not None):
-        raise APIError(400, "use tools and tool_choice, or the older functions and function_call, not both",
-                       param="functions")
+        raise APIError(
+            400, "use tools and tool_choice, or the older functions and function_call, not both", param="functions"
+        )
     if legacy:
         functions = [f.model_dump(exclude_none=True) for f in req.functions or []]
         choice, choice_param = req.function_call, "function_call"
@@ -763,17 +779,30 @@ def plan_tools(req) -> ToolPlan:
         choice = "auto" if functions else "none"
     named = None if isinstance(choice, str) else (choice.name if legacy else choice.function.name)
     if (named is not None or choice == "required") and not functions:
-        raise APIError(400, f"{choice_param}={json.dumps(choice if named is None else named)} needs "
-                            f"{'functions' if legacy else 'tools'}, and none were given", param=choice_param)
+        raise APIError(
+            400,
+            f"{choice_param}={json.dumps(choice if named is None else named)} needs "
+            f"{'functions' if legacy else 'tools'}, and none were given",
+            param=choice_param,
+        )
     if named is not None and named not in names:
-        raise APIError(400, f"{choice_param} names the function {named!r}, which is not among the "
-                            f"{'functions' if legacy else 'tools'} given ({', '.join(names)})", param=choice_param)
+        raise APIError(
+            400,
+            f"{choice_param} names the function {named!r}, which is not among the "
+            f"{'functions' if legacy else 'tools'} given ({', '.join(names)})",
+            param=choice_param,
+        )
     if choice == "none":
         return ToolPlan([], [], False, None, 1, legacy)
     tools = [{"type": "function", "function": f} for f in functions]
     one = named is not None or req.parallel_tool_calls is False or legacy
-    forced = [f for f in functions if f["name"] == named] if named is not None else \
-        functions if choice == "required" else None
+    forced = (
+        [f for f in functions if f["name"] == named]
+        if named is not None
+        else functions
+        if choice == "required"
+        else None
+    )
     return ToolPlan(tools, functions, True, forced, 1 if one else MAX_TOOL_CALLS, legacy)
 
 
