@@ -22,6 +22,11 @@ class SP:
     seed: int = 0
 
 
+# Settings of the engines that warm up every step variant (tests/test_engine.py, tests/test_reliability.py): one
+# setting for both, so that whichever runs second loads the variants from the run's compilation cache.
+WARMUP_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_pages=300)
+
+
 # ---------------------------------------------------------------------------------------------------- kernels
 @dataclasses.dataclass
 class Batch:
@@ -122,3 +127,15 @@ def hf_greedy(model, ids: list[int], n: int, *, logprobs: bool = False):
         return tokens
     # scores are the raw logits here (greedy, no processors): logprob of each chosen token
     return tokens, [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens)]
+
+
+def hf_greedy_choices(model, ids: list[int], tokens: list[int]) -> list[int]:
+    """HF transformers' greedy choice after ``ids`` + each prefix of ``tokens`` (teacher-forced, one forward pass):
+    equal to ``tokens`` exactly when HF's greedy continuation of ``ids`` is ``tokens``, since both first differ at
+    the same step (the histories before it are the same). The cheap form of ``hf_greedy(model, ids, len(tokens))
+    == tokens``."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
+    return logits.argmax(-1).tolist()

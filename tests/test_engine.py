@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import hf_greedy
+from helpers import WARMUP_ENGINE, hf_greedy_choices
 
 from jaxserve import LLM, SamplingParams
 
@@ -47,7 +47,9 @@ def test_batch_equals_alone_and_hf(small_llm, hf_default):
         assert _tokens(small_llm.generate([p], GREEDY, use_tqdm=False))[0] == batched[i], f"prompt {i}"
     for i, p in enumerate(prompts):
         ids = small_llm.tokenizer.encode(p)
-        assert batched[i] == hf_greedy(hf_default, ids, 16), f"prompt {i} ({len(ids)} tokens) differs from HF"
+        assert batched[i] == hf_greedy_choices(hf_default, ids, batched[i]), (
+            f"prompt {i} ({len(ids)} tokens) differs from HF"
+        )
 
 
 def test_small_pool_preempts_and_loses_nothing(default_loaded, small_llm):
@@ -129,7 +131,7 @@ def test_stop_strings_across_tokens(small_llm):
 
 
 def test_no_recompilation_after_warmup(default_loaded):
-    llm = LLM(default_loaded, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, num_pages=300)
+    llm = LLM(default_loaded, **WARMUP_ENGINE)
     compiled = llm.engine.runner.warmup()
     assert compiled == len(llm.engine.runner.warmup_shapes())
     rng = random.Random(5)

@@ -9,6 +9,7 @@ import random
 import jax
 import numpy as np
 import pytest
+from helpers import WARMUP_ENGINE
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, SchedulerConfig, bytes_or_fraction
@@ -50,7 +51,7 @@ def _idle(engine):
 
 
 def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog):
-    llm = LLM(default_loaded, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, num_pages=300)
+    llm = LLM(default_loaded, **WARMUP_ENGINE)
     runner = llm.engine.runner
     with caplog.at_level("INFO", logger="jaxserve.runner"):
         assert runner.warmup() == len(runner.warmup_shapes())
