@@ -34,9 +34,9 @@ FAST_TESTS = {"test_default_model.py::test_greedy_matches_hf_token_for_token"}
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        name = os.path.basename(item.nodeid.split("::")[0])
-        test = f"{name}::{item.name.split('[')[0]}"
-        if test in FAST_TESTS or (name in FAST_FILES and item.get_closest_marker("slow") is None):
+        name = item.path.name
+        fast_file = name in FAST_FILES and item.get_closest_marker("slow") is None
+        if fast_file or f"{name}::{item.originalname}" in FAST_TESTS:
             item.add_marker(pytest.mark.fast)
 
 
