@@ -26,9 +26,10 @@ install-dev: $(VENV)/.dev
 run: $(VENV)/.base
 	$(VENV)/bin/jaxserve generate --chat "$(PROMPT)"
 
-# One XLA compilation cache for the whole run, inside the clone (.ci/run empties it first): a step compiled by one
-# test, worker or subprocess (docs blocks, notebooks, servers, multi-process groups) is loaded by the next.
-export JAXSERVE_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
+# One XLA compilation cache for a test run, inside the clone (.ci/run empties it first): a step compiled by one
+# test, worker or subprocess (docs blocks, notebooks, servers, multi-process groups) is loaded by the next. Only
+# the test targets: make run keeps the engine's own cache (~/.cache/jaxserve/xla).
+test test-fast: export JAXSERVE_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
 
 # Two workers, each taking whole test files (module fixtures built once); then the tests that time something
 # (marked serial) alone, as the other worker's load would skew them. docs/development.md has the times.
@@ -38,7 +39,7 @@ test: $(VENV)/.dev
 	$(VENV)/bin/pytest -q -m serial; rc=$$?; \
 	echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
-# The inner loop (under 5 minutes): host logic, kernels against their references, one end-to-end generation on
+# The inner loop (its goal: under 5 minutes): host logic, kernels against their references, one end-to-end generation on
 # the default model, the server's contract.
 test-fast: $(VENV)/.dev
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "fast"
