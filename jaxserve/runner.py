@@ -82,6 +82,14 @@ def available_host_memory(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def coarse_floor(n: int) -> int:
+    """The largest m * 2**k <= n with m in 4..7 (at most 20% below n): a few values per octave. n below 8 as is."""
+    if n < 8:
+        return n
+    shift = n.bit_length() - 3
+    return (n >> shift) << shift
+
+
 def _buckets(lo: int, hi: int) -> list[int]:
     out, b = [], next_pow2(lo)
     while b < hi:
@@ -409,7 +417,10 @@ class ModelRunner:
             budget = int(min(_CPU_KV_CAP_BYTES, available * _CPU_KV_AVAILABLE_SHARE))
         pages = budget // page_bytes
         if explicit is None and not on_device:
-            pages = min(pages, sched_cfg.max_num_seqs * cdiv(sched_cfg.max_model_len, self.page_size) + 1)
+            # The host's available memory moves by megabytes from one second to the next, and the pool's page count
+            # is a dimension of every compiled step: coarsened, a process started a moment later (a restarted
+            # server, the next command) runs the same programs and loads them from the persistent cache.
+            pages = min(coarse_floor(pages), sched_cfg.max_num_seqs * cdiv(sched_cfg.max_model_len, self.page_size) + 1)
         if pages < 2:
             raise ValueError(
                 f"not enough memory for a KV cache: {budget} bytes hold {pages} pages of {page_bytes} "
