@@ -40,16 +40,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fast)
 
 
+def _worker_load() -> tuple[int, int]:
+    """(resident bytes, memory mappings) of this process; (0, 0) where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/maps") as f:
+            maps = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return 0, 0
+    return rss, maps
+
+
+# Past either, a module's end drops JAX's compiled programs (see _free_dropped_engines).
+CLEAR_CACHES_RSS = 6 << 30
+CLEAR_CACHES_MAPS = 30_000
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_dropped_engines():
-    """After each module, JAX's caches drop the compiled steps (of every engine: the shared ones recompile, or load
-    from the persistent cache, on their next use) and the cycle collector frees the engines the tests dropped (they
-    hold reference cycles): each compiled step keeps ~350 memory mappings on XLA:CPU, and a process may have 65,530.
-    Then glibc hands the freed heap back to the system: ``make test`` runs two workers, which peaked at ~21-22 of 24
-    GiB together without the first (on three modules in one process, 0.2-0.6 GB less held after each with it)."""
+    """After each module the cycle collector frees the engines the tests dropped (they hold reference cycles) and
+    glibc hands the freed heap back to the system. JAX's caches (every compiled step, the shared engines' too) are
+    dropped only once this worker holds more than CLEAR_CACHES_RSS bytes or CLEAR_CACHES_MAPS memory mappings: each
+    compiled step keeps ~350 mappings on XLA:CPU and a process may have 65,530, and ``make test``'s two workers
+    peaked at ~21-22 of 24 GiB when no module dropped them. Dropping them after every module cost ~7 minutes of
+    recompiles (from the persistent cache) a run."""
     yield
-    if "jax" in sys.modules:
+    _collect()
+    rss, maps = _worker_load()
+    if "jax" in sys.modules and (rss > CLEAR_CACHES_RSS or maps > CLEAR_CACHES_MAPS):
         sys.modules["jax"].clear_caches()
+        _collect()
+
+
+def _collect():
     gc.collect()
     if sys.platform.startswith("linux"):
         import ctypes
