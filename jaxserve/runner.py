@@ -306,9 +306,11 @@ class ModelRunner:
         )
         self._fed = fed if self.abstract else jax.device_put(np.zeros(fed.shape, np.int32), self.replicated)
         self._fed_rows: dict[str, int] = {}  # request id -> its row in ``_fed``
-        self.page_buckets = _buckets(
-            min(8, cdiv(sched_cfg.max_model_len, self.page_size)), cdiv(sched_cfg.max_model_len, self.page_size)
-        )
+        # Page tables padded to a power-of-two width. The C++ attention walks each sequence's own pages (its
+        # kv_lens), never the padding, so on the CPU the widest table serves every step: one page bucket, and a
+        # third to a fifth of the variants to compile (a 2,048-token max_model_len: 5 widths).
+        max_pages = cdiv(sched_cfg.max_model_len, self.page_size)
+        self.page_buckets = [next_pow2(max_pages)] if on_cpu and cpp else _buckets(min(8, max_pages), max_pages)
         self.attention_impl = attention_impl
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
         self.reset_timers()
