@@ -25,6 +25,8 @@ class SP:
 # Settings of the engines that warm up every step variant (tests/test_engine.py, tests/test_reliability.py): one
 # setting for both, so that whichever runs second loads the variants from the run's compilation cache.
 WARMUP_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_pages=300)
+# A pool of 24 pages (384 tokens) for 12 sequences: the preemption tests of several files share its programs.
+SMALL_POOL_ENGINE = dict(max_num_seqs=12, max_num_batched_tokens=256, max_model_len=1024, num_pages=24)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import WARMUP_ENGINE, hf_greedy_choices
+from helpers import SMALL_POOL_ENGINE, WARMUP_ENGINE, hf_greedy_choices
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.utils import cdiv, next_pow2
@@ -33,8 +33,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def small_llm(default_loaded):
-    return LLM(default_loaded, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=1024, num_pages=600)
+def small_llm(default_llm):
+    """The session's shared engine (32 sequences, 256 tokens, max_model_len 2048): its steps are compiled already."""
+    return default_llm
 
 
 def _tokens(outs) -> list[list[int]]:
@@ -57,7 +58,7 @@ def test_small_pool_preempts_and_loses_nothing(default_loaded, small_llm):
     prompts = _mixed_prompts(12, seed=1, lo=40, hi=120)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     expected = _tokens(small_llm.generate(prompts, params, use_tqdm=False))
-    tiny = LLM(default_loaded, max_num_seqs=12, max_num_batched_tokens=256, max_model_len=1024, num_pages=24)
+    tiny = LLM(default_loaded, **SMALL_POOL_ENGINE)
     got = _tokens(tiny.generate(prompts, params, use_tqdm=False))
     stats = tiny.engine.get_stats()
     assert stats["num_preemptions"] > 0

@@ -27,8 +27,9 @@ def _text(rng: random.Random, n_words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def llm(default_loaded):
-    return LLM(default_loaded, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512, num_pages=400)
+def llm(default_llm):
+    """The session's shared engine (32 sequences, 256 tokens, max_model_len 2048): its steps are compiled already."""
+    return default_llm
 
 
 def _run(engine, ids=None):
@@ -150,7 +151,7 @@ def test_add_requests_is_atomic_and_names_the_bad_item(llm):
         ([good, ("ok", "again", None)], r"item 1 of 2: request id 'ok' is already in use"),
         ([good, ("x", [1, 2], SamplingParams(n=2)), ("x#1", [3], None)], r"item 2 of 3: request id 'x#1'"),
         ([good, ("x#0", [3], None), ("x", [1, 2], SamplingParams(n=2))], r"item 2 of 3:.*'x#0' \(n=2\)"),
-        ([good, ("big", [5] * 600, None)], r"item 1 of 2: request 'big'.*max_model_len=512"),
+        ([good, ("big", [5] * 2100, None)], r"item 1 of 2: request 'big'.*max_model_len=2048"),
         ([good, ("p", "hi", None, "high")], r"item 1 of 2: request 'p': priority"),
         ([good, ("two", "hi")], r"item 1 of 2: an item must be"),
     ]

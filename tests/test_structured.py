@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+from helpers import SMALL_POOL_ENGINE
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling import SamplingMetadata, sample
@@ -139,8 +140,9 @@ def _chat(llm, text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def llm(default_loaded):
-    return LLM(default_loaded, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=1024, num_pages=400)
+def llm(default_llm):
+    """The session's shared engine: its steps are compiled already."""
+    return default_llm
 
 
 # ---------------------------------------------------------------------------------------------- the sampler
@@ -365,7 +367,7 @@ def test_constraints_mix_with_plain_requests_stops_logprobs_and_preemption(defau
     prompts = [_chat(llm, f"Tell me about topic {i} in a few sentences.") for i in range(6)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
 
-    tiny = LLM(default_loaded, max_num_seqs=12, max_num_batched_tokens=128, max_model_len=1024, num_pages=20)
+    tiny = LLM(default_loaded, **SMALL_POOL_ENGINE)
     constrained = [
         SamplingParams(
             temperature=0.0,
