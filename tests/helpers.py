@@ -29,6 +29,20 @@ WARMUP_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=5
 SMALL_POOL_ENGINE = dict(max_num_seqs=12, max_num_batched_tokens=256, max_model_len=1024, num_pages=24)
 
 
+def first_layers(loaded, num_layers: int = 2):
+    """The loaded default model cut to its first ``num_layers`` layers (embedding, final norm and tied output kept):
+    real tokens and text-like output (common words, punctuation: stop strings are hit) at about a quarter of the
+    30 layers' cost a token. For engine mechanics whose reference is the same engine in another mode (scheduling,
+    preemption, aborts, async steps), never for fidelity against HF transformers or llama.cpp."""
+    full = loaded.config.num_layers
+    params = {
+        name: value[:num_layers] if name != "embed" and value.ndim > 1 and value.shape[0] == full else value
+        for name, value in loaded.params.items()
+    }
+    config = dataclasses.replace(loaded.config, num_layers=num_layers)
+    return dataclasses.replace(loaded, name=f"{loaded.name}-first-{num_layers}", config=config, params=params)
+
+
 # ---------------------------------------------------------------------------------------------------- kernels
 @dataclasses.dataclass
 class Batch:
