@@ -94,9 +94,11 @@ def default_model_path():
 @pytest.fixture(scope="session")
 def default_llm(default_loaded):
     """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in float32, shared by the session."""
+    from helpers import DEFAULT_ENGINE
+
     from jaxserve import LLM
 
-    return LLM(default_loaded, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, num_pages=1024)
+    return LLM(default_loaded, **DEFAULT_ENGINE)
 
 
 @pytest.fixture(scope="session")

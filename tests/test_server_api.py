@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import DEFAULT_ENGINE
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -29,7 +30,7 @@ from jaxserve.server.protocol import IGNORED_FIELDS
 pytestmark = pytest.mark.slow  # loads the default model
 
 LOGPROB_TOL = 1e-4  # absolute, per token logprob (and per summed loglikelihood)
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = DEFAULT_ENGINE["max_model_len"]
 
 
 class Served:
@@ -49,7 +50,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(default_loaded):
-    engine = LLMEngine(default_loaded, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN)
+    engine = LLMEngine(default_loaded, **DEFAULT_ENGINE)  # default_llm's steps, compiled already
     app = build_app(engine, shutdown_timeout=5)
     with ServerThread(app) as thread:
         yield Served(thread, app)

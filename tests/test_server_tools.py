@@ -16,6 +16,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import DEFAULT_ENGINE
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
@@ -344,7 +345,7 @@ def served(default_loaded):
     from jaxserve.server.app import build_app
     from jaxserve.server.launch import ServerThread
 
-    engine = LLMEngine(default_loaded, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)
+    engine = LLMEngine(default_loaded, **DEFAULT_ENGINE)  # default_llm's steps, compiled already
     app = build_app(engine, shutdown_timeout=5)
     with ServerThread(app) as thread:
         yield Served(thread.url, app.state.server.model_name)
