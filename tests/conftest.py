@@ -32,7 +32,26 @@ FAST_FILES = {
 FAST_TESTS = {"test_default_model.py::test_greedy_matches_hf_token_for_token"}
 
 
+# The heaviest files first (seconds of worker time in a whole run, heaviest first), so that two workers taking whole
+# files (``--dist loadfile``) end together instead of one running a long file alone at the end; the rest follow
+# in their own order.
+HEAVY_FILES = [
+    "test_notebooks.py",
+    "test_speculative.py",
+    "test_aot.py",
+    "test_quant.py",
+    "test_docs.py",
+    "test_sharding.py",
+    "test_engine.py",
+    "test_tpu_kernels_aot.py",
+    "test_server.py",
+    "test_multiprocess.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
     for item in items:
         name = item.path.name
         fast_file = name in FAST_FILES and item.get_closest_marker("slow") is None
