@@ -37,12 +37,11 @@ def first_layers(loaded, num_layers: int = 2):
     real tokens and text-like output (common words, punctuation: stop strings are hit) at about a quarter of the
     30 layers' cost a token. For engine mechanics whose reference is the same engine in another mode (scheduling,
     preemption, aborts, async steps), never for fidelity against HF transformers or llama.cpp."""
-    full = loaded.config.num_layers
-    params = {
-        name: value[:num_layers] if name != "embed" and value.ndim > 1 and value.shape[0] == full else value
-        for name, value in loaded.params.items()
-    }
+    from jaxserve.loading.weights import param_shapes
+
     config = dataclasses.replace(loaded.config, num_layers=num_layers)
+    shapes = param_shapes(config)  # the model's schema: the layer stacks lead with the layer axis
+    params = {name: v if v.shape == shapes[name] else v[:num_layers] for name, v in loaded.params.items()}
     return dataclasses.replace(loaded, name=f"{loaded.name}-first-{num_layers}", config=config, params=params)
 
 
