@@ -4,11 +4,14 @@ The reference is jaxserve's own plain decoding, which the fidelity tests hold to
 every request must produce the very same tokens, text, logprobs and finish reasons (greedy, and sampled with
 seeds: each position's draw is the one plain decoding makes there, so equal outputs over many seeds are equal
 distributions), with stop strings, stop tokens, n > 1, min_tokens, penalties (not speculated) and preemption.
+Both sides run the default model cut to its first two layers (``helpers.first_layers``): real tokens and text-like
+continuations that repeat what the prompt holds, at a fraction of the 30 layers' prefill cost.
 """
 
 from __future__ import annotations
 
 import pytest
+from helpers import first_layers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
@@ -93,9 +96,15 @@ def test_the_cli_flag_parses_json():
 
 # ------------------------------------------------------------------------------------------------ the engine
 @pytest.fixture(scope="module")
-def engines(default_loaded):
+def model(default_loaded):
+    """The default model's first two layers: every engine of this module (the target, and the draft that is it)."""
+    return first_layers(default_loaded)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
     kw = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, num_pages=256)
-    return LLM(default_loaded, **kw), LLM(default_loaded, speculative_config=SPEC, **kw)
+    return LLM(model, **kw), LLM(model, speculative_config=SPEC, **kw)
 
 
 def _chat(llm, text):
@@ -189,11 +198,11 @@ def test_stops_n_penalties_and_bias_are_identical(engines):
 
 
 @pytest.mark.slow
-def test_preemption_loses_nothing_with_proposals(default_loaded, engines):
+def test_preemption_loses_nothing_with_proposals(model, engines):
     """A pool too small for the batch: requests are preempted and recomputed, with proposals in flight."""
     plain, _ = engines
     tight = LLM(
-        default_loaded,
+        model,
         max_num_seqs=16,
         max_num_batched_tokens=256,
         max_model_len=512,
@@ -248,18 +257,18 @@ def _tiny_draft(default_loaded):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["itself", "tiny"])
-def test_draft_model_output_is_identical(default_loaded, engines, draft):
-    """The default model as its own draft proposes what it then samples (near-full acceptance); a tiny random
+def test_draft_model_output_is_identical(model, engines, draft):
+    """The (cut) default model as its own draft proposes what it then samples (near-full acceptance); a tiny random
     draft is mostly rejected. Both give plain decoding's outputs, and every page is freed."""
     plain, _ = engines
-    model = default_loaded if draft == "itself" else _tiny_draft(default_loaded)
+    draft_model = model if draft == "itself" else _tiny_draft(model)
     spec = LLM(
-        default_loaded,
+        model,
         max_num_seqs=16,
         max_num_batched_tokens=256,
         max_model_len=512,
         num_pages=256,
-        speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3},
+        speculative_config={"method": "draft_model", "model": draft_model, "num_speculative_tokens": 3},
     )
     prompts = [_chat(plain, p) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)
@@ -276,16 +285,16 @@ def test_draft_model_output_is_identical(default_loaded, engines, draft):
 
 
 @pytest.mark.slow
-def test_draft_model_under_a_small_budget_and_pool(default_loaded, engines):
+def test_draft_model_under_a_small_budget_and_pool(model, engines):
     """A 32-token budget (the draft catches up on each prompt in chunks) and a pool small enough to preempt."""
     plain, _ = engines
     spec = LLM(
-        default_loaded,
+        model,
         max_num_seqs=16,
         max_num_batched_tokens=32,
         max_model_len=512,
         num_pages=20,
-        speculative_config={"method": "draft_model", "model": default_loaded, "num_speculative_tokens": 4},
+        speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4},
     )
     prompts = [_chat(plain, p) for p in PROMPTS[:10]]
     params = SamplingParams(max_tokens=32, temperature=0.0)
@@ -309,7 +318,7 @@ def test_a_draft_of_another_vocabulary_is_refused(default_loaded):
 
 
 @pytest.mark.slow
-def test_the_server_counts_proposals_in_metrics(default_loaded):
+def test_the_server_counts_proposals_in_metrics(model):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from jaxserve import LLMEngine
@@ -318,7 +327,7 @@ def test_the_server_counts_proposals_in_metrics(default_loaded):
     from jaxserve.server.metrics import parse_metrics
 
     engine = LLMEngine(
-        default_loaded,
+        model,
         max_num_seqs=4,
         max_num_batched_tokens=128,
         max_model_len=256,
