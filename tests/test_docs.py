@@ -200,6 +200,20 @@ def test_benchmark_tables_are_recorded_in_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in BASH if b.tags == ("runnable",)], ids=lambda b: b.id)
 def test_runnable_bash_block(block):
+    commands = _commands(block.text)
+    if commands and all(cmd[0] == "pytest" for cmd in commands):
+        # A block of pytest commands selects tests of this suite, which this run executes anyway: each command
+        # must select at least one test (collected, as the documented command would run them), not run them twice.
+        for cmd in commands:
+            result = subprocess.run(
+                [str(BIN / "pytest"), *cmd[1:], "--collect-only", "-p", "no:cacheprovider"],
+                cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S,
+            )  # fmt: skip
+            selected = re.search(r"^(\d+)(?:/\d+)? tests? collected", result.stdout, flags=re.M)
+            assert result.returncode == 0 and selected and int(selected.group(1)) > 0, (
+                f"{block.id}: {shlex.join(cmd)} selects no test (exit {result.returncode}):\n{result.stdout[-3000:]}"
+            )
+        return
     _run(["bash", "-euo", "pipefail", "-c", block.text], block)
 
 
