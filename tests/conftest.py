@@ -121,14 +121,30 @@ def default_llm(default_loaded):
 
 
 @pytest.fixture(scope="session")
-def hf_default(default_model_path):
-    """HF transformers' implementation loading the same GGUF file: our reference."""
+def hf_default(default_model_path, tmp_path_factory):
+    """HF transformers' implementation loading the same GGUF file: our reference.
+
+    Reading and dequantizing the GGUF takes transformers ~28 s, so the first worker of a run to need it saves what it
+    loaded (its config and float32 state dict: transformers will not ``save_pretrained`` a model read from a GGUF)
+    in the run's shared temporary folder, and the other workers build the same model from that copy."""
+    import fcntl
+
     torch = pytest.importorskip("torch", reason="HF reference needs torch (pip install torch==2.13.0)")
     transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
     torch.set_num_threads(2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
-    ).eval()
+    shared = tmp_path_factory.getbasetemp().parent / "hf-default"  # one folder for every xdist worker of this run
+    with open(str(shared) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (shared / "weights.pt").exists():
+            config = transformers.AutoConfig.from_pretrained(str(shared))
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.load_state_dict(torch.load(shared / "weights.pt", weights_only=True))
+            return model.eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
+        ).eval()
+        model.config.save_pretrained(str(shared))
+        torch.save(model.state_dict(), shared / "weights.pt")
     return model
 
 
