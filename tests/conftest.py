@@ -134,7 +134,8 @@ def hf_default(default_model_path, tmp_path_factory):
     torch = pytest.importorskip("torch", reason="HF reference needs torch (pip install torch==2.13.0)")
     transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
     torch.set_num_threads(2)
-    shared = tmp_path_factory.getbasetemp().parent / "hf-default"  # one folder for every xdist worker of this run
+    base = tmp_path_factory.getbasetemp()  # under xdist, each worker's; their parent is this run's (pytest-N)
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hf-default"
     with open(str(shared) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (shared / "weights.pt").exists():
