@@ -115,12 +115,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def _run(argv: list[str], block: Block, timeout: float = BLOCK_TIMEOUT_S) -> None:
+def _run(argv: list[str], block: Block, timeout: float = BLOCK_TIMEOUT_S) -> subprocess.CompletedProcess:
     result = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (
         f"{block.id} failed (exit {result.returncode}):\n{block.text}\n"
         f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
     )
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------- static checks
@@ -205,13 +206,10 @@ def test_runnable_bash_block(block):
         # A block of pytest commands selects tests of this suite, which this run executes anyway: each command
         # must select at least one test (collected, as the documented command would run them), not run them twice.
         for cmd in commands:
-            result = subprocess.run(
-                [str(BIN / "pytest"), *cmd[1:], "--collect-only", "-p", "no:cacheprovider"],
-                cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S,
-            )  # fmt: skip
-            selected = re.search(r"^(\d+)(?:/\d+)? tests? collected", result.stdout, flags=re.M)
-            assert result.returncode == 0 and selected and int(selected.group(1)) > 0, (
-                f"{block.id}: {shlex.join(cmd)} selects no test (exit {result.returncode}):\n{result.stdout[-3000:]}"
+            out = _run([str(BIN / "pytest"), *cmd[1:], "--collect-only", "-p", "no:cacheprovider"], block).stdout
+            selected = re.search(r"^(\d+)(?:/\d+)? tests? collected", out, flags=re.M)
+            assert selected and int(selected.group(1)) > 0, (
+                f"{block.id}: {shlex.join(cmd)} selects no test:\n{out[-3000:]}"
             )
         return
     _run(["bash", "-euo", "pipefail", "-c", block.text], block)
