@@ -109,14 +109,29 @@ def _build() -> Path:
     else:
         raise RuntimeError(f"no writable folder for the build: {_cache_dir()} or {folder}")
     out = folder / name
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_out)]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
-        os.replace(tmp_out, out)  # atomic: concurrent builders each move a complete file
+    # One build at a time per folder (~1 minute of g++): a process that starts while another builds (a test worker,
+    # a notebook's kernel, ``make``'s early build) waits for that build and loads its library.
+    with open(folder / f"{name}.lock", "w") as lock:
+        _flock(lock)
+        if out.is_file():
+            return out
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_out)]
+            result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+            os.replace(tmp_out, out)  # atomic: a reader never sees a partial file
     return out
+
+
+def _flock(f) -> None:
+    """An exclusive lock on an open file, released when it is closed (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no C++ build there anyway
+        return
+    fcntl.flock(f, fcntl.LOCK_EX)
 
 
 @functools.cache

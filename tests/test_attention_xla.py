@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +199,26 @@ def test_cpp_kernel_builds_here():
     from jaxserve.kernels import cpu_ffi
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
+
+
+def test_processes_that_start_together_build_the_library_once(tmp_path):
+    """Three processes that find no library at once (``make``'s early build, test workers, a notebook's kernel):
+    one runs the compiler, the others wait for its build and get the same file. A fake compiler (``$CXX``) records
+    each run and takes a second, so that without the lock all three would run it."""
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(f'#!/bin/sh\necho run >> {runs}\nsleep 1\nfor a; do out=$a; done\necho lib > "$out"\n')
+    cxx.chmod(0o755)
+    code = "from jaxserve.kernels import cpu_ffi; print(cpu_ffi._build())"
+    env = {**os.environ, "CXX": str(cxx), "JAXSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in "abc"]
+    paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert len(paths) == 1 and Path(paths.pop()).read_text() == "lib\n"
+    assert runs.read_text() == "run\n"  # the compiler ran once
 
 
 @pytest.mark.parametrize("impl", ["xla", "ffi"])
