@@ -10,6 +10,10 @@ sys.path.insert(0, os.path.dirname(__file__))  # helpers.py, shared by the test 
 # Before jax is imported anywhere: eight fake CPU devices for sharding tests, float32 matmuls.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# NumPy asks for transparent huge pages for arrays of 4 MiB and more. On a VM whose host backs them slowly (the CI's
+# kind: Firecracker with free-page reporting) the first touch of 512 MiB took 8.2 s that way and 0.5 s in 4 KiB pages,
+# and loading the default model 9.5 s instead of 2.3. Tests, and every process they start, ask for small pages.
+os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
 
 import gc  # noqa: E402
 
