@@ -7,7 +7,6 @@ logical axes, the pool split over KV heads, the Pallas kernels under shard_map) 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -139,21 +138,15 @@ def test_plan_reads_an_hf_config_json(tmp_path):
 _QUANT_PLAN = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, num_pages=64, variants="decode")
 
 
-@functools.cache
-def _bf16_default_plan():
-    """The unquantized step the quantized ones are measured against, compiled once for the three modes."""
-    return plan("smollm2-135m", "v5e:2x4", 3, **_QUANT_PLAN)  # 9 heads, 3 KV heads
-
-
 @pytest.mark.parametrize("mode, max_ratio", [("int8", 0.53), ("w8a8", 0.53), ("int4", 0.30)])
 def test_quantized_default_model_compiles_for_v5e(mode, max_ratio):
     """The quantized step (int8 and int4 weights dequantized inside the products, W8A8's int8 x int8 dots) through
-    XLA's and Mosaic's TPU compilers, with weight bytes per chip measured on the compiled arguments."""
-    bf16 = _bf16_default_plan()
+    XLA's and Mosaic's TPU compilers, with weight bytes per chip measured on the compiled arguments, against the
+    bfloat16 model's bytes by hand (the norms, replicated on the 3 chips, add 0.05%)."""
     p = plan("smollm2-135m", "v5e:2x4", 3, quantization=mode, **_QUANT_PLAN)
     (decode,) = p.variants
     assert decode.decode_only and decode.flops > 0
-    assert p.weight_bytes_per_chip / bf16.weight_bytes_per_chip <= max_ratio
+    assert p.weight_bytes_per_chip / (_weight_bytes("smollm2-135m") / 3) <= max_ratio
 
 
 def test_fp8_plans_only_where_the_chip_has_fp8():
