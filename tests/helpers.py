@@ -25,8 +25,9 @@ class SP:
 # The session's shared engine (conftest's default_llm) and the engines that serve the same traffic (the OpenAI
 # servers of test_server_api and test_server_tools): one setting, so their steps are compiled once per run.
 DEFAULT_ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, num_pages=1024)
-# Settings of the engines that warm up every step variant (tests/test_engine.py, tests/test_reliability.py): one
-# setting for both, so that whichever runs second loads the variants from the run's compilation cache.
+# Settings of the engines that warm up every step variant (tests/test_engine.py, tests/test_reliability.py, both on
+# the default model's first two layers): one setting, so whichever runs second loads the variants from the run's
+# compilation cache.
 WARMUP_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_pages=300)
 # A pool of 24 pages (384 tokens) for 12 sequences: the preemption tests of several files share its programs.
 SMALL_POOL_ENGINE = dict(max_num_seqs=12, max_num_batched_tokens=256, max_model_len=1024, num_pages=24)

@@ -9,7 +9,7 @@ import random
 import jax
 import numpy as np
 import pytest
-from helpers import WARMUP_ENGINE
+from helpers import WARMUP_ENGINE, first_layers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, SchedulerConfig, bytes_or_fraction
@@ -52,7 +52,8 @@ def _idle(engine):
 
 
 def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog):
-    llm = LLM(default_loaded, **WARMUP_ENGINE)
+    # Step shapes, not depth, decide what compiles: two layers (tests/test_engine.py's warm-up test builds the same).
+    llm = LLM(first_layers(default_loaded), **WARMUP_ENGINE)
     runner = llm.engine.runner
     with caplog.at_level("INFO", logger="jaxserve.runner"):
         assert runner.warmup() == len(runner.warmup_shapes())
