@@ -1,7 +1,7 @@
 """The OpenAI-compatible server against the official ``openai`` client, raw HTTP and a schema fuzzer.
 
-One server (the default model, small batching settings) is started in-process for the whole module, on a free
-loopback port; before it starts, the same engine generates the reference outputs of the concurrency test
+One server (the default model's first two layers, small batching settings) is started in-process for the whole
+module, on a free loopback port; before it starts, the same engine generates the reference outputs of the concurrency test
 offline, so the comparison is against ``LLMEngine`` run directly on the same weights and settings.
 """
 
@@ -19,6 +19,8 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
+
+from helpers import first_layers
 
 from jaxserve import LLMEngine, SamplingParams
 from jaxserve.server.app import build_app
@@ -72,7 +74,9 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(default_loaded):
-    engine = LLMEngine(default_loaded, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=512)
+    # The server's contract, not the model's: the default model's first two layers (its tokenizer, chat template and
+    # text-like output at a quarter of the cost a token), as the reference below is the same engine offline.
+    engine = LLMEngine(first_layers(default_loaded), max_num_seqs=64, max_num_batched_tokens=256, max_model_len=512)
     # Offline reference for the concurrency test: the same engine, before the server owns it.
     params = SamplingParams(temperature=0.0, max_tokens=CONCURRENT_MAX_TOKENS)
     prompts = _concurrent_prompts()
