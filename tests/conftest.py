@@ -154,7 +154,8 @@ def hf_default(default_model_path, tmp_path_factory):
 
     torch = pytest.importorskip("torch", reason="HF reference needs torch (pip install torch==2.13.0)")
     transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
-    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)  # a pinned worker's
+    # As many threads as this process may use: one on a pinned xdist worker (see _pin_xdist_worker).
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
     base = tmp_path_factory.getbasetemp()  # under xdist, each worker's; their parent is this run's (pytest-N)
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hf-default"
     with open(str(shared) + ".lock", "w") as lock:

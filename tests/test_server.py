@@ -1,8 +1,8 @@
 """The OpenAI-compatible server against the official ``openai`` client, raw HTTP and a schema fuzzer.
 
 One server (the default model's first two layers, small batching settings) is started in-process for the whole
-module, on a free loopback port; before it starts, the same engine generates the reference outputs of the concurrency test
-offline, so the comparison is against ``LLMEngine`` run directly on the same weights and settings.
+module, on a free loopback port; before it starts, the same engine generates the reference outputs of the
+concurrency test offline, so the comparison is against ``LLMEngine`` run directly on the same weights and settings.
 """
 
 from __future__ import annotations
