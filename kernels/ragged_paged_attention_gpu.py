@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxserve.kernels._common import (
+    is_fp8,
     num_seq_q_blocks,
     seq_q_blocks,
     split_pool,
@@ -105,6 +106,12 @@ def _kernel(
         j_end = jnp.minimum(j_start + per_split, num_blocks)
         precision = lax.Precision.HIGHEST  # IEEE for float32 inputs; no effect on bf16
 
+        def load_kv(ref, mask):
+            if not is_fp8(ref.dtype):
+                return plgpu.load(ref, mask=mask, other=0)
+            # Triton cannot cast a fill value to fp8: load the masked lanes as they come, then zero them once widened.
+            return jnp.where(mask, widen_fp8(plgpu.load(ref, mask=mask), q.dtype), 0)
+
         def body(j, carry):
             acc, m, l = carry
             kv_tok = lo + j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BK]
@@ -113,8 +120,7 @@ def _kernel(
             page = plgpu.load(page_indices_ref.at[seq, slot], mask=kv_ok, other=0)[:, None]
             off = (kv_tok % page_size)[:, None]
             kv_mask = jnp.broadcast_to(kv_ok[:, None], (block_kv, head_dim))
-            k = plgpu.load(k_ref.at[layer, page, off, kv_head, dims], mask=kv_mask, other=0)  # [BK, D]
-            v = plgpu.load(v_ref.at[layer, page, off, kv_head, dims], mask=kv_mask, other=0)
+            k, v = (load_kv(r.at[layer, page, off, kv_head, dims], kv_mask) for r in (k_ref, v_ref))  # [BK, D]
             if quantized:  # int8 rows times their scales, in float32, then the queries' dtype
                 k, v = (
                     x.astype(jnp.float32)
