@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check of jaxserve's kernels on a host with one GPU that already
 # has JAX with CUDA. Installs nothing and does not pip-install this repo: it lays out a throwaway
-# `jaxserve` package whose only content is a link to kernels/, so `import jaxserve.kernels` needs nothing
-# but jax and numpy. Runs, compiled on the GPU:
+# `jaxserve` package of links to the repo's jaxserve/, kernels/ and configs/, so `import jaxserve.kernels` needs
+# nothing but jax and numpy. Runs, compiled on the GPU:
 #   1. correctness of the Triton kernels (attention, KV write) vs the reference, on NaN-poisoned edge-case
 #      batches, float32 and bfloat16, bfloat16 queries over fp8 and int8 pages;
 #   2. decode timings, Llama-3-8B heads (32 q, 8 kv, head_dim 128, bf16, page 16), batch 1/32/128 x
@@ -16,8 +16,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SHIM="$(mktemp -d)"
 trap 'rm -rf "$SHIM"' EXIT
 mkdir -p "$SHIM/jaxserve"
-: > "$SHIM/jaxserve/__init__.py"
+for f in "$REPO"/jaxserve/*; do ln -s "$f" "$SHIM/jaxserve/$(basename "$f")"; done
 ln -s "$REPO/kernels" "$SHIM/jaxserve/kernels"
+ln -s "$REPO/configs" "$SHIM/jaxserve/configs"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 LOG="${OUT:-$SHIM}/gpu_check.log"
 
@@ -29,7 +30,7 @@ LOG="${OUT:-$SHIM}/gpu_check.log"
 
 timeout --signal=INT --kill-after=15 $(( ${KERNEL_BUDGET:-390} + 60 )) python3 "$REPO/bench/kernels.py" \
   --check \
-  --impls pallas,xla,reference \
+  --impls pallas,reference \
   --batches 1,32,128 \
   --contexts 512,2048,8192 \
   --extra-cases 64x2048 \
