@@ -72,9 +72,9 @@ def warn_memory_maps(share: float = 0.7) -> int | None:
 
 
 def device_memory() -> int | None:
-    """Bytes of memory of one device (None where JAX does not say, as on the CPU)."""
+    """Bytes of memory of one of this process' devices (None where JAX does not say, as on the CPU)."""
     try:
-        stats = jax.devices()[0].memory_stats()
+        stats = jax.local_devices()[0].memory_stats()
     except Exception:  # noqa: BLE001 - a backend without memory stats
         return None
     return (stats or {}).get("bytes_limit")

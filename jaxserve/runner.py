@@ -401,7 +401,7 @@ class ModelRunner:
         at full length, but at most min(4 GiB, a quarter of the available host memory), since the host
         runs other processes (the pool is allocated, and touched, at startup).
         """
-        device = jax.devices()[0]
+        device = self.mesh.local_devices[0]  # one this process owns: another host's device has no memory stats
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         on_device = bool(stats and "bytes_limit" in stats)
         available = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if on_device else available_host_memory()

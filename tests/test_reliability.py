@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import types
 
 import jax
 import numpy as np
@@ -276,6 +277,7 @@ def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
 
 class _FakeRunner:
     page_size = 16
+    mesh = types.SimpleNamespace(local_devices=jax.local_devices())
 
     def _page_bytes(self):
         return 1 << 20  # 1 MiB pages
