@@ -330,12 +330,16 @@ def _add_bench_parser(subparsers) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
-        return 2
+        rc, why = 2, f"{type(e).__name__}: {e}"
     except KeyboardInterrupt:
-        return 130
+        rc, why = 130, "interrupted"
+    else:
+        why = f"exited with status {rc}"
+    distributed = sys.modules.get("jaxserve.distributed")  # imported only by commands that may join a group
+    return distributed.exit_group(rc, why) if rc and distributed else rc
 
 
 if __name__ == "__main__":

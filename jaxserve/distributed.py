@@ -5,17 +5,29 @@ inputs; only process 0 runs the scheduler (and the HTTP server). Process 0 publi
 on JAX's coordination service (the key-value store ``jax.distributed`` starts; no RPC of our own), and the other
 processes ("followers") replay them in order, so every process launches the same collectives in the same order.
 
-Failure: the coordination service watches every process' heartbeat. A dead follower makes process 0's next
-collective fail or its heartbeat check abort it; a dead process 0 takes the coordination service with it, and a
-follower waiting for a step gets an error within ``heartbeat_timeout`` and exits non-zero with a message naming
-the cause (``FollowerLost``).
+Faults end the group, always, and fast. A process that fails (an uncaught exception, a start-up error, a
+signal) calls ``fatal``: it posts "process N: what went wrong" under one key of the coordination service and
+leaves at once with ``os._exit`` (a normal exit would wait in ``jax.distributed``'s shutdown barrier for processes
+that never come). Every process runs a watchdog thread blocked on that key; when it appears, the process prints
+the message and exits non-zero too, wherever its main thread is stuck (a collective, a key-value wait). A process
+killed outright (SIGKILL, a lost host) posts nothing: the coordination service's heartbeat check ends the others
+within ``heartbeat_timeout``, and a follower that loses process 0 exits non-zero (``FollowerLost``).
+SIGTERM and SIGINT end the group the same way, except on process 0 while it serves HTTP: there the server drains
+its requests first, then releases the followers, and every process exits 0.
+
+Agreement: every process must run the same program on the same shapes, so ``agree`` checks that each process'
+settings (model, pool, scheduler) equal process 0's before anything is allocated, and names the first difference.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
+import signal
+import sys
+import threading
 import zlib
 
 import jax
@@ -68,6 +80,8 @@ def initialize(
         jax.local_device_count(),
         jax.device_count(),
     )
+    if jax.process_count() > 1:
+        _install_fault_handlers()
 
 
 def multi_process() -> bool:
@@ -117,3 +131,128 @@ class StepChannel:
                     ) from e
         self._next += 1
         return pickle.loads(zlib.decompress(data))
+
+
+# ------------------------------------------------------------------ faults end the group
+_FATAL_KEY = "jaxserve/fatal"
+_state = {"ending": False, "exiting": False, "agree_round": 0}
+
+
+def fatal(message: str, code: int = 1) -> None:
+    """Ends every process of the group: posts ``message`` (naming this process) for the others' watchdogs, logs it
+    and leaves at once with ``code``. Never returns."""
+    _state["ending"] = True
+    text = f"process {jax.process_index()}: {message}"
+    print(f"jaxserve: ending every process: {text}", file=sys.stderr, flush=True)
+
+    def post():
+        try:
+            _client().key_value_set(_FATAL_KEY, text)
+        except Exception:  # noqa: BLE001 - another process posted first, or the service is gone: exit anyway
+            pass
+
+    poster = threading.Thread(target=post, daemon=True)
+    poster.start()
+    poster.join(5.0)  # the service may be unreachable: never wait long for it
+    logging.shutdown()
+    os._exit(code)
+
+
+def _watch() -> None:
+    """Every process' watchdog: waits for another process' ``fatal`` and ends this one too."""
+    client = _client()
+    while True:
+        # Short waits: the thread must be out of the C++ call before the interpreter exits (see
+        # _install_fault_handlers), and a wait cannot be cancelled.
+        if _state["exiting"] or _state["ending"]:
+            return
+        try:
+            text = client.blocking_key_value_get(_FATAL_KEY, 1000)
+            break
+        except Exception as e:  # noqa: BLE001 - a plain XlaRuntimeError
+            if _state["exiting"] or _state["ending"]:
+                return  # our own shutdown cancels the wait
+            if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                continue
+            # The coordination service is gone (process 0 died): nothing can run a collective any more.
+            text = f"lost the coordination service: {str(e).splitlines()[0][:300]}"
+            break
+    if _state["ending"]:
+        return
+    print(f"jaxserve: process {jax.process_index()} ends: {text}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _install_fault_handlers() -> None:
+    """The watchdog thread, an excepthook and SIGTERM / SIGINT handlers that end the whole group (see the module's
+    docstring). They replace the handler ``jax.distributed`` installs for SIGTERM (a preemption notice)."""
+    import atexit
+
+    watchdog = threading.Thread(target=_watch, name="jaxserve-fault-watch", daemon=True)
+    watchdog.start()
+
+    def stop_watching():  # runs before jax.distributed's shutdown (atexit is last in, first out)
+        # A daemon thread still inside a C++ call when the interpreter finalizes aborts the process (SIGABRT).
+        _state["exiting"] = True
+        watchdog.join(5.0)
+
+    atexit.register(stop_watching)
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        previous(kind, value, tb)
+        fatal(f"{kind.__name__}: {value}")
+
+    sys.excepthook = excepthook
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set signal handlers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _on_signal)
+
+
+def _on_signal(signum, frame) -> None:
+    fatal(f"received {signal.Signals(signum).name}", 128 + signum)
+
+
+def exit_group(code: int, message: str = "") -> int:
+    """``code`` for a process leaving on its own; under several processes a non-zero ``code`` ends them all
+    (``fatal``) instead of waiting in the shutdown barrier."""
+    if code and multi_process():
+        fatal(message or f"exited with status {code}", code)
+    return code
+
+
+# ------------------------------------------------------------------ agreement
+def agree(what: str, settings: dict) -> None:
+    """Checks that this process' ``settings`` (name -> value) equal process 0's; a no-op on one process.
+
+    Process 0 posts its settings; every other process compares its own with them, field by field.
+
+    Raises:
+        ValueError: this process' settings differ from process 0's (the first few differences named).
+    """
+    if not multi_process():
+        return
+    text = {k: repr(v) for k, v in settings.items()}
+    key = f"jaxserve/agree/{_state['agree_round']}/{what}"
+    _state["agree_round"] += 1
+    client = _client()
+    if jax.process_index() == 0:
+        client.key_value_set(key, json.dumps(text))
+        return
+    while True:
+        try:
+            theirs = json.loads(client.blocking_key_value_get(key, 60_000))
+            break
+        except Exception as e:  # noqa: BLE001 - process 0 may take minutes to load its weights
+            if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                raise
+    diff = [
+        f"{k}={text.get(k)} (process 0: {theirs.get(k)})"
+        for k in sorted(set(text) | set(theirs))
+        if text.get(k) != theirs.get(k)
+    ]
+    if diff:
+        raise ValueError(
+            f"process {jax.process_index()}'s {what} differ from process 0's: {', '.join(diff[:6])}"
+            f"{' ...' if len(diff) > 6 else ''}; every process must be started with the same settings"
+        )

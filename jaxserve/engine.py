@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve import quant
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
-from jaxserve.distributed import StepChannel, multi_process
+from jaxserve.distributed import StepChannel, agree, multi_process
 from jaxserve.draft import DraftProposer
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
@@ -78,6 +78,11 @@ def device_memory() -> int | None:
     except Exception:  # noqa: BLE001 - a backend without memory stats
         return None
     return (stats or {}).get("bytes_limit")
+
+
+def _settings_of(*configs) -> dict:
+    """Every field of these dataclasses, prefixed by its class: what every process of a group must share."""
+    return {f"{type(c).__name__}.{f.name}": getattr(c, f.name) for c in configs for f in dataclasses.fields(c)}
 
 
 class StepFailed(RuntimeError):
@@ -213,6 +218,7 @@ class LLMEngine:
         self.scheduler_config = config.scheduler_config(max_model_len, jax.default_backend(), device_memory())
         if multi_process():  # every process runs each step the leader publishes, in order, and waits for it
             self.scheduler_config = dataclasses.replace(self.scheduler_config, async_scheduling=False)
+            agree("settings", _settings_of(config, self.scheduler_config, loaded.config))
         draft = self._draft_model(self.scheduler_config.speculative, loaded, dtype, tp)
         self.replicas: list[Replica] = []
         for mesh in meshes:

@@ -1,9 +1,13 @@
-"""One process of a two-process jax.distributed group (tests/test_multiprocess.py starts two).
+"""One process of a jax.distributed group (tests/test_multiprocess.py starts several).
 
     python tests/multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID MODEL_DIR TP
 
-Generates greedily through ``LLM`` for the prompts in $JAXSERVE_TEST_PROMPTS (JSON token-id lists) and prints the
-tokens as one JSON line prefixed with "TOKENS ". Every process prints process 0's outputs.
+Generates greedily through ``LLM``, with default options otherwise, for the prompts in $JAXSERVE_TEST_PROMPTS
+(JSON token-id lists) and prints the tokens as one JSON line prefixed with "TOKENS ". Every process prints process
+0's outputs. Faults to inject, for the tests of a group's failures:
+  $JAXSERVE_TEST_MAX_NUM_SEQS_ON (a process id): that process starts with max_num_seqs=4, unlike the others;
+  $JAXSERVE_TEST_RAISE_ON (a process id): that process raises after the first generation, while the others
+  generate again.
 """
 
 import json
@@ -18,9 +22,13 @@ initialize(coordinator, int(num_processes), int(process_id))
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 
-llm = LLM(
-    model_dir, tensor_parallel_size=int(tp), num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64
-)
+settings = {"max_num_seqs": 4} if os.environ.get("JAXSERVE_TEST_MAX_NUM_SEQS_ON") == process_id else {}
+llm = LLM(model_dir, tensor_parallel_size=int(tp), **settings)
 prompts = json.loads(os.environ["JAXSERVE_TEST_PROMPTS"])
-outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+outs = llm.generate(prompts, params, use_tqdm=False)
 print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+if os.environ.get("JAXSERVE_TEST_RAISE_ON") == process_id:
+    raise RuntimeError("injected after the first generation")
+if "JAXSERVE_TEST_RAISE_ON" in os.environ:
+    llm.generate(prompts, params, use_tqdm=False)  # never ends: the raising process ends the group

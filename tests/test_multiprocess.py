@@ -1,6 +1,7 @@
-"""Two processes on localhost, two CPU devices each, one jax.distributed group over gloo: one tensor-parallel
-replica over all four devices, process 0 scheduling, process 1 following its steps. The reference is one process
-on one device. Also: losing either process makes the other exit non-zero within a bounded time.
+"""Several processes on localhost, one jax.distributed group over gloo, with default engine options: one
+tensor-parallel replica over every device (2 processes x 2 CPU devices, and 3 x 1), process 0 scheduling, the others
+following its steps. The reference is one process on one device. And every fault ends the whole group, non-zero and
+in bounded time: a process that raises, one started with other settings, a signal to a follower, a process lost.
 """
 
 from __future__ import annotations
@@ -30,21 +31,20 @@ HEARTBEAT_S = 5  # how long a silent process may take before the other gives it 
 # The tests that expect no loss take a longer one: with the suite's other worker compiling beside them on two cores,
 # both processes once went 5 s without a heartbeat and the coordination service ended the pair.
 BUSY_HEARTBEAT_S = 60
-ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64)
+FAULT_S = 60  # the issue's bound: a fault ends every process within this
 
 
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory, default_model_path):
-    """A tiny random model (8 query heads, 2 KV heads) as an orbax checkpoint, which both processes restore."""
+def _tiny_ckpt(tmp_path_factory, default_model_path, num_heads: int, num_kv_heads: int) -> Path:
+    """A tiny random model as an orbax checkpoint, which every process restores."""
     from jaxserve.loading import orbax_ckpt
 
     cfg = ModelConfig(
         vocab_size=49152,
         hidden_size=64,
-        intermediate_size=128,
+        intermediate_size=96,  # divides over 2, 3 and 4 devices
         num_layers=2,
-        num_heads=8,
-        num_kv_heads=2,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=16,
         max_position_embeddings=256,
     )
@@ -53,17 +53,38 @@ def tiny_ckpt(tmp_path_factory, default_model_path):
         n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
         for n, s in param_schema(cfg).items()
     }
-    path = tmp_path_factory.mktemp("tiny_ckpt")
+    path = tmp_path_factory.mktemp(f"tiny_ckpt_{num_heads}_{num_kv_heads}")
     orbax_ckpt.save(path, cfg, params, "float32")
     orbax_ckpt.copy_tokenizer(default_model_path, path)
     return path
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_ckpt):
-    llm = LLM(str(tiny_ckpt), **ENGINE)
+def _reference(ckpt: Path):
+    llm = LLM(str(ckpt), num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory, default_model_path):
+    """8 query heads, 2 KV heads: tensor parallelism 4 replicates each KV head twice."""
+    return _tiny_ckpt(tmp_path_factory, default_model_path, 8, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny3_ckpt(tmp_path_factory, default_model_path):
+    """6 query heads, 3 KV heads: tensor parallelism 3 splits them."""
+    return _tiny_ckpt(tmp_path_factory, default_model_path, 6, 3)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    return _reference(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def reference3(tiny3_ckpt):
+    return _reference(tiny3_ckpt)
 
 
 def _free_port() -> int:
@@ -72,23 +93,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(heartbeat_s: int) -> dict:
+def _env(heartbeat_s: int, devices: int, extra: dict | None = None) -> dict:
     return {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
         "JAXSERVE_TEST_PROMPTS": json.dumps(PROMPTS),
         "JAXSERVE_HEARTBEAT_TIMEOUT_S": str(heartbeat_s),
+        **(extra or {}),
     }
 
 
-def _spawn(cmd: list[str], log: Path, heartbeat_s: int) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(heartbeat_s))
-
-
-def _pair(make_cmd, tmp_path: Path, name: str, heartbeat_s: int = BUSY_HEARTBEAT_S) -> list[subprocess.Popen]:
+def _group(make_cmd, n: int, tmp_path: Path, name: str, heartbeat_s: int = BUSY_HEARTBEAT_S, extra_env=None):
+    """``n`` processes of one group, ``n`` devices in all when n is 3, else 2 each; their logs are tmp_path/name{i}.log."""
     coordinator = f"127.0.0.1:{_free_port()}"
-    return [_spawn(make_cmd(coordinator, i), tmp_path / f"{name}{i}.log", heartbeat_s) for i in range(2)]
+    env = _env(heartbeat_s, 1 if n == 3 else 2, extra_env)
+    return [
+        subprocess.Popen(
+            make_cmd(coordinator, i), stdout=(tmp_path / f"{name}{i}.log").open("w"), stderr=subprocess.STDOUT, env=env
+        )
+        for i in range(n)
+    ]
+
+
+def _worker(ckpt: Path, n: int, tp: int):
+    return lambda c, i: [sys.executable, str(WORKER), c, str(n), str(i), str(ckpt), str(tp)]
 
 
 def _wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
@@ -99,16 +128,59 @@ def _wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
         pytest.fail(f"process did not exit within {timeout} s; log:\n{log.read_text()[-3000:]}")
 
 
+def _tokens(log: Path):
+    (line,) = [x for x in log.read_text().splitlines() if x.startswith("TOKENS ")]
+    return json.loads(line[len("TOKENS ") :])
+
+
+def _all_end(procs, tmp_path: Path, name: str, cause: str, t0: float) -> list[int]:
+    """Waits for every process; each must end within FAULT_S of ``t0``, and every log but the culprit's names the
+    ``cause``. Returns the exit codes."""
+    codes = []
+    for i, p in enumerate(procs):
+        log = tmp_path / f"{name}{i}.log"
+        codes.append(_wait(p, max(1.0, t0 + FAULT_S - time.time()), log))
+        assert cause in log.read_text(), f"process {i}'s log does not name the cause:\n{log.read_text()[-3000:]}"
+    return codes
+
+
 def test_two_processes_generate_like_one(tiny_ckpt, reference, tmp_path):
-    procs = _pair(lambda c, i: [sys.executable, str(WORKER), c, "2", str(i), str(tiny_ckpt), "4"], tmp_path, "llm")
+    procs = _group(_worker(tiny_ckpt, 2, 4), 2, tmp_path, "llm")
     for i, p in enumerate(procs):
         log = tmp_path / f"llm{i}.log"
         assert _wait(p, 300, log) == 0, log.read_text()[-3000:]
-        (line,) = [x for x in log.read_text().splitlines() if x.startswith("TOKENS ")]
-        assert json.loads(line[len("TOKENS ") :]) == reference[0], f"process {i}"
+        assert _tokens(log) == reference[0], f"process {i}"
 
 
-def _serve_cmd(tiny_ckpt, port):
+def test_three_processes_generate_like_one_and_one_raising_ends_them_all(tiny3_ckpt, reference3, tmp_path):
+    """3 processes x 1 device, tensor parallelism 3. Process 1 raises after the first generation while the others
+    start a second one: all three end non-zero, naming process 1's error."""
+    procs = _group(_worker(tiny3_ckpt, 3, 3), 3, tmp_path, "raise", extra_env={"JAXSERVE_TEST_RAISE_ON": "1"})
+    logs = [tmp_path / f"raise{i}.log" for i in range(3)]
+    _wait(procs[1], 300, logs[1])  # it raises once the first generation is done
+    t0 = time.time()
+    codes = _all_end(procs, tmp_path, "raise", "process 1: RuntimeError: injected after the first generation", t0)
+    assert all(c != 0 for c in codes), codes
+    for i, log in enumerate(logs):
+        assert _tokens(log) == reference3[0], f"process {i}"
+
+
+def test_a_process_started_with_other_settings_ends_every_process(tiny_ckpt, tmp_path):
+    t0 = time.time()
+    procs = _group(_worker(tiny_ckpt, 2, 4), 2, tmp_path, "settings", extra_env={"JAXSERVE_TEST_MAX_NUM_SEQS_ON": "1"})
+    # Loading and importing take their time before the check; the bound counts from the start here.
+    codes = [_wait(p, 300, tmp_path / f"settings{i}.log") for i, p in enumerate(procs)]
+    assert all(c != 0 for c in codes), codes
+    for i in range(2):
+        text = (tmp_path / f"settings{i}.log").read_text()
+        assert "process 1's settings differ from process 0's: EngineConfig.max_num_seqs=4 (process 0: None)" in text
+        assert "TOKENS " not in text
+    assert time.time() - t0 < 300
+
+
+def _serve_cmd(ckpt, port, n: int, tp: int, *extra: str):
+    """``jaxserve serve`` for process i of n, with default options but the model, the port and ``extra``."""
+
     def make(coordinator, i):
         return [
             sys.executable,
@@ -116,28 +188,20 @@ def _serve_cmd(tiny_ckpt, port):
             "jaxserve.cli",
             "serve",
             "--model",
-            str(tiny_ckpt),
+            str(ckpt),
             "--port",
             str(port),
             "--coordinator",
             coordinator,
             "--num-processes",
-            "2",
+            str(n),
             "--process-id",
             str(i),
             "--served-model-name",
             "tiny",
             "--tensor-parallel-size",
-            "4",
-            "--no-warmup",
-            "--num-pages",
-            "64",
-            "--max-num-seqs",
-            "8",
-            "--max-model-len",
-            "256",
-            "--max-num-batched-tokens",
-            "64",
+            str(tp),
+            *extra,
         ]
 
     return make
@@ -149,7 +213,7 @@ def _wait_healthy(port: int, procs, tmp_path: Path, name: str) -> None:
         if any(p.poll() is not None for p in procs):
             pytest.fail(
                 "a process exited during start-up:\n"
-                + "\n".join((tmp_path / f"{name}{i}.log").read_text()[-2000:] for i in range(2))
+                + "\n".join((tmp_path / f"{name}{i}.log").read_text()[-2000:] for i in range(len(procs)))
             )
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
@@ -160,22 +224,45 @@ def _wait_healthy(port: int, procs, tmp_path: Path, name: str) -> None:
     pytest.fail("the server did not become healthy")
 
 
+def _served_texts(port: int) -> list[str]:
+    texts = []
+    for prompt in PROMPTS:
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+        )
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    return texts
+
+
 def test_two_processes_serve_like_one_and_shut_down_together(tiny_ckpt, reference, tmp_path):
     port = _free_port()
-    procs = _pair(_serve_cmd(tiny_ckpt, port), tmp_path, "serve")
+    procs = _group(_serve_cmd(tiny_ckpt, port, 2, 4, "--no-warmup"), 2, tmp_path, "serve")
     try:
         _wait_healthy(port, procs, tmp_path, "serve")
-        for prompt, want in zip(PROMPTS, reference[1]):
-            r = httpx.post(
-                f"http://127.0.0.1:{port}/v1/completions",
-                timeout=120,
-                json={"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
-            )
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
-        procs[0].send_signal(signal.SIGTERM)  # process 0 shuts down and releases process 1
+        assert _served_texts(port) == reference[1]
+        procs[0].send_signal(signal.SIGTERM)  # process 0 drains, then releases process 1
         assert _wait(procs[0], 60, tmp_path / "serve0.log") == 0
         assert _wait(procs[1], 60, tmp_path / "serve1.log") == 0
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_three_processes_default_command_serves_and_a_signalled_follower_ends_all(tiny3_ckpt, reference3, tmp_path):
+    """The issue's command (3 processes x 1 device, nothing but the parallel layout given; warm-up included), then
+    SIGTERM to process 2: all three end non-zero within FAULT_S, naming it."""
+    port = _free_port()
+    procs = _group(_serve_cmd(tiny3_ckpt, port, 3, 3), 3, tmp_path, "serve3")
+    try:
+        _wait_healthy(port, procs, tmp_path, "serve3")
+        assert _served_texts(port) == reference3[1]
+        t0 = time.time()
+        procs[2].send_signal(signal.SIGTERM)
+        codes = _all_end(procs, tmp_path, "serve3", "process 2: received SIGTERM", t0)
+        assert codes[2] == 128 + signal.SIGTERM and codes[0] != 0 and codes[1] != 0, codes
     finally:
         for p in procs:
             p.kill()
@@ -184,7 +271,7 @@ def test_two_processes_serve_like_one_and_shut_down_together(tiny_ckpt, referenc
 @pytest.mark.parametrize("victim", [1, 0])
 def test_losing_a_process_ends_the_other_non_zero(tiny_ckpt, tmp_path, victim):
     port = _free_port()
-    procs = _pair(_serve_cmd(tiny_ckpt, port), tmp_path, "kill", HEARTBEAT_S)
+    procs = _group(_serve_cmd(tiny_ckpt, port, 2, 4, "--no-warmup"), 2, tmp_path, "kill", HEARTBEAT_S)
     try:
         _wait_healthy(port, procs, tmp_path, "kill")
         time.sleep(1)  # process 1 is following by now (it announced it in its log before /health came up)
