@@ -8,7 +8,8 @@ Every fenced ``bash`` block carries one mark after the language (```` ```bash ru
   8000 is taken, the server gets a free port and the block's ``127.0.0.1:8000`` is rewritten to it.
 * ``fresh-clone`` (``make run`` / ``make test``, which install into ``.venv``), ``needs-server`` (a server left
   running), ``needs-gpu``, ``needs-tpu``, ``needs-hosts``, ``needs-minutes`` (a TPU compile that
-  ``tests/test_aot.py`` covers): not run here.
+  ``tests/test_aot.py`` covers), ``needs-cluster`` (kubectl and a Kubernetes cluster; ``tests/test_deploy.py`` checks
+  the manifests): not run here.
 
 Every ``jaxserve`` command of every block, run or not, must parse with the real command-line parser, and every
 ``jaxserve SUBCOMMAND`` the README names must answer ``--help``. ``python`` blocks marked ``runnable`` run in order in
@@ -36,7 +37,7 @@ README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
 RUN_TAGS = {"runnable", "server"}
-OTHER_TAGS = {"fresh-clone", "needs-server", "needs-gpu", "needs-tpu", "needs-hosts", "needs-minutes"}
+OTHER_TAGS = {"fresh-clone", "needs-server", "needs-gpu", "needs-tpu", "needs-hosts", "needs-minutes", "needs-cluster"}
 SERVE_COMMAND = "jaxserve serve --port 8000"
 BLOCK_TIMEOUT_S = 900
 
