@@ -49,6 +49,7 @@ FAST_FILES = {
     "test_kernels.py",
     "test_attention_xla.py",
     "test_gguf.py",
+    "test_deploy.py",
 }
 FAST_TESTS = {"test_default_model.py::test_greedy_matches_hf_token_for_token"}
 
