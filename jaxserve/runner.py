@@ -62,6 +62,7 @@ from jaxserve.sharding import (
 from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
 from jaxserve.utils import cdiv, next_pow2
+from jaxserve.wire import StepDecoder, StepEncoder
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
 _CPU_KV_AVAILABLE_SHARE = 0.25  # ... and to at most this share of the memory available at startup
@@ -210,6 +211,7 @@ class ModelRunner:
         self.abstract = isinstance(params["final_norm"], jax.ShapeDtypeStruct)
         dtype = params["final_norm"].dtype  # the float weights' (a quantized model's norms stay float)
         self.channel = None  # under several processes: the StepChannel to the other processes (set by the engine)
+        self._encoder, self._decoder = StepEncoder(), StepDecoder()  # the steps' changes on that channel
         self.tensor_parallel_size = self.mesh.shape["model"]
         # Fewer KV heads than devices: each is repeated so that every device holds one (cfg says how many now).
         model_cfg, params = replicate_kv_heads(model_cfg, params, kv_heads_for(model_cfg, self.tensor_parallel_size))
@@ -604,6 +606,7 @@ class ModelRunner:
         self.update_states(sched)
         copy = self._copy_chunks(sched.copy_ops)
         if not sched.scheduled:
+            self._publish(sched, token_masks)
             self._launch(copy, None)
             return None
         t0 = time.perf_counter()
@@ -642,6 +645,7 @@ class ModelRunner:
         next_tokens = self._next_tokens(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
         t1 = time.perf_counter()
         decode_only = all(len(s.token_ids) == 1 for s in sched.scheduled)
+        self._publish(sched, token_masks)
         out, plp = self._launch(copy, (decode_only, tokens, batch, logits_indices, meta, next_tokens))
         self.pack_seconds += t1 - t0
         self._fed_rows = {}  # where each request's sample of this step is in the step's fed-forward tokens
@@ -692,14 +696,19 @@ class ModelRunner:
             k0 += 1 + d
         return result
 
+    def _publish(self, sched: SchedulerOutput, token_masks) -> None:
+        """Process 0 of several: sends the step's changes to the others (``jaxserve.wire``), once it is known to be
+        valid and before its own dispatch; each of them packs the same arrays from them (``follow``)."""
+        if self.channel is None or not self.channel.leader:
+            return
+        if sched.scheduled or sched.copy_ops or sched.finished_req_ids or sched.preempted_req_ids:
+            self.channel.send(("step", self._encoder.encode(sched, token_masks)))
+
     def _launch(self, copy: list[tuple] | None, step: tuple | None):
         """Runs a step's page copies (``[(src, dst), ...]``, see ``_copy_chunks``) and its step (``(decode_only,
-        *packed inputs)``); returns the step's (sampler output, prompt logprobs) as device arrays. Under several
-        processes, process 0 first publishes both, and the others run the same (``follow``)."""
+        *packed inputs)``); returns the step's (sampler output, prompt logprobs) as device arrays."""
         if copy is None and step is None:
             return None
-        if self.channel is not None and self.channel.leader:
-            self.channel.send(("step", copy, step))
         for src, dst in copy or ():
             self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, src, dst)
         if step is None:
@@ -711,13 +720,14 @@ class ModelRunner:
         return out, plp
 
     def follow(self):
-        """A follower's loop (processes other than 0): runs every step process 0 publishes, in order, until it
-        sends an end; returns the end's payload."""
+        """A follower's loop (processes other than 0): applies every step's changes process 0 publishes, in order,
+        to its own requests, and runs the same step (packed here), until process 0 sends an end; returns the end's
+        payload. Each step's results are read back as on process 0: the requests' tokens feed later steps."""
         while True:
             kind, *payload = self.channel.recv()
             if kind == "end":
                 return payload[0]
-            _fetch(self._launch(*payload))  # wait for it: the next message may be long in coming
+            self.collect(self.launch(*self._decoder.decode(payload[0])))
 
     def _copy_chunks(self, ops: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]] | None:
         """Copy-on-write ops as (src, dst) arrays of power-of-two lengths up to max_seqs, padded with copies of
