@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -35,6 +36,8 @@ import jax
 logger = logging.getLogger("jaxserve.distributed")
 
 _PREFIX = "jaxserve/step/"
+_READ_PREFIX = "jaxserve/read/"  # follower i's key: how many messages it has read
+_ACK_EVERY = 16
 DEFAULT_HEARTBEAT_TIMEOUT_S = int(os.environ.get("JAXSERVE_HEARTBEAT_TIMEOUT_S", 20))
 
 
@@ -100,21 +103,52 @@ def _client():
 class StepChannel:
     """Process 0 -> every other process: an ordered stream of small Python messages (pickled, compressed).
 
-    Message ``n`` lives under its own key until every process has run step ``n + 1`` (the step's collectives
-    prove they read it), so the store holds at most a few messages.
+    Process 0's ``send`` only queues the message: a sender thread stores it under its own key, off the step's
+    critical path. Each follower says how far it has read every ``_ACK_EVERY`` messages, and the sender deletes
+    only what every follower has read, so a follower that lags (behind messages that run no collective, such as
+    an end or a copy-only step) never finds its next message gone.
     """
 
     def __init__(self, poll_s: float = 1.0):
         self.leader = jax.process_index() == 0
         self.poll_ms = int(poll_s * 1000)
         self._next = 0
+        self.bytes_sent = 0  # compressed bytes queued by ``send`` (process 0)
+        self.messages_sent = 0
+        if self.leader:
+            self._queue: queue.Queue[bytes] = queue.Queue()
+            threading.Thread(target=self._send_loop, name="jaxserve-step-sender", daemon=True).start()
 
     def send(self, message) -> None:
+        data = zlib.compress(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), 1)
+        self.bytes_sent += len(data)
+        self.messages_sent += 1
+        self._queue.put(data)
+
+    def flush(self) -> None:
+        """Returns once every message sent is stored (before process 0 exits, so its last one is not lost)."""
+        self._queue.join()
+
+    def _send_loop(self) -> None:
         client = _client()
-        client.key_value_set_bytes(f"{_PREFIX}{self._next}", zlib.compress(pickle.dumps(message), 1))
-        if self._next >= 2:
-            client.key_value_delete(f"{_PREFIX}{self._next - 2}")
-        self._next += 1
+        stored = deleted = 0
+        while True:
+            data = self._queue.get()
+            try:
+                client.key_value_set_bytes(f"{_PREFIX}{stored}", data)
+                stored += 1
+                if stored % _ACK_EVERY == 0:
+                    read = [int(v) for _, v in client.key_value_dir_get(_READ_PREFIX)]
+                    upto = min(read) if len(read) == jax.process_count() - 1 else 0
+                    for n in range(deleted, upto):
+                        client.key_value_delete(f"{_PREFIX}{n}")
+                    deleted = max(deleted, upto)
+            except Exception as e:  # noqa: BLE001 - the service is gone: nothing can follow any more
+                if not (_state["exiting"] or _state["ending"]):
+                    fatal(f"cannot publish step {stored}: {str(e).splitlines()[0][:300]}")
+                return
+            finally:
+                self._queue.task_done()
 
     def recv(self):
         """The next message; waits as long as process 0 is alive (idle servers send nothing for hours)."""
@@ -130,6 +164,8 @@ class StepChannel:
                         f"process {jax.process_index()} lost process 0 while waiting for step {self._next}: {e}"
                     ) from e
         self._next += 1
+        if self._next % _ACK_EVERY == 0:
+            client.key_value_set(f"{_READ_PREFIX}{jax.process_index()}", str(self._next), allow_overwrite=True)
         return pickle.loads(zlib.decompress(data))
 
 

@@ -279,6 +279,7 @@ class LLMEngine:
         """Process 0: ends the followers' ``follow()``, which returns ``payload``; a no-op on one process."""
         if self.runner.channel is not None and self.runner.channel.leader:
             self.runner.channel.send(("end", payload))
+            self.runner.channel.flush()
 
     def lead_or_follow(self, fn, *args):
         """``fn(*args)`` on process 0, its result (or its error) handed to every follower, which returns it too
