@@ -22,6 +22,83 @@ class SP:
     seed: int = 0
 
 
+class CharTokenizer:
+    """One token per character (ids 1..999), for servers over fake engines."""
+
+    eos_token_ids = (0,)
+
+    def encode(self, text, add_special_tokens=True):
+        return [1 + ord(c) % 999 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" t{i}" for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
+        return self.encode(text) if tokenize else text
+
+
+class SchedulerEngine:
+    """A fake engine over the real host-side ``Scheduler`` and ``BlockManager`` (no model, no jax), for servers whose
+    engine state must move: each step is scheduled as ``LLMEngine`` schedules it and every sequence due a sample
+    gets token 7, so page tables, prefix-cache hits, preemptions and evictions (and their KV events) are real.
+    ``step_s`` sleeps in each step (a slower engine, to look at it mid-request)."""
+
+    def __init__(self, num_pages=64, page_size=4, max_model_len=256, max_num_seqs=8, step_s=0.0):
+        from types import SimpleNamespace
+
+        from jaxserve.block_manager import BlockManager
+        from jaxserve.config import SchedulerConfig
+        from jaxserve.scheduler import Scheduler
+
+        self.model_name = "fake-scheduler"
+        self.model_config = SimpleNamespace(vocab_size=1000)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=max_model_len
+        )
+        self.config = SimpleNamespace(page_size=page_size, enable_prefix_caching=True, kv_cache_dtype=None)
+        self.tokenizer = CharTokenizer()
+        self.scheduler = Scheduler(self.scheduler_config, BlockManager(num_pages, page_size))
+        self.step_s, self.num_steps = step_s, 0
+
+    def add_request(self, rid, prompt, params, priority=0):
+        from jaxserve.request import Request
+
+        self.scheduler.add_request(Request(rid, list(prompt), params, self.tokenizer.eos_token_ids, priority=priority))
+
+    def abort_request(self, rid):
+        return self.scheduler.abort_request(rid) is not None
+
+    def has_unfinished_requests(self):
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self):
+        stats = dataclasses.asdict(self.scheduler.stats())
+        stats["num_steps"] = self.num_steps
+        return stats
+
+    def step(self):
+        import time
+
+        from jaxserve.outputs import CompletionOutput, RequestOutput
+
+        if self.step_s:
+            time.sleep(self.step_s)
+        self.num_steps += 1
+        sched = self.scheduler.schedule()
+        sampled = {s.req_id: [7] for s in sched.scheduled if s.sample}
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(sched, sampled)}
+        outs = []
+        for rid in sampled:
+            r = finished.get(rid) or self.scheduler.requests.get(rid)
+            if r is None:
+                continue
+            toks = list(r.output_token_ids)
+            comp = CompletionOutput(0, " t7" * len(toks), toks, None, None, r.finish_reason)
+            outs.append(RequestOutput(rid, None, r.prompt_token_ids, [comp], rid in finished))
+        return outs
+
+
 # The session's shared engine (conftest's default_llm) and the engines that serve the same traffic (the OpenAI
 # servers of test_server_api and test_server_tools): one setting, so their steps are compiled once per run.
 DEFAULT_ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, num_pages=1024)

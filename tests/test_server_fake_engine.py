@@ -14,9 +14,11 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
+from helpers import SchedulerEngine
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.app import below_pattern, build_app
+from jaxserve.server.metrics import parse_metrics
 
 VOCAB = 1000
 
@@ -145,6 +147,54 @@ def test_admission_limit_counts_waiting_requests():
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
         assert "jaxserve:request_rejected_total" in client.get("/metrics").text
+
+
+def test_vllm_metric_names_move_with_the_engine():
+    """Routers written for vLLM read its names: each moves with the engine's real scheduler and page pool (8 pages
+    of 4 tokens here, so two requests of 24 tokens preempt one another), with the value of its jaxserve twin."""
+    engine = SchedulerEngine(num_pages=9, page_size=4, step_s=0.01)
+    with TestClient(build_app(engine)) as client:
+
+        def scrape():
+            text = client.get("/metrics").text
+            return parse_metrics(text, "vllm"), parse_metrics(text)
+
+        text = client.get("/metrics").text
+        for name in ("num_requests_running", "kv_cache_usage_perc", "prompt_tokens_total", "num_preemptions_total"):
+            labels = re.search(rf"^vllm:{name}{{(.*)}} 0\.0$", text, re.M).group(1)
+            assert sorted(labels.split(",")) == ['engine="0"', 'model_name="fake-scheduler"'], name
+        info = re.search(r"^vllm:cache_config_info{(.*)} 1\.0$", text, re.M).group(1).split(",")
+        assert {'block_size="4"', 'num_gpu_blocks="8"', 'enable_prefix_caching="True"', 'engine="0"'} <= set(info)
+        before, _ = scrape()
+        assert [before[f"vllm:request_success_total|{r}"] for r in ("abort", "error", "length", "stop")] == [0] * 4
+
+        body = {"prompt": "abcdefghij", "max_tokens": 12, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            mid, mid_ours = scrape()  # the request is decoding
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        assert mid["vllm:num_requests_running"] == 1 and mid["vllm:num_requests_waiting"] == 0
+        assert 0 < mid["vllm:kv_cache_usage_perc"] == mid_ours["jaxserve:kv_cache_usage_perc"]
+        assert mid["vllm:gpu_cache_usage_perc"] == mid["vllm:kv_cache_usage_perc"]
+        client.post("/v1/completions", json={"prompt": "abcdefghij", "max_tokens": 12})  # its two full pages hit
+        client.post("/v1/completions", json={"prompt": ["klmnopqrstuv", "wxyzABCDEFGH"], "max_tokens": 12})
+        after, ours = scrape()
+
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    assert delta["vllm:request_success_total|length"] == 4
+    assert delta["vllm:prompt_tokens_total"] == 10 + 10 + 12 + 12
+    assert delta["vllm:generation_tokens_total"] == 4 * 12
+    for name in ("time_to_first_token", "e2e_request_latency", "request_time_per_output_token"):
+        assert delta[f"vllm:{name}_seconds_count"] == 4, name
+    assert delta["vllm:inter_token_latency_seconds_count"] == delta["vllm:time_per_output_token_seconds_count"] == 44
+    assert after["vllm:num_preemptions_total"] >= 1 and after["vllm:prefix_cache_hits_total"] >= 8
+    assert after["vllm:prefix_cache_queries_total"] >= 44 and after["vllm:num_requests_running"] == 0
+    assert after["vllm:num_preemptions_total"] == ours["jaxserve:num_preemptions_total"]
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+        assert after[f"vllm:{name}"] == after[f"vllm:gpu_{name}"] == ours[f"jaxserve:{name}"], name
+    for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count"):
+        assert after[f"vllm:{name}"] == ours[f"jaxserve:{name}"], name
 
 
 def test_schema_bounds_token_ids_by_the_vocabulary():

@@ -122,7 +122,9 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.stats: dict = engine.get_stats()  # the engine thread replaces it after every step
-        self.metrics = ServerMetrics(model_name or engine.model_name, lambda: self.stats)
+        self.metrics = ServerMetrics(
+            model_name or engine.model_name, lambda: self.stats, _cache_info(engine, self.stats)
+        )
         self.draining = False
         self.dead: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -258,19 +260,17 @@ class AsyncEngine:
             if ntok > st.num_tokens:
                 if st.first_token is None:
                     st.first_token = now
-                    m.ttft.observe(now - st.arrival)
-                    m.prompt_tokens.inc(st.num_prompt_tokens)
+                    m.first_token(now - st.arrival, st.num_prompt_tokens, ntok)
                     self._unwait(st)
                 else:
-                    m.itl.observe(now - st.last_token)
-                m.generation_tokens.inc(ntok - st.num_tokens)
+                    m.more_tokens(now - st.last_token, ntok - st.num_tokens)
                 st.num_tokens, st.last_token = ntok, now
             st.latest = out
             st.ready.set()
             if out.finished:
                 del self._streams[out.request_id]
                 self._unwait(st)
-                m.e2e.observe(now - st.arrival)
+                m.request_done(now - st.arrival, st.last_token - (st.first_token or st.last_token), st.num_tokens)
                 m.finished((out.outputs[0].finish_reason or "stop") if out.outputs else "abort")
 
     def _fail_all(self, err: BaseException | None) -> None:
@@ -377,6 +377,20 @@ class AsyncEngine:
         live.difference_update(failed)
         self._call(self._fail, list(failed), err)
         return outputs
+
+
+def _cache_info(engine, stats: dict) -> dict[str, str] | None:
+    """The labels of ``vllm:cache_config_info`` (vLLM's CacheConfig fields that jaxserve has), or None for an engine
+    without a page pool (a test's fake)."""
+    config = getattr(engine, "config", None)
+    if config is None or not hasattr(config, "page_size"):
+        return None
+    return {
+        "block_size": str(config.page_size),
+        "num_gpu_blocks": str(stats.get("num_usable_pages", 0)),
+        "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
+        "cache_dtype": str(getattr(config, "kv_cache_dtype", None) or "auto"),
+    }
 
 
 def _admit(engine, batch: list[tuple]) -> None:
