@@ -13,6 +13,9 @@ Plain Python over ints; the device pool itself lives in the runner. Design (afte
 - **Sharing.** Prefix hits and ``fork`` share pages (ref count > 1). Pages are written only at positions
   >= a request's ``num_computed_tokens``; if such a page is shared or cached, the writer gets a fresh
   page plus a ``(src, dst)`` copy op that the runner must apply before the step's KV writes.
+- **Events.** After ``enable_kv_events()`` the cache's changes are recorded for prefix-aware routers
+  (``jaxserve.kv_events``): ``BlockStored`` when ``commit`` registers hashes, ``BlockRemoved`` when a cached
+  page is evicted; ``drain_kv_events()`` takes them. Off by default, and then nothing is recorded.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from jaxserve.kv_events import BlockRemoved, BlockStored
 from jaxserve.request import Request
 from jaxserve.utils import cdiv
 
@@ -61,6 +65,7 @@ class BlockManager:
         self._num_committed: dict[str, int] = {}  # per request: leading pages already offered to the cache
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # tokens found in the cache
+        self.kv_events: list | None = None  # recorded cache changes, when enabled (enable_kv_events)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -90,6 +95,38 @@ class BlockManager:
     def page_table(self, request_id: str) -> list[int]:
         """A copy of the request's page table (empty if it holds no pages)."""
         return list(self.page_tables.get(request_id, ()))
+
+    # ------------------------------------------------------------------ KV events
+    def enable_kv_events(self) -> None:
+        """Records the prefix cache's changes from now on (``BlockStored`` / ``BlockRemoved``) until drained."""
+        if self.kv_events is None:
+            self.kv_events = []
+
+    def drain_kv_events(self) -> list:
+        """The events recorded since the last drain, oldest first (empty when not enabled)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
+
+    def _record_stored(self, request: Request, hashes: list[bytes], indices: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly registered pages ``indices`` of the request."""
+        ps, run = self.page_size, [indices[0]]
+        for i in indices[1:] + [None]:
+            if i is not None and i == run[-1] + 1:
+                run.append(i)
+                continue
+            first, end = run[0], run[-1] + 1
+            self.kv_events.append(
+                BlockStored(
+                    hashes[first:end],
+                    hashes[first - 1] if first else None,
+                    request.token_slice(first * ps, end * ps),
+                    ps,
+                )
+            )
+            run = [i]
 
     # ------------------------------------------------------------------ prefix cache
     def _hashes(self, request: Request, num_full_pages: int) -> list[bytes]:
@@ -126,13 +163,19 @@ class BlockManager:
         end = min(known // self.page_size, len(table))
         if end <= start:
             return
-        for i, h in enumerate(self._hashes(request, end)[start:end], start):
-            page = table[i]
+        hashes = self._hashes(request, end)
+        stored = [] if self.kv_events is not None else None
+        for i in range(start, end):
+            page, h = table[i], hashes[i]
             # A page already hashed is a shared one; a hash already cached keeps its first page.
             if self.page_hash[page] is None and h not in self.hash_to_page:
                 self.page_hash[page] = h
                 self.hash_to_page[h] = page
+                if stored is not None:
+                    stored.append(i)
         self._num_committed[request.request_id] = end
+        if stored:
+            self._record_stored(request, hashes, stored)
 
     # ------------------------------------------------------------------ allocation
     def _take_free(self) -> int:
@@ -141,6 +184,12 @@ class BlockManager:
         if h is not None:  # lazy eviction of a cached page
             del self.hash_to_page[h]
             self.page_hash[page] = None
+            if self.kv_events is not None:
+                last = self.kv_events[-1] if self.kv_events else None
+                if isinstance(last, BlockRemoved):
+                    last.block_hashes.append(h)
+                else:
+                    self.kv_events.append(BlockRemoved([h]))
         self.ref_counts[page] = 1
         return page
 

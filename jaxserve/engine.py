@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxserve import quant
+from jaxserve import kv_events, quant
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import StepChannel, agree, multi_process
@@ -787,6 +787,16 @@ class LLMEngine:
                 d.setdefault(tid, Logprob(lp, self.tokenizer.decode([tid], False)))
             out.append(d)
         return out
+
+    # ------------------------------------------------------------------ KV events
+    def enable_kv_events(self) -> None:
+        """Every replica's block manager records its prefix cache's changes from now on (``jaxserve.kv_events``)."""
+        for r in self.replicas:
+            r.scheduler.block_manager.enable_kv_events()
+
+    def drain_kv_events(self) -> list[tuple[int, list]]:
+        """The KV events recorded since the last drain, as ``(replica index, events)`` for replicas that have any."""
+        return kv_events.drain([r.scheduler.block_manager for r in self.replicas])
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:

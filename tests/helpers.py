@@ -47,10 +47,12 @@ class SchedulerEngine:
     def __init__(self, num_pages=64, page_size=4, max_model_len=256, max_num_seqs=8, step_s=0.0):
         from types import SimpleNamespace
 
+        from jaxserve import kv_events
         from jaxserve.block_manager import BlockManager
         from jaxserve.config import SchedulerConfig
         from jaxserve.scheduler import Scheduler
 
+        self._drain = kv_events.drain
         self.model_name = "fake-scheduler"
         self.model_config = SimpleNamespace(vocab_size=1000)
         self.scheduler_config = SchedulerConfig(
@@ -71,6 +73,12 @@ class SchedulerEngine:
 
     def has_unfinished_requests(self):
         return self.scheduler.has_unfinished_requests()
+
+    def enable_kv_events(self):
+        self.scheduler.block_manager.enable_kv_events()
+
+    def drain_kv_events(self):
+        return self._drain([self.scheduler.block_manager])
 
     def get_stats(self):
         stats = dataclasses.asdict(self.scheduler.stats())
