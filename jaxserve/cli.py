@@ -286,6 +286,15 @@ def _add_serve_parser(subparsers) -> None:
         help="the format the model writes tool calls in (<tool_call>{...}</tool_call>, Llama 3.1's JSON, "
         "[TOOL_CALLS][...]); auto: the one the chat template uses (default: %(default)s)",
     )
+    p.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="publish KV-cache events for prefix-aware routers, as vLLM's flag: e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}\' '
+        "(process 0 publishes; needs the kv-events extra: pyzmq, msgpack)",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m = p.add_argument_group("several hosts (one command per host; process 0 serves HTTP, the others follow)")
@@ -303,6 +312,15 @@ def _add_serve_parser(subparsers) -> None:
         help="let jax.distributed.initialize() find the group itself (Cloud TPU VMs of a multi-host slice)",
     )
     p.set_defaults(func=cmd_serve)
+
+
+def _kv_events_config(text: str):
+    from jaxserve.kv_events import KVEventsConfig
+
+    try:
+        return KVEventsConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-events-config: ")) from None
 
 
 def cmd_serve(args) -> int:

@@ -3,8 +3,10 @@ plain msgpack, not our encoder's types), and the ZMQ publisher behind ``--kv-eve
 
 from __future__ import annotations
 
+import json
 import random
 import socket
+import sys
 import time
 
 import pytest
@@ -291,3 +293,85 @@ def test_publisher_that_cannot_bind_fails_at_start():
     finally:
         taken.close(linger=0)
     assert make_publisher({"enable_kv_cache_events": False}) is None and make_publisher(None) is None
+
+
+# ---------------------------------------------------------------------------------------------------- served
+def test_a_served_request_publishes_its_pages_and_their_eviction():
+    """A real SUB socket on a loopback port (the server connects to it, vLLM's rule for an address without ``*``)
+    sees BlockStored for the pages of a request, with the block manager's hashes, and BlockRemoved when the next
+    request evicts them (SchedulerEngine: the real scheduler and block manager; 8 pages of 4 tokens)."""
+    zmq = pytest.importorskip("zmq")
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from helpers import SchedulerEngine
+
+    from jaxserve.server.app import build_app
+
+    sub = _subscriber(zmq.Context.instance(), b"kv-events")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    engine = SchedulerEngine(num_pages=9, page_size=4)
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv-events"}
+    app = build_app(engine, kv_events=json.dumps(config))
+    bm = engine.scheduler.block_manager
+    stored, removed, batches = [], [], []
+
+    def receive(done):
+        deadline = time.monotonic() + 10
+        while not done():
+            assert time.monotonic() < deadline, (stored, removed)
+            if sub.poll(100):
+                topic, seq, payload = sub.recv_multipart()
+                ts, events, rank = msgpack.unpackb(payload)
+                batches.append(int.from_bytes(seq, "big"))
+                assert topic == b"kv-events" and rank == 0
+                stored.extend(e for e in events if e[0] == "BlockStored")
+                removed.extend(e for e in events if e[0] == "BlockRemoved")
+
+    try:
+        with TestClient(app) as client:
+            last = joined(app.state.server.engine.kv_publisher, sub)
+            prompt = "abcdefghij"
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6})
+            assert r.status_code == 200
+            # vLLM's int form of a hash, worked out here: the sha256's last 8 bytes, big-endian.
+            first = {int.from_bytes(h[-8:], "big") for h in bm.hash_to_page}  # 15 tokens computed: 3 full pages
+            assert len(first) == 3
+            receive(lambda: {h for e in stored for h in e[1]} == first)
+            tokens = engine.tokenizer.encode(prompt) + [7] * 5
+            assert [t for e in stored for t in e[3]] == tokens[:12] and {e[4] for e in stored} == {4}
+            parent = None
+            for e in stored:  # the chain: each event's parent is the previous event's last page
+                assert e[2] == parent and e[5:] == [None, "GPU", None]
+                parent = e[1][-1]
+
+            r = client.post("/v1/completions", json={"prompt": "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "max_tokens": 6})
+            assert r.status_code == 200  # 31 tokens computed: all 8 pages, so the first request's are evicted
+            cached = {int.from_bytes(h[-8:], "big") for h in bm.hash_to_page}
+            receive(lambda: {h for e in stored for h in e[1]} - {h for e in removed for h in e[1]} == cached)
+        assert {h for e in removed for h in e[1]} == first and all(e[2] == "GPU" for e in removed)
+        assert batches == list(range(last + 1, last + 1 + len(batches)))  # no batch lost
+    finally:
+        sub.close()
+
+
+def test_kv_events_need_pyzmq_and_msgpack(monkeypatch):
+    from jaxserve.kv_events import check_dependencies, make_publisher
+
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq raises ImportError
+    with pytest.raises(ImportError, match=r"pyzmq: pip install 'jaxserve\[kv-events\]'"):
+        check_dependencies()
+    with pytest.raises(ImportError, match="pyzmq"):
+        make_publisher({"enable_kv_cache_events": True})
+    assert make_publisher({"enable_kv_cache_events": False}) is None  # off: nothing is imported
+
+
+def test_serve_flag_takes_vllms_json(capsys):
+    from jaxserve.cli import build_parser
+
+    flag = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}'
+    args = build_parser().parse_args(["serve", "--kv-events-config", flag])
+    assert args.kv_events_config == KVEventsConfig(True, "zmq", "tcp://*:5557", topic="kv")
+    assert build_parser().parse_args(["serve"]).kv_events_config is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-events-config", '{"enable": true}'])
+    assert "unknown key(s) ['enable']" in capsys.readouterr().err

@@ -139,6 +139,7 @@ def build_app(
     shutdown_timeout: float = 30.0,
     max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS,
     tool_call_parser: str | None = None,
+    kv_events=None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``LLMEngine``); the engine thread runs while the app does.
 
@@ -151,11 +152,15 @@ def build_app(
             tokenized; None: no limit.
         tool_call_parser: the format tool calls are read in (``jaxserve.server.tools.PARSERS``: hermes,
             llama3_json, mistral); None: the one the chat template calls for.
+        kv_events: ``--kv-events-config`` (a ``jaxserve.kv_events.KVEventsConfig``, its dict or JSON): publish the
+            engine's KV-cache events for prefix-aware routers; None: none.
     """
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)} or None, got {tool_call_parser!r}")
     names = list(served_model_names or [engine.model_name])
-    state = ServerState(AsyncEngine(engine, names[0], max_waiting), names, api_key, max_body_bytes, max_prompt_chars)
+    state = ServerState(
+        AsyncEngine(engine, names[0], max_waiting, kv_events), names, api_key, max_body_bytes, max_prompt_chars
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

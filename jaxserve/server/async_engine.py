@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from jaxserve.kv_events import make_publisher
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
@@ -116,9 +117,21 @@ class AsyncEngine:
         engine: the engine; from ``start()`` on only the engine thread touches it.
         model_name: the name metrics are labeled with.
         max_waiting: admitted requests without a first token beyond which new ones get ``ServerBusyError``.
+        kv_events: a ``jaxserve.kv_events.KVEventsConfig`` (or its dict / JSON): when enabled, the engine records
+            its prefix cache's changes and the engine thread hands each step's to a ZMQ publisher, which
+            ``start()`` opens and ``shutdown()`` closes.
+
+    Raises:
+        ValueError: a bad ``kv_events``, or an engine that cannot record KV events.
+        ImportError: ``kv_events`` is enabled but pyzmq or msgpack is missing.
     """
 
-    def __init__(self, engine, model_name: str | None = None, max_waiting: int = 256):
+    def __init__(self, engine, model_name: str | None = None, max_waiting: int = 256, kv_events=None):
+        self.kv_publisher = make_publisher(kv_events)
+        if self.kv_publisher is not None:
+            if not hasattr(engine, "enable_kv_events"):
+                raise ValueError(f"{type(engine).__name__} does not record KV-cache events")
+            engine.enable_kv_events()
         self.engine = engine
         self.max_waiting = max_waiting
         self.stats: dict = engine.get_stats()  # the engine thread replaces it after every step
@@ -137,6 +150,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle (event loop)
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -147,6 +162,8 @@ class AsyncEngine:
             return
         self._inbox.put(("stop",))
         await asyncio.to_thread(self._thread.join, timeout)
+        if self.kv_publisher is not None:
+            await asyncio.to_thread(self.kv_publisher.close)
 
     def begin_drain(self, grace: float) -> None:
         """Thread-safe (a signal handler calls it): new requests are refused from now on, and those still running
@@ -342,6 +359,7 @@ class AsyncEngine:
                 for rid in live:
                     engine.abort_request(rid)
                 self.stats = engine.get_stats()
+                self._publish_kv_events()
                 self._call(self._fail_all, None)
                 return
             if engine.has_unfinished_requests():
@@ -357,6 +375,13 @@ class AsyncEngine:
                 if outputs:
                     self._call(self._dispatch, outputs, now)
             self.stats = engine.get_stats()
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """The step's KV-cache events, one batch per replica that has any."""
+        if self.kv_publisher is not None:
+            for rank, events in self.engine.drain_kv_events():
+                self.kv_publisher.publish(events, rank)
 
     def _step_failed(self, e: Exception, live: set[str]) -> list[RequestOutput]:
         """A step raised. If the engine confined the failure to some requests (its ``StepFailed``: they are aborted,

@@ -24,6 +24,14 @@ def serve(args) -> int:
         from jaxserve.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id)
+    kv_events = getattr(args, "kv_events_config", None)  # parsed by the flag
+    if kv_events is not None and kv_events.enabled:  # before the model loads: say at once what is missing
+        from jaxserve.kv_events import check_dependencies
+
+        try:
+            check_dependencies()
+        except ImportError as e:
+            raise ValueError(str(e)) from None
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, EngineConfig.from_cli_args(args))
     if not args.no_warmup:
@@ -47,6 +55,7 @@ def serve(args) -> int:
         shutdown_timeout=args.shutdown_timeout,
         max_prompt_chars=args.max_prompt_chars or None,
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
+        kv_events=kv_events,
     )
     try:
         return run_server(
