@@ -11,7 +11,7 @@ sends each step's events of one replica as one batch, from its own thread, as vL
 * payload: msgpack of the batch ``[ts, events, data_parallel_rank]`` (``ts``: ``time.time()``);
 * an event, in the ``"array"`` encoding (vLLM up to 0.23, its msgspec structs ``array_like``):
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]``,
-  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``; in the ``"map"`` encoding (vLLM from 0.24 on,
+  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``; in the ``"map"`` encoding (vLLM after 0.23,
   vllm-project/vllm#42892) the same fields as a map tagged ``"type"``, plus ``group_idx`` and ``kv_cache_spec_kind``;
 * block hashes as vLLM sends them by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): unsigned 64-bit
   integers, the last 8 bytes (big-endian) of the page's sha256 (``jaxserve.block_manager.hash_page``);
@@ -136,7 +136,7 @@ class KVEventsConfig:
         max_queue_size: batches waiting for the publisher thread beyond which new ones are dropped (their sequence
             numbers are skipped, so subscribers see the gap) rather than stall the engine.
         topic: the first frame of every message.
-        encoding: ``"array"`` (vLLM up to 0.23, and the consumers written for it) or ``"map"`` (vLLM 0.24 on).
+        encoding: ``"array"`` (vLLM up to 0.23, and the consumers written for it) or ``"map"`` (vLLM after 0.23).
     """
 
     enable_kv_cache_events: bool = False
