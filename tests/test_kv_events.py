@@ -280,14 +280,15 @@ def test_publisher_frames_numbers_and_replays_batches(tmp_path):
         pub.close()
 
 
-def test_publisher_that_cannot_bind_fails_at_start():
+def test_publisher_that_cannot_bind_fails_at_start(tmp_path):
     zmq = pytest.importorskip("zmq")
     from jaxserve.kv_events import make_publisher
 
     taken = zmq.Context.instance().socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
-        pub = make_publisher({"enable_kv_cache_events": True, "replay_endpoint": f"tcp://127.0.0.1:{port}"})
+        config = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/kv.sock"}
+        pub = make_publisher({**config, "replay_endpoint": f"tcp://127.0.0.1:{port}"})
         with pytest.raises(RuntimeError, match="Address already in use"):
             pub.start()
     finally:

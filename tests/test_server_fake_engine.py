@@ -168,7 +168,7 @@ def test_vllm_metric_names_move_with_the_engine():
         before, _ = scrape()
         assert [before[f"vllm:request_success_total|{r}"] for r in ("abort", "error", "length", "stop")] == [0] * 4
 
-        body = {"prompt": "abcdefghij", "max_tokens": 12, "stream": True}
+        body = {"prompt": "abcdefghij", "max_tokens": 20, "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
@@ -184,10 +184,10 @@ def test_vllm_metric_names_move_with_the_engine():
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     assert delta["vllm:request_success_total|length"] == 4
     assert delta["vllm:prompt_tokens_total"] == 10 + 10 + 12 + 12
-    assert delta["vllm:generation_tokens_total"] == 4 * 12
+    assert delta["vllm:generation_tokens_total"] == 20 + 3 * 12
     for name in ("time_to_first_token", "e2e_request_latency", "request_time_per_output_token"):
         assert delta[f"vllm:{name}_seconds_count"] == 4, name
-    assert delta["vllm:inter_token_latency_seconds_count"] == delta["vllm:time_per_output_token_seconds_count"] == 44
+    assert delta["vllm:inter_token_latency_seconds_count"] == delta["vllm:time_per_output_token_seconds_count"] == 52
     assert after["vllm:num_preemptions_total"] >= 1 and after["vllm:prefix_cache_hits_total"] >= 8
     assert after["vllm:prefix_cache_queries_total"] >= 44 and after["vllm:num_requests_running"] == 0
     assert after["vllm:num_preemptions_total"] == ours["jaxserve:num_preemptions_total"]
