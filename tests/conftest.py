@@ -51,6 +51,7 @@ FAST_FILES = {
     "test_attention_xla.py",
     "test_gguf.py",
     "test_deploy.py",
+    "test_wire.py",
 }
 FAST_TESTS = {"test_default_model.py::test_greedy_matches_hf_token_for_token"}
 
@@ -66,11 +67,11 @@ HEAVY_FILES = [
     "test_docs.py",
     "test_tpu_kernels_aot.py",
     "test_engine.py",
+    "test_multiprocess.py",
     "test_sharding.py",
     "test_server.py",
     "test_server_tools.py",
     "test_structured.py",
-    "test_multiprocess.py",
 ]
 
 
