@@ -216,8 +216,7 @@ class LLMEngine:
                 f"{loaded.config.max_position_embeddings}"
             )
         self.scheduler_config = config.scheduler_config(max_model_len, jax.default_backend(), device_memory())
-        if multi_process():  # every process runs each step the leader publishes, in order, and waits for it
-            self.scheduler_config = dataclasses.replace(self.scheduler_config, async_scheduling=False)
+        if multi_process():  # every process runs the steps process 0 schedules: the same program, same shapes
             agree("settings", _settings_of(config, self.scheduler_config, loaded.config))
         draft = self._draft_model(self.scheduler_config.speculative, loaded, dtype, tp)
         self.replicas: list[Replica] = []

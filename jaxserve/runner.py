@@ -22,6 +22,7 @@ before sampling. With one device the mesh has one device and nothing else change
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -212,6 +213,7 @@ class ModelRunner:
         dtype = params["final_norm"].dtype  # the float weights' (a quantized model's norms stay float)
         self.channel = None  # under several processes: the StepChannel to the other processes (set by the engine)
         self._encoder, self._decoder = StepEncoder(), StepDecoder()  # the steps' changes on that channel
+        self._uncollected = 0  # steps launched whose results were not read yet (async scheduling: at most 1)
         self.tensor_parallel_size = self.mesh.shape["model"]
         # Fewer KV heads than devices: each is repeated so that every device holds one (cfg says how many now).
         model_cfg, params = replicate_kv_heads(model_cfg, params, kv_heads_for(model_cfg, self.tensor_parallel_size))
@@ -653,6 +655,7 @@ class ModelRunner:
             if j == 0 and sched.scheduled[i].sample:
                 reqs[i].pending += 1
                 self._fed_rows[sched.scheduled[i].req_id] = k
+        self._uncollected += 1
         return InFlight(sched, reqs, want_plp, next_tokens, decode_only, out, plp if any(want_plp) else None, t1)
 
     def collect(self, flight: InFlight | None) -> RunnerOutput:
@@ -660,6 +663,7 @@ class ModelRunner:
         result = RunnerOutput({}, {})
         if flight is None:
             return result
+        self._uncollected -= 1
         out, plp = _fetch((flight.out, flight.plp))
         t2 = time.perf_counter()
         self.device_seconds += t2 - flight.started
@@ -702,7 +706,9 @@ class ModelRunner:
         if self.channel is None or not self.channel.leader:
             return
         if sched.scheduled or sched.copy_ops or sched.finished_req_ids or sched.preempted_req_ids:
-            self.channel.send(("step", self._encoder.encode(sched, token_masks)))
+            # With the number of steps in flight here: a follower reads back all but that many before it launches
+            # this one, as process 0 did (async scheduling launches a step before reading the previous one's).
+            self.channel.send(("step", self._encoder.encode(sched, token_masks), self._uncollected))
 
     def _launch(self, copy: list[tuple] | None, step: tuple | None):
         """Runs a step's page copies (``[(src, dst), ...]``, see ``_copy_chunks``) and its step (``(decode_only,
@@ -722,12 +728,21 @@ class ModelRunner:
     def follow(self):
         """A follower's loop (processes other than 0): applies every step's changes process 0 publishes, in order,
         to its own requests, and runs the same step (packed here), until process 0 sends an end; returns the end's
-        payload. Each step's results are read back as on process 0: the requests' tokens feed later steps."""
+        payload. Each step's results are read back when process 0 read them (the requests' tokens feed later
+        steps), so under async scheduling a follower too launches a step before it waits for the previous one."""
+        in_flight: collections.deque[InFlight] = collections.deque()
         while True:
             kind, *payload = self.channel.recv()
             if kind == "end":
+                while in_flight:
+                    self.collect(in_flight.popleft())
                 return payload[0]
-            self.collect(self.launch(*self._decoder.decode(payload[0])))
+            wire, leader_in_flight = payload
+            while len(in_flight) > leader_in_flight:
+                self.collect(in_flight.popleft())
+            flight = self.launch(*self._decoder.decode(wire))
+            if flight is not None:
+                in_flight.append(flight)
 
     def _copy_chunks(self, ops: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]] | None:
         """Copy-on-write ops as (src, dst) arrays of power-of-two lengths up to max_seqs, padded with copies of

@@ -2,9 +2,9 @@
 
     python tests/multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID MODEL_DIR TP
 
-Generates greedily through ``LLM``, with default options otherwise, for the prompts in $JAXSERVE_TEST_PROMPTS
-(JSON token-id lists) and prints the tokens as one JSON line prefixed with "TOKENS ". Every process prints process
-0's outputs. Faults to inject, for the tests of a group's failures:
+Generates greedily through ``LLM``, with default options otherwise (async scheduling with $JAXSERVE_TEST_ASYNC),
+for the prompts in $JAXSERVE_TEST_PROMPTS (JSON token-id lists) and prints the tokens as one JSON line prefixed
+with "TOKENS ". Every process prints process 0's outputs. Faults to inject, for the tests of a group's failures:
   $JAXSERVE_TEST_MAX_NUM_SEQS_ON (a process id): that process starts with max_num_seqs=4, unlike the others;
   $JAXSERVE_TEST_RAISE_ON (a process id): that process raises after the first generation, while the others
   generate again.
@@ -23,6 +23,8 @@ initialize(coordinator, int(num_processes), int(process_id))
 from jaxserve import LLM, SamplingParams  # noqa: E402
 
 settings = {"max_num_seqs": 4} if os.environ.get("JAXSERVE_TEST_MAX_NUM_SEQS_ON") == process_id else {}
+if os.environ.get("JAXSERVE_TEST_ASYNC"):
+    settings["async_scheduling"] = True  # the CPU's default is off; GPUs' and TPUs' is on
 llm = LLM(model_dir, tensor_parallel_size=int(tp), **settings)
 prompts = json.loads(os.environ["JAXSERVE_TEST_PROMPTS"])
 params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

@@ -145,16 +145,21 @@ class _Replay:
 @pytest.mark.slow
 def test_a_follower_packing_its_own_steps_computes_process_0s_tokens(default_model_path):
     """128 requests (penalties, a logit bias and seeded sampling among them: the sampler's per-request state must be
-    rebuilt from the messages); the follower's sampled tokens equal process 0's, and no decode step of the run costs
-    more than 4 KB on the wire."""
-    engine = dict(max_num_seqs=128, max_model_len=64, num_pages=128 * 4 + 1, enable_prefix_caching=False)
+    rebuilt from the messages), async scheduling on; the follower's sampled tokens equal process 0's, it launched
+    some step before reading the previous one's results, as process 0 did, and no decode step of the run costs more
+    than 4 KB on the wire."""
+    engine = dict(
+        max_num_seqs=128, max_model_len=64, num_pages=128 * 4 + 1, enable_prefix_caching=False, async_scheduling=True
+    )
     model = _tiny(default_model_path)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 49000, size=int(n)).tolist() for n in rng.integers(3, 20, size=128)]
+    # Penalties need each step's tokens on the host: while a penalized request runs, steps go one after the other;
+    # once they are done, async scheduling launches each step before reading the previous one's results.
     params = [
-        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5),
-        SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True, logit_bias={11: 5.0, 12: -3.0}),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, logit_bias={11: 5.0, 12: -3.0}),
     ]
     leader = LLM(model, **engine)
     leader.engine.runner.channel = recorder = _Recorder()
@@ -185,4 +190,6 @@ def test_a_follower_packing_its_own_steps_computes_process_0s_tokens(default_mod
         if sched.scheduled and all(s.new is None and len(s.token_ids) == 1 for s in sched.scheduled):
             decode_sizes.append((len(sched.scheduled), len(data)))
     assert any(n == 128 for n, _ in decode_sizes), decode_sizes
+    ahead = [pickle.loads(zlib.decompress(data))[2] for data in recorder.messages[:-1]]
+    assert 0 in ahead and 1 in ahead, ahead  # steps one after the other, and steps launched ahead
     assert max(size for _, size in decode_sizes) <= DECODE_STEP_BYTES, decode_sizes
