@@ -208,6 +208,19 @@ def _serve_cmd(ckpt, port, n: int, tp: int, *extra: str):
     return make
 
 
+def test_process_0_failing_at_start_up_ends_the_followers(tiny_ckpt, tmp_path):
+    """``jaxserve serve`` where process 0 alone asks for more than the model takes: it exits 2 with the usage
+    error, and the follower, waiting for process 0's settings, ends too, naming it."""
+    port = _free_port()
+    make = _serve_cmd(tiny_ckpt, port, 2, 4, "--no-warmup")
+    procs = _group(lambda c, i: make(c, i) + (["--max-model-len", "4096"] if i == 0 else []), 2, tmp_path, "bad0")
+    codes = [_wait(p, 300, tmp_path / f"bad0{i}.log") for i, p in enumerate(procs)]
+    assert codes[0] == 2 and codes[1] != 0, codes
+    for i in range(2):
+        text = (tmp_path / f"bad0{i}.log").read_text()
+        assert "process 0: ValueError: max_model_len=4096 exceeds the model's max_position_embeddings=256" in text
+
+
 def _wait_healthy(port: int, procs, tmp_path: Path, name: str) -> None:
     deadline = time.time() + 300
     while time.time() < deadline:
