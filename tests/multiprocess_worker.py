@@ -30,6 +30,10 @@ prompts = json.loads(os.environ["JAXSERVE_TEST_PROMPTS"])
 params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 outs = llm.generate(prompts, params, use_tqdm=False)
 print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+if "JAXSERVE_TEST_RAISE_ON" in os.environ:  # every process has printed its tokens before the fault
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("tokens printed")
 if os.environ.get("JAXSERVE_TEST_RAISE_ON") == process_id:
     raise RuntimeError("injected after the first generation")
 if "JAXSERVE_TEST_RAISE_ON" in os.environ:
