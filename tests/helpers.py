@@ -131,6 +131,35 @@ def first_layers(loaded, num_layers: int = 2):
     return dataclasses.replace(loaded, name=f"{loaded.name}-first-{num_layers}", config=config, params=params)
 
 
+def tiny_model(tokenizer_path, num_heads: int = 8, num_kv_heads: int = 2, intermediate_size: int = 96, **cfg):
+    """A 2-layer random model (hidden 64, head_dim 16) with SmolLM2's vocabulary, for tests of the machinery around
+    the model (sharding, several processes, the step wire): norms 1, other weights N(0, 0.1), seed 0. The default
+    intermediate size divides over 2, 3 and 4 devices."""
+    import numpy as np
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.loading import LoadedModel
+    from jaxserve.models.llama import param_schema
+
+    config = ModelConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=intermediate_size,
+        num_layers=2,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        max_position_embeddings=256,
+        **cfg,
+    )
+    rng = np.random.default_rng(0)
+    params = {
+        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
+        for n, s in param_schema(config).items()
+    }
+    return LoadedModel("tiny", config, params, tokenizer_path)
+
+
 # ---------------------------------------------------------------------------------------------------- kernels
 @dataclasses.dataclass
 class Batch:

@@ -16,12 +16,10 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
+from helpers import tiny_model
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
-from jaxserve.models.llama import param_schema
 
 pytestmark = pytest.mark.slow
 
@@ -35,26 +33,12 @@ FAULT_S = 60  # the issue's bound: a fault ends every process within this
 
 
 def _tiny_ckpt(tmp_path_factory, default_model_path, num_heads: int, num_kv_heads: int) -> Path:
-    """A tiny random model as an orbax checkpoint, which every process restores."""
+    """A tiny random model (``helpers.tiny_model``) as an orbax checkpoint, which every process restores."""
     from jaxserve.loading import orbax_ckpt
 
-    cfg = ModelConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,  # divides over 2, 3 and 4 devices
-        num_layers=2,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    rng = np.random.default_rng(0)
-    params = {
-        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
-        for n, s in param_schema(cfg).items()
-    }
+    model = tiny_model(default_model_path, num_heads, num_kv_heads)
     path = tmp_path_factory.mktemp(f"tiny_ckpt_{num_heads}_{num_kv_heads}")
-    orbax_ckpt.save(path, cfg, params, "float32")
+    orbax_ckpt.save(path, model.config, model.params, "float32")
     orbax_ckpt.copy_tokenizer(default_model_path, path)
     return path
 

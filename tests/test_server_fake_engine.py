@@ -14,27 +14,13 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
-from helpers import SchedulerEngine
+from helpers import CharTokenizer, SchedulerEngine
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.app import below_pattern, build_app
 from jaxserve.server.metrics import parse_metrics
 
 VOCAB = 1000
-
-
-class FakeTokenizer:
-    eos_token_ids = (0,)
-
-    def encode(self, text, add_special_tokens=True):
-        return [1 + ord(c) % (VOCAB - 1) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" t{i}" for i in ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
-        text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
-        return self.encode(text) if tokenize else text
 
 
 class FakeEngine:
@@ -44,7 +30,7 @@ class FakeEngine:
         self.model_name = "fake"
         self.model_config = SimpleNamespace(vocab_size=VOCAB)
         self.scheduler_config = SimpleNamespace(max_model_len=256)
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = CharTokenizer()
         self.fail_at_step, self.step_s, self.silent_steps = fail_at_step, step_s, silent_steps
         self.requests: dict[str, tuple[list[int], object, list[int]]] = {}
         self.steps = 0

@@ -14,10 +14,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import tiny_model
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
 from jaxserve.loading import LoadedModel
 from jaxserve.models.llama import param_schema
 from jaxserve.sharding import DEFAULT_RULES, KV_POOL_SPEC, logical_spec, make_mesh
@@ -27,23 +28,7 @@ ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_t
 
 
 def _tiny(tokenizer_path, num_heads=8, num_kv_heads=2, **cfg) -> LoadedModel:
-    cfg = ModelConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=16,
-        max_position_embeddings=256,
-        **cfg,
-    )
-    rng = np.random.default_rng(0)
-    params = {
-        name: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
-        for name, s in param_schema(cfg).items()
-    }
-    return LoadedModel("tiny", cfg, params, tokenizer_path)
+    return tiny_model(tokenizer_path, num_heads, num_kv_heads, intermediate_size=128, **cfg)
 
 
 def _prompts(n=5, seed=0):

@@ -13,11 +13,9 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+from helpers import tiny_model
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
-from jaxserve.loading import LoadedModel
-from jaxserve.models.llama import param_schema
 from jaxserve.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxserve.wire import StepDecoder, StepEncoder
 
@@ -96,25 +94,6 @@ def test_a_decode_step_of_128_requests_costs_at_most_4_kb():
     assert size <= DECODE_STEP_BYTES, size
 
 
-def _tiny(tokenizer_path) -> LoadedModel:
-    cfg = ModelConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    rng = np.random.default_rng(0)
-    params = {
-        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
-        for n, s in param_schema(cfg).items()
-    }
-    return LoadedModel("tiny", cfg, params, tokenizer_path)
-
-
 class _Recorder:
     """Process 0's channel, in one process: keeps each message as it would travel."""
 
@@ -151,7 +130,7 @@ def test_a_follower_packing_its_own_steps_computes_process_0s_tokens(default_mod
     engine = dict(
         max_num_seqs=128, max_model_len=64, num_pages=128 * 4 + 1, enable_prefix_caching=False, async_scheduling=True
     )
-    model = _tiny(default_model_path)
+    model = tiny_model(default_model_path)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 49000, size=int(n)).tolist() for n in rng.integers(3, 20, size=128)]
     # Penalties need each step's tokens on the host: while a penalized request runs, steps go one after the other;
