@@ -380,20 +380,29 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
         """None, a dict, a JSON object (the command line) or a SpeculativeConfig -> SpeculativeConfig or None."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be an object (a dict), got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return parse_json_config(cls, value, "speculative_config")
+
+
+def parse_json_config(cls, value, what: str):
+    """``value`` as a ``cls`` (a dataclass): itself, a dict of its fields or a JSON object string; None stays None.
+
+    Raises:
+        ValueError: not JSON, not an object, or an unknown key (each named, with ``what``), or a bad value.
+    """
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object (a dict), got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{what} has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
+    return cls(**value)
 
 
 def batching_defaults(platform: str, device_memory: int | None) -> tuple[int, int]:

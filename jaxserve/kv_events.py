@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -169,20 +168,9 @@ class KVEventsConfig:
         Raises:
             ValueError: not a JSON object, an unknown key (naming it), or a bad value.
         """
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"--kv-events-config: unknown key(s) {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        from jaxserve.config import parse_json_config
+
+        return parse_json_config(cls, value, "--kv-events-config")
 
 
 def check_dependencies() -> None:
