@@ -43,7 +43,7 @@ def plumbing(args) -> None:
     from jaxserve.config import ModelConfig
     from jaxserve.defaults import default_model_path
     from jaxserve.loading import LoadedModel
-    from jaxserve.models.llama import param_schema
+    from jaxserve.models.llama import random_params
 
     cfg = ModelConfig(
         vocab_size=49152,
@@ -56,10 +56,7 @@ def plumbing(args) -> None:
         max_position_embeddings=1024,
     )
     rng = np.random.default_rng(0)
-    params = {
-        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.05, s.shape).astype(np.float32))
-        for n, s in param_schema(cfg).items()
-    }
+    params = random_params(cfg, 0.05, rng)
     model = LoadedModel("random-llama", cfg, params, default_model_path())
     prompts = [rng.integers(3, 49000, size=128).tolist() for _ in range(16)]
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

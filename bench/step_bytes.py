@@ -53,14 +53,11 @@ def run(batch: int, penalties: bool, out_len: int) -> dict:
     from jaxserve.config import load_preset
     from jaxserve.defaults import default_model_path
     from jaxserve.loading import LoadedModel
-    from jaxserve.models.llama import param_schema
+    from jaxserve.models.llama import random_params
 
     cfg = dataclasses.replace(load_preset("smollm2-135m"), num_layers=2)
     rng = np.random.default_rng(0)
-    params = {
-        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.02, s.shape).astype(np.float32))
-        for n, s in param_schema(cfg).items()
-    }
+    params = random_params(cfg, 0.02, rng)
     model = LoadedModel("smollm2-2-layers", cfg, params, default_model_path())
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=2048, max_model_len=2048, num_pages=batch * 8 + 1)
     runner = llm.engine.runner

@@ -139,7 +139,7 @@ def tiny_model(tokenizer_path, num_heads: int = 8, num_kv_heads: int = 2, interm
 
     from jaxserve.config import ModelConfig
     from jaxserve.loading import LoadedModel
-    from jaxserve.models.llama import param_schema
+    from jaxserve.models.llama import random_params
 
     config = ModelConfig(
         vocab_size=49152,
@@ -152,12 +152,7 @@ def tiny_model(tokenizer_path, num_heads: int = 8, num_kv_heads: int = 2, interm
         max_position_embeddings=256,
         **cfg,
     )
-    rng = np.random.default_rng(0)
-    params = {
-        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, 0.1, s.shape).astype(np.float32))
-        for n, s in param_schema(config).items()
-    }
-    return LoadedModel("tiny", config, params, tokenizer_path)
+    return LoadedModel("tiny", config, random_params(config, 0.1, np.random.default_rng(0)), tokenizer_path)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels

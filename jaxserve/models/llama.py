@@ -198,6 +198,17 @@ def param_schema(cfg: ModelConfig) -> dict[str, ParamSpec]:
     return schema
 
 
+def random_params(cfg: ModelConfig, std: float, rng) -> dict:
+    """Random float32 weights for ``cfg``: norm scales 1, the rest N(0, ``std``), drawn from the NumPy generator
+    ``rng`` in ``param_schema``'s order. For tests and benchmarks whose subject is shapes or plumbing, not values."""
+    import numpy as np
+
+    return {
+        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, std, s.shape).astype(np.float32))
+        for n, s in param_schema(cfg).items()
+    }
+
+
 # The [D, V] output projection in ``Llama.matmul_weights`` (the transposed embedding when tied).
 OUTPUT_AXES = ("embed", "vocab")
 
