@@ -100,6 +100,21 @@ def _client():
     return client
 
 
+def _timed_out(e: Exception) -> bool:
+    """Whether a key-value wait ended because its time ran out (the key is not there yet), not on an error."""
+    return "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower()
+
+
+def _wait_for(get, key: str, poll_ms: int):
+    """``get(key, poll_ms)`` (a blocking key-value get) again until the key is there; other errors propagate."""
+    while True:
+        try:
+            return get(key, poll_ms)
+        except Exception as e:  # noqa: BLE001 - the client raises a plain XlaRuntimeError
+            if not _timed_out(e):
+                raise
+
+
 class StepChannel:
     """Process 0 -> every other process: an ordered stream of small Python messages (pickled, compressed).
 
@@ -113,17 +128,12 @@ class StepChannel:
         self.leader = jax.process_index() == 0
         self.poll_ms = int(poll_s * 1000)
         self._next = 0
-        self.bytes_sent = 0  # compressed bytes queued by ``send`` (process 0)
-        self.messages_sent = 0
         if self.leader:
             self._queue: queue.Queue[bytes] = queue.Queue()
             threading.Thread(target=self._send_loop, name="jaxserve-step-sender", daemon=True).start()
 
     def send(self, message) -> None:
-        data = zlib.compress(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), 1)
-        self.bytes_sent += len(data)
-        self.messages_sent += 1
-        self._queue.put(data)
+        self._queue.put(zlib.compress(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), 1))
 
     def flush(self) -> None:
         """Returns once every message sent is stored (before process 0 exits, so its last one is not lost)."""
@@ -152,17 +162,13 @@ class StepChannel:
 
     def recv(self):
         """The next message; waits as long as process 0 is alive (idle servers send nothing for hours)."""
-        key = f"{_PREFIX}{self._next}"
         client = _client()
-        while True:
-            try:
-                data = client.blocking_key_value_get_bytes(key, self.poll_ms)
-                break
-            except Exception as e:  # noqa: BLE001 - the client raises a plain XlaRuntimeError
-                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-                    raise FollowerLost(
-                        f"process {jax.process_index()} lost process 0 while waiting for step {self._next}: {e}"
-                    ) from e
+        try:
+            data = _wait_for(client.blocking_key_value_get_bytes, f"{_PREFIX}{self._next}", self.poll_ms)
+        except Exception as e:  # noqa: BLE001 - the client raises a plain XlaRuntimeError
+            raise FollowerLost(
+                f"process {jax.process_index()} lost process 0 while waiting for step {self._next}: {e}"
+            ) from e
         self._next += 1
         if self._next % _ACK_EVERY == 0:
             client.key_value_set(f"{_READ_PREFIX}{jax.process_index()}", str(self._next), allow_overwrite=True)
@@ -208,7 +214,7 @@ def _watch() -> None:
         except Exception as e:  # noqa: BLE001 - a plain XlaRuntimeError
             if _state["exiting"] or _state["ending"]:
                 return  # our own shutdown cancels the wait
-            if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+            if _timed_out(e):
                 continue
             # The coordination service is gone (process 0 died): nothing can run a collective any more.
             text = f"lost the coordination service: {str(e).splitlines()[0][:300]}"
@@ -275,13 +281,7 @@ def agree(what: str, settings: dict) -> None:
     if jax.process_index() == 0:
         client.key_value_set(key, json.dumps(text))
         return
-    while True:
-        try:
-            theirs = json.loads(client.blocking_key_value_get(key, 60_000))
-            break
-        except Exception as e:  # noqa: BLE001 - process 0 may take minutes to load its weights
-            if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-                raise
+    theirs = json.loads(_wait_for(client.blocking_key_value_get, key, 60_000))  # process 0 may load for minutes
     diff = [
         f"{k}={text.get(k)} (process 0: {theirs.get(k)})"
         for k in sorted(set(text) | set(theirs))

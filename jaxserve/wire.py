@@ -30,8 +30,10 @@ class StepEncoder:
         self._next = 0
 
     def _handle(self, req_id: str) -> int:
-        h = self._free.pop() if self._free else self._next
-        self._next += h == self._next
+        if self._free:
+            h = self._free.pop()
+        else:
+            h, self._next = self._next, self._next + 1
         self._handles[req_id] = h
         return h
 
