@@ -29,7 +29,7 @@ HEARTBEAT_S = 5  # how long a silent process may take before the other gives it 
 # The tests that expect no loss take a longer one: with the suite's other worker compiling beside them on two cores,
 # both processes once went 5 s without a heartbeat and the coordination service ended the pair.
 BUSY_HEARTBEAT_S = 60
-FAULT_S = 60  # the issue's bound: a fault ends every process within this
+FAULT_S = 60  # a fault ends every process within this
 
 
 def _tiny_ckpt(tmp_path_factory, default_model_path, num_heads: int, num_kv_heads: int) -> Path:
@@ -250,7 +250,7 @@ def test_two_processes_serve_like_one_and_shut_down_together(tiny_ckpt, referenc
 
 
 def test_three_processes_default_command_serves_and_a_signalled_follower_ends_all(tiny3_ckpt, reference3, tmp_path):
-    """The issue's command (3 processes x 1 device, nothing but the parallel layout given), then SIGTERM to process
+    """The default multi-host command (3 processes x 1 device, nothing but the parallel layout given), then SIGTERM to process
     2: all three end non-zero within FAULT_S, naming it. Without the warm-up, which compiles the same variants
     on every process and runs nothing (test_engine covers it): it took 60 of this test's 100 s in CI."""
     port = _free_port()

@@ -19,7 +19,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxserve.wire import StepDecoder, StepEncoder
 
-DECODE_STEP_BYTES = 4096  # issue 30's goal: a decode step of 128 requests, none new
+DECODE_STEP_BYTES = 4096  # the bound for a decode step of 128 requests, none new
 
 
 def _wire(message) -> bytes:
