@@ -35,8 +35,6 @@ import jax
 
 logger = logging.getLogger("jaxserve.distributed")
 
-_PREFIX = "jaxserve/step/"
-_READ_PREFIX = "jaxserve/read/"  # follower i's key: how many messages it has read
 _ACK_EVERY = 16
 DEFAULT_HEARTBEAT_TIMEOUT_S = int(os.environ.get("JAXSERVE_HEARTBEAT_TIMEOUT_S", 20))
 
@@ -116,21 +114,30 @@ def _wait_for(get, key: str, poll_ms: int):
 
 
 class StepChannel:
-    """Process 0 -> every other process: an ordered stream of small Python messages (pickled, compressed).
+    """One process -> some others: an ordered stream of small Python messages (pickled, compressed).
 
-    Process 0's ``send`` only queues the message: a sender thread stores it under its own key, off the step's
-    critical path. Each follower says how far it has read every ``_ACK_EVERY`` messages, and the sender deletes
-    only what every follower has read, so a follower that lags (behind messages that run no collective, such as
+    Process 0 -> the others by default; a data-parallel group's results come back on one the other way
+    (``jaxserve.remote``). Each stream has its own keys, under ``name``.
+
+    The sender's ``send`` only queues the message: a sender thread stores it under its own key, off the step's
+    critical path. Each receiver says how far it has read every ``_ACK_EVERY`` messages, and the sender deletes
+    only what every receiver has read, so a receiver that lags (behind messages that run no collective, such as
     an end or a copy-only step) never finds its next message gone.
     """
 
-    def __init__(self, poll_s: float = 1.0):
-        self.leader = jax.process_index() == 0
+    def __init__(self, name: str = "g0", sender: int = 0, receivers: list[int] | None = None, poll_s: float = 1.0):
+        me = jax.process_index()
+        self.sender = sender
+        self.receivers = [p for p in range(jax.process_count()) if p != sender] if receivers is None else receivers
+        self.leader = me == sender
+        if not self.leader and me not in self.receivers:
+            raise ValueError(f"process {me} neither sends nor receives on step channel {name!r}")
+        self._prefix, self._read_prefix = f"jaxserve/{name}/step/", f"jaxserve/{name}/read/"
         self.poll_ms = int(poll_s * 1000)
         self._next = 0
         if self.leader:
             self._queue: queue.Queue[bytes] = queue.Queue()
-            threading.Thread(target=self._send_loop, name="jaxserve-step-sender", daemon=True).start()
+            threading.Thread(target=self._send_loop, name=f"jaxserve-send-{name}", daemon=True).start()
 
     def send(self, message) -> None:
         self._queue.put(zlib.compress(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), 1))
@@ -145,34 +152,60 @@ class StepChannel:
         while True:
             data = self._queue.get()
             try:
-                client.key_value_set_bytes(f"{_PREFIX}{stored}", data)
+                client.key_value_set_bytes(f"{self._prefix}{stored}", data)
                 stored += 1
                 if stored % _ACK_EVERY == 0:
-                    read = [int(v) for _, v in client.key_value_dir_get(_READ_PREFIX)]
-                    upto = min(read) if len(read) == jax.process_count() - 1 else 0
+                    read = [int(v) for _, v in client.key_value_dir_get(self._read_prefix)]
+                    upto = min(read) if len(read) == len(self.receivers) else 0
                     for n in range(deleted, upto):
-                        client.key_value_delete(f"{_PREFIX}{n}")
+                        client.key_value_delete(f"{self._prefix}{n}")
                     deleted = max(deleted, upto)
             except Exception as e:  # noqa: BLE001 - the service is gone: nothing can follow any more
                 if not (_state["exiting"] or _state["ending"]):
-                    fatal(f"cannot publish step {stored}: {str(e).splitlines()[0][:300]}")
+                    fatal(f"cannot publish message {stored}: {str(e).splitlines()[0][:300]}")
                 return
             finally:
                 self._queue.task_done()
 
     def recv(self):
-        """The next message; waits as long as process 0 is alive (idle servers send nothing for hours)."""
+        """The next message; waits as long as the sender is alive (idle servers send nothing for hours)."""
         client = _client()
         try:
-            data = _wait_for(client.blocking_key_value_get_bytes, f"{_PREFIX}{self._next}", self.poll_ms)
+            data = _wait_for(client.blocking_key_value_get_bytes, f"{self._prefix}{self._next}", self.poll_ms)
         except Exception as e:  # noqa: BLE001 - the client raises a plain XlaRuntimeError
             raise FollowerLost(
-                f"process {jax.process_index()} lost process 0 while waiting for step {self._next}: {e}"
+                f"process {jax.process_index()} lost process {self.sender} while waiting for message {self._next}: {e}"
             ) from e
         self._next += 1
         if self._next % _ACK_EVERY == 0:
-            client.key_value_set(f"{_READ_PREFIX}{jax.process_index()}", str(self._next), allow_overwrite=True)
+            client.key_value_set(f"{self._read_prefix}{jax.process_index()}", str(self._next), allow_overwrite=True)
         return pickle.loads(zlib.decompress(data))
+
+
+def replica_groups(meshes) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Data-parallel replicas over processes: ``[(processes, replica indices), ...]``, one entry per group of
+    processes whose replicas are theirs alone, process 0's first. A replica spans whole processes (one replica per
+    group) or lies in one process (a group of one process, one replica or more).
+
+    Raises:
+        ValueError: a replica shares a process with another one that spans other processes too.
+    """
+    procs = [tuple(sorted({d.process_index for d in m.devices.flat})) for m in meshes]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(procs):
+        groups.setdefault(p, []).append(i)
+    seen: dict[int, tuple[int, ...]] = {}
+    for p in groups:
+        for q in p:
+            if q in seen:
+                i, j = groups[seen[q]][0], groups[p][0]
+                raise ValueError(
+                    f"replica {i} spans processes {list(seen[q])} and replica {j} processes {list(p)}: each "
+                    f"data-parallel replica must span whole processes or lie in one (make tensor_parallel_size a "
+                    f"multiple or a divisor of the {jax.local_device_count()} devices each process has)"
+                )
+            seen[q] = p
+    return sorted(groups.items(), key=lambda g: g[0][0])
 
 
 # ------------------------------------------------------------------ faults end the group

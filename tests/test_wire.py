@@ -172,3 +172,36 @@ def test_a_follower_packing_its_own_steps_computes_process_0s_tokens(default_mod
     ahead = [pickle.loads(zlib.decompress(data))[2] for data in recorder.messages[:-1]]
     assert 0 in ahead and 1 in ahead, ahead  # steps one after the other, and steps launched ahead
     assert max(size for _, size in decode_sizes) <= DECODE_STEP_BYTES, decode_sizes
+
+
+def _meshes(per_process: int, processes: int, tp: int):
+    """Stand-ins for the replicas' meshes: ``processes`` x ``per_process`` devices, in order, ``tp`` per replica."""
+    from types import SimpleNamespace
+
+    devices = [SimpleNamespace(process_index=p) for p in range(processes) for _ in range(per_process)]
+    return [SimpleNamespace(devices=np.array(devices[i : i + tp])) for i in range(0, len(devices), tp)]
+
+
+@pytest.mark.parametrize(
+    ("per_process", "processes", "tp", "groups"),
+    [
+        (1, 4, 2, [((0, 1), [0]), ((2, 3), [1])]),  # a replica spans two processes
+        (2, 2, 2, [((0,), [0]), ((1,), [1])]),  # a replica per process
+        (2, 2, 1, [((0,), [0, 1]), ((1,), [2, 3])]),  # two replicas per process
+        (4, 2, 8, [((0, 1), [0])]),  # one replica over everything
+    ],
+)
+def test_replicas_are_grouped_by_the_processes_they_span(per_process, processes, tp, groups):
+    from jaxserve.distributed import replica_groups
+
+    assert replica_groups(_meshes(per_process, processes, tp)) == groups
+
+
+def test_a_replica_sharing_a_process_with_another_is_refused():
+    """3 processes x 2 devices at tensor parallelism 3: replica 0 takes process 1's first device, replica 1 its
+    second. Process 1 could not follow two groups' steps in order."""
+    from jaxserve.distributed import replica_groups
+
+    with pytest.raises(ValueError, match=r"replica 0 spans processes \[0, 1\] and replica 1 processes \[1, 2\]"):
+        replica_groups(_meshes(2, 3, 3))
+
