@@ -23,11 +23,12 @@ import numpy as np
 from jaxserve import kv_events, quant
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
-from jaxserve.distributed import StepChannel, agree, multi_process
+from jaxserve.distributed import StepChannel, agree, multi_process, replica_groups
 from jaxserve.draft import DraftProposer
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.remote import GroupLink, RemoteRunner, follow_group
 from jaxserve.request import Request, RequestStatus, check_prompt, out_of_vocabulary
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.sampling_params import SamplingParams
@@ -169,14 +170,18 @@ class LLMEngine:
         t0 = time.perf_counter()
         tp, dp = config.tensor_parallel_size, config.data_parallel_size
         check_parallelism(tp, dp)
-        if multi_process() and (dp != 1 or tp != jax.device_count()):
+        if multi_process() and tp * dp != jax.device_count():
             raise ValueError(
-                f"under {jax.process_count()} processes, one tensor-parallel replica spans every device: "
-                f"tensor_parallel_size must be {jax.device_count()} and data_parallel_size 1 (got "
-                f"{tp} and {dp})"
+                f"under {jax.process_count()} processes, the replicas use every device: tensor_parallel_size x "
+                f"data_parallel_size must be {jax.device_count()} (got {tp} x {dp})"
             )
-        devices = jax.devices()
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         meshes = [make_mesh(tp, devices[i * tp : (i + 1) * tp]) for i in range(dp)]  # disjoint, one per replica
+        # Several processes: the replicas this process runs (its group's); process 0 stands in for the others.
+        groups = replica_groups(meshes) if multi_process() else [((0,), list(range(dp)))]
+        me = jax.process_index()
+        home = next(g for g, (procs, _) in enumerate(groups) if me in procs)
+        local = groups[home][1]
         dtype = config.dtype or default_dtype()
         if config.matmul_dtype not in (None, dtype, "bfloat16"):
             raise ValueError(
@@ -202,7 +207,7 @@ class LLMEngine:
                 model,
                 dtype,
                 check_config=lambda cfg: kv_heads_for(cfg, tp),
-                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[0]),
+                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[local[0]]),
                 keep_quantized=config.quantization == "gguf",
             )
         self.model_name = loaded.name
@@ -220,7 +225,7 @@ class LLMEngine:
             agree("settings", _settings_of(config, self.scheduler_config, loaded.config))
         draft = self._draft_model(self.scheduler_config.speculative, loaded, dtype, tp)
         self.replicas: list[Replica] = []
-        for mesh in meshes:
+        for mesh in (meshes[i] for i in local):
             runner = ModelRunner(
                 loaded.config,
                 loaded.params,
@@ -243,8 +248,10 @@ class LLMEngine:
                 config.attention_impl,
             )
             self.replicas.append(Replica(runner, Scheduler(self.scheduler_config, block_manager), drafter))
+        self._links: list[GroupLink] = []  # process 0 of several: its links to the other groups' replicas
+        self._link: GroupLink | None = None  # a process of another group than process 0's: its link to process 0
         if multi_process():
-            self.runner.channel = StepChannel()
+            self._connect(groups, home)
         self.load_seconds = time.perf_counter() - t0
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -261,10 +268,28 @@ class LLMEngine:
         return self.replicas[0].scheduler
 
     # ------------------------------------------------------------------ several processes
+    def _connect(self, groups: list[tuple[tuple[int, ...], list[int]]], home: int) -> None:
+        """Several processes: the channels from process 0 to the others, and on process 0 a ``RemoteRunner`` for
+        each replica of another group (``jaxserve.remote``). ``home``: this process' group."""
+        me = jax.process_index()
+        procs, _ = groups[0]  # process 0's group: the other processes of its replica follow its steps
+        if len(procs) > 1 and home == 0:
+            self.runner.channel = StepChannel("g0", 0, list(procs[1:]))
+        for g, (procs, indices) in enumerate(groups[1:], 1):
+            if g == home:
+                self._link = GroupLink(g, procs)
+            elif me == 0:
+                link = GroupLink(g, procs)
+                self._links.append(link)
+                for k, i in enumerate(indices):
+                    runner = RemoteRunner(link, k, self.runner.num_pages)  # every pool is the smallest any holds
+                    pages = BlockManager(runner.num_pages, self.config.page_size, self.config.enable_prefix_caching)
+                    self.replicas.insert(i, Replica(runner, Scheduler(self.scheduler_config, pages)))
+
     @property
     def is_follower(self) -> bool:
         """True on processes other than 0 of a multi-process runtime: they run the steps process 0 schedules."""
-        return self.runner.channel is not None and not self.runner.channel.leader
+        return multi_process() and jax.process_index() != 0
 
     def follow(self):
         """A follower's loop: runs process 0's steps until it releases the followers; returns what it sent.
@@ -272,19 +297,22 @@ class LLMEngine:
         Raises:
             jaxserve.distributed.FollowerLost: process 0 died or became unreachable.
         """
+        if self._link is not None:
+            return follow_group([r.runner for r in self.replicas], self._link)
         return self.runner.follow()
 
     def release_followers(self, payload=None) -> None:
         """Process 0: ends the followers' ``follow()``, which returns ``payload``; a no-op on one process."""
-        if self.runner.channel is not None and self.runner.channel.leader:
-            self.runner.channel.send(("end", payload))
-            self.runner.channel.flush()
+        own = self.runner.channel  # to the other processes of process 0's replica
+        channels = ([own] if own is not None and own.leader else []) + [link.steps for link in self._links]
+        for channel in channels:
+            channel.send(("end", payload))
+        for channel in channels:
+            channel.flush()
 
     def lead_or_follow(self, fn, *args):
         """``fn(*args)`` on process 0, its result (or its error) handed to every follower, which returns it too
         (or raises RuntimeError naming the error); plain ``fn(*args)`` on one process."""
-        if self.runner.channel is None:
-            return fn(*args)
         if self.is_follower:
             ok, value = self.follow()
             if not ok:
@@ -602,7 +630,7 @@ class LLMEngine:
 
     def _fail(self, replica: Replica, sched, e: Exception):
         drafter, runner = replica.drafter, replica.runner
-        if runner.k_cache.is_deleted() or (drafter is not None and drafter.runner.k_cache.is_deleted()):
+        if runner.pool_donated() or (drafter is not None and drafter.runner.pool_donated()):
             # a pool was donated to the failed step: nothing can go on
             raise e
         failed = {self._seq_owner[s.req_id][0].request_id for s in sched.scheduled if s.req_id in self._seq_owner}

@@ -63,7 +63,7 @@ from jaxserve.sharding import (
 from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
 from jaxserve.utils import cdiv, next_pow2
-from jaxserve.wire import StepDecoder, StepEncoder
+from jaxserve.wire import StepDecoder, StepEncoder, has_changes
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
 _CPU_KV_AVAILABLE_SHARE = 0.25  # ... and to at most this share of the memory available at startup
@@ -705,7 +705,7 @@ class ModelRunner:
         valid and before its own dispatch; each of them packs the same arrays from them (``follow``)."""
         if self.channel is None or not self.channel.leader:
             return
-        if sched.scheduled or sched.copy_ops or sched.finished_req_ids or sched.preempted_req_ids:
+        if has_changes(sched):
             # With the number of steps in flight here: a follower reads back all but that many before it launches
             # this one, as process 0 did (async scheduling launches a step before reading the previous one's).
             self.channel.send(("step", self._encoder.encode(sched, token_masks), self._uncollected))
@@ -740,9 +740,17 @@ class ModelRunner:
             wire, leader_in_flight = payload
             while len(in_flight) > leader_in_flight:
                 self.collect(in_flight.popleft())
-            flight = self.launch(*self._decoder.decode(wire))
+            flight = self.launch_wire(wire)
             if flight is not None:
                 in_flight.append(flight)
+
+    def launch_wire(self, wire: tuple) -> InFlight | None:
+        """``launch`` of a step process 0 sent (``jaxserve.wire``), in the order it sent them."""
+        return self.launch(*self._decoder.decode(wire))
+
+    def pool_donated(self) -> bool:
+        """Whether the KV pool was donated to a step that failed (then nothing can run on this replica)."""
+        return self.k_cache.is_deleted()
 
     def _copy_chunks(self, ops: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]] | None:
         """Copy-on-write ops as (src, dst) arrays of power-of-two lengths up to max_seqs, padded with copies of

@@ -21,6 +21,11 @@ from jaxserve.scheduler import ScheduledRequest, SchedulerOutput
 _COLUMNS = 7
 
 
+def has_changes(sched: SchedulerOutput) -> bool:
+    """Whether a step has anything for the other processes: requests to run, pages to copy, requests to forget."""
+    return bool(sched.scheduled or sched.copy_ops or sched.finished_req_ids or sched.preempted_req_ids)
+
+
 class StepEncoder:
     """Process 0's side: ``SchedulerOutput`` (+ structured-output token masks) -> a small picklable tuple."""
 

@@ -1,6 +1,7 @@
 """Several processes on localhost, one jax.distributed group over gloo, with default engine options: one
-tensor-parallel replica over every device (2 processes x 2 CPU devices, and 3 x 1), process 0 scheduling, the others
-following its steps. The reference is one process on one device. And every fault ends the whole group, non-zero and
+tensor-parallel replica over every device (2 processes x 2 CPU devices, and 3 x 1), or data-parallel replicas over
+groups of processes (4 x 1 as DP 2 x TP 2, 2 x 2 as DP 2 x TP 2); process 0 scheduling, the others following its
+steps. The reference is one process on one device. And every fault ends the whole group, non-zero and
 in bounded time: a process that raises, one started with other settings, a signal to a follower, a process lost.
 """
 
@@ -89,9 +90,9 @@ def _env(heartbeat_s: int, devices: int, extra: dict | None = None) -> dict:
 
 
 def _group(make_cmd, n: int, tmp_path: Path, name: str, heartbeat_s: int = BUSY_HEARTBEAT_S, extra_env=None):
-    """``n`` processes of one group, ``n`` devices in all when n is 3, else 2 each; their logs are tmp_path/name{i}.log."""
+    """``n`` processes of one group, 2 devices each when n is 2, else 1; their logs are tmp_path/name{i}.log."""
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = _env(heartbeat_s, 1 if n == 3 else 2, extra_env)
+    env = _env(heartbeat_s, 2 if n == 2 else 1, extra_env)
     return [
         subprocess.Popen(
             make_cmd(coordinator, i), stdout=(tmp_path / f"{name}{i}.log").open("w"), stderr=subprocess.STDOUT, env=env
@@ -100,8 +101,8 @@ def _group(make_cmd, n: int, tmp_path: Path, name: str, heartbeat_s: int = BUSY_
     ]
 
 
-def _worker(ckpt: Path, n: int, tp: int):
-    return lambda c, i: [sys.executable, str(WORKER), c, str(n), str(i), str(ckpt), str(tp)]
+def _worker(ckpt: Path, n: int, tp: int, dp: int = 1):
+    return lambda c, i: [sys.executable, str(WORKER), c, str(n), str(i), str(ckpt), str(tp), str(dp)]
 
 
 def _wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
@@ -128,13 +129,17 @@ def _all_end(procs, tmp_path: Path, name: str, cause: str, t0: float) -> list[in
     return codes
 
 
-def test_two_processes_generate_like_one(tiny_ckpt, reference, tmp_path):
-    """With async scheduling, as on GPUs and TPUs: the follower too launches a step before reading the last one."""
-    procs = _group(_worker(tiny_ckpt, 2, 4), 2, tmp_path, "llm", extra_env={"JAXSERVE_TEST_ASYNC": "1"})
+def test_four_processes_as_two_replicas_generate_like_one(tiny_ckpt, reference, tmp_path):
+    """4 processes x 1 device as data parallelism 2 x tensor parallelism 2: process 0 schedules both replicas; the
+    second runs on processes 2 and 3, which send its results back. With async scheduling, as on GPUs and TPUs: every
+    process launches a step before it reads the previous one back."""
+    procs = _group(_worker(tiny_ckpt, 4, 2, dp=2), 4, tmp_path, "dp", extra_env={"JAXSERVE_TEST_ASYNC": "1"})
     for i, p in enumerate(procs):
-        log = tmp_path / f"llm{i}.log"
+        log = tmp_path / f"dp{i}.log"
         assert _wait(p, 300, log) == 0, log.read_text()[-3000:]
         assert _tokens(log) == reference[0], f"process {i}"
+    steps = json.loads(next(x for x in (tmp_path / "dp0.log").read_text().splitlines() if x.startswith("STEPS "))[6:])
+    assert len(steps) == 2 and min(steps) > 0, steps  # the requests went to both replicas
 
 
 def test_three_processes_generate_like_one_and_one_raising_ends_them_all(tiny3_ckpt, reference3, tmp_path):
@@ -235,9 +240,11 @@ def _served_texts(port: int) -> list[str]:
     return texts
 
 
-def test_two_processes_serve_like_one_and_shut_down_together(tiny_ckpt, reference, tmp_path):
+def test_two_replicas_on_two_processes_serve_like_one_and_shut_down_together(tiny_ckpt, reference, tmp_path):
+    """2 processes x 2 devices as data parallelism 2 x tensor parallelism 2: process 0's HTTP front dispatches to
+    its own replica and to process 1's."""
     port = _free_port()
-    procs = _group(_serve_cmd(tiny_ckpt, port, 2, 4, "--no-warmup"), 2, tmp_path, "serve")
+    procs = _group(_serve_cmd(tiny_ckpt, port, 2, 2, "--no-warmup", "--data-parallel-size", "2"), 2, tmp_path, "serve")
     try:
         _wait_healthy(port, procs, tmp_path, "serve")
         assert _served_texts(port) == reference[1]
