@@ -205,3 +205,24 @@ def test_a_replica_sharing_a_process_with_another_is_refused():
     with pytest.raises(ValueError, match=r"replica 0 spans processes \[0, 1\] and replica 1 processes \[1, 2\]"):
         replica_groups(_meshes(2, 3, 3))
 
+
+@pytest.mark.slow
+def test_sampler_arrays_no_row_uses_stay_on_the_device(default_model_path):
+    """One process too: the token history, bias entries and token mask of a batch without penalties, biases or
+    grammars are device arrays placed once (the same objects step after step), not host arrays sent every step;
+    a row with a penalty still gets its own history (placed for that step)."""
+    import jax
+
+    runner = LLM(tiny_model(default_model_path), max_num_seqs=32, max_model_len=256).engine.runner
+    greedy = [SamplingParams(temperature=0.0)] * 32
+    first = runner._sampling_metadata(greedy, pad_to=32)
+    second = runner._sampling_metadata(greedy[:5], pad_to=32)
+    for name in ("history", "bias_ids", "bias_values", "token_mask"):
+        assert isinstance(getattr(first, name), jax.Array), name
+        assert getattr(first, name) is getattr(second, name), name
+    host = sum(x.nbytes for x in jax.tree.leaves(first) if isinstance(x, np.ndarray))
+    assert host <= 2048, host  # the per-row scalars: 32 rows x 12 words, 1,536 B
+    penalized = runner._sampling_metadata(
+        [SamplingParams(repetition_penalty=1.2)], prompt_ids=[[5, 6]], output_ids=[[7]], pad_to=32
+    )
+    assert penalized.history is not first.history and np.asarray(penalized.history)[0, :3].tolist() == [5, 6, 7]
