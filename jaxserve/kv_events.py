@@ -9,14 +9,20 @@ sends each step's events of one replica as one batch, from its own thread, as vL
 * ZMQ multipart ``[topic, sequence number (8 bytes, big-endian), payload]`` on a PUB socket; the sequence
   numbers count batches from 0, so a subscriber sees a gap when it missed one;
 * payload: msgpack of the batch ``[ts, events, data_parallel_rank]`` (``ts``: ``time.time()``);
-* an event, in the ``"array"`` encoding (vLLM up to 0.23, its msgspec structs ``array_like``):
+* an event, in the ``"map"`` encoding (the default: vLLM 0.24 and later, whose event structs are msgspec maps
+  tagged ``"type"``): ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+  "lora_id", "medium", "lora_name", "group_idx", "kv_cache_spec_kind"}``, ``{"type": "BlockRemoved",
+  "block_hashes", "medium", "group_idx"}``, ``{"type": "AllBlocksCleared"}``; in the ``"array"`` encoding (vLLM up
+  to 0.23, its structs ``array_like``) the first fields as a list after the tag,
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]``,
-  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``; in the ``"map"`` encoding (vLLM after 0.23,
-  vllm-project/vllm#42892) the same fields as a map tagged ``"type"``, plus ``group_idx`` and ``kv_cache_spec_kind``;
+  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``. Checked by decoding this stream with the
+  event classes of vLLM's own wheels, 0.23 to 0.34;
 * block hashes as vLLM sends them by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): unsigned 64-bit
   integers, the last 8 bytes (big-endian) of the page's sha256 (``jaxserve.block_manager.hash_page``);
 * an optional ROUTER replay socket: a request ``[b"", start_seq (8 bytes, big-endian)]`` is answered with every
-  buffered batch from ``start_seq`` on, ``[b"", seq, payload]`` each, then ``[b"", -1 (8 bytes, signed), b""]``.
+  buffered batch from ``start_seq`` on, ``[b"", topic, seq, payload]`` each, then ``[b"", b"", -1 (8 bytes,
+  signed), b""]`` (vLLM 0.26 and later); in the ``"array"`` encoding, as vLLM up to 0.25 answers,
+  ``[b"", seq, payload]`` each, then ``[b"", -1, b""]``.
 
 The publisher sends ``AllBlocksCleared`` when it starts (a restarted server holds no cached pages).
 
@@ -110,7 +116,7 @@ def _wire_event(event, encoding: str):
     raise TypeError(f"not a KV event: {event!r}")
 
 
-def encode_batch(ts: float, events: list, data_parallel_rank: int = 0, encoding: str = "array") -> bytes:
+def encode_batch(ts: float, events: list, data_parallel_rank: int = 0, encoding: str = "map") -> bytes:
     """One batch's payload: msgpack of ``[ts, events, data_parallel_rank]`` (module docstring)."""
     import msgpack
 
@@ -135,7 +141,8 @@ class KVEventsConfig:
         max_queue_size: batches waiting for the publisher thread beyond which new ones are dropped (their sequence
             numbers are skipped, so subscribers see the gap) rather than stall the engine.
         topic: the first frame of every message.
-        encoding: ``"array"`` (vLLM up to 0.23, and the consumers written for it) or ``"map"`` (vLLM after 0.23).
+        encoding: ``"map"`` (vLLM 0.24 and later, and the consumers written for it) or ``"array"`` (vLLM up to
+            0.23: events as arrays, and the replay framing without the topic).
     """
 
     enable_kv_cache_events: bool = False
@@ -146,7 +153,7 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
-    encoding: str = "array"
+    encoding: str = "map"
 
     def __post_init__(self):
         if self.publisher not in (None, "zmq", "null"):
@@ -301,10 +308,11 @@ class ZmqEventPublisher:
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")
+        topic = () if self.config.encoding == "array" else (self.config.topic.encode(),)  # vLLM <= 0.25: none
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", _END_SEQ, b""))
+                replay.send_multipart((client, b"", *topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", *(b"" for _ in topic), _END_SEQ, b""))
 
 
 def make_publisher(config: KVEventsConfig | dict | str | None) -> ZmqEventPublisher | None:

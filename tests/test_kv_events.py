@@ -150,7 +150,7 @@ def test_replaying_the_events_tracks_the_cache_exactly(seed):
 def test_the_array_encoding_is_vllms_tagged_arrays():
     h = [hash_page(None, [1, 2]), hash_page(hash_page(None, [1, 2]), [3, 4])]
     events = [BlockStored(h, None, [1, 2, 3, 4], 2), BlockRemoved([h[1]]), AllBlocksCleared()]
-    batch = msgpack.unpackb(encode_batch(1.5, events, 0))
+    batch = msgpack.unpackb(encode_batch(1.5, events, 0, "array"))
     ints = [int.from_bytes(x[-8:], "big") for x in h]
     assert batch == [
         1.5,
@@ -162,12 +162,13 @@ def test_the_array_encoding_is_vllms_tagged_arrays():
         0,
     ]
     assert all(0 <= x < 2**64 for x in ints) and ints == [external_hash(x) for x in h]
-    assert msgpack.unpackb(encode_batch(2.0, [BlockStored(h[1:], h[0], [3, 4], 2)], 1))[1][0][2] == ints[0]
+    assert msgpack.unpackb(encode_batch(2.0, [BlockStored(h[1:], h[0], [3, 4], 2)], 1, "array"))[1][0][2] == ints[0]
 
 
 def test_the_map_encoding_is_vllms_tagged_maps():
+    """The default: vLLM 0.24 and later decode events as maps (msgspec structs without ``array_like``)."""
     h = hash_page(None, [1, 2])
-    batch = msgpack.unpackb(encode_batch(3.0, [BlockStored([h], None, [1, 2], 2), BlockRemoved([h])], 2, "map"))
+    batch = msgpack.unpackb(encode_batch(3.0, [BlockStored([h], None, [1, 2], 2), BlockRemoved([h])], 2))
     stored, removed = batch[1]
     assert batch[0] == 3.0 and batch[2] == 2
     assert stored == {
@@ -187,7 +188,7 @@ def test_the_map_encoding_is_vllms_tagged_maps():
 
 def test_config_is_vllms_json():
     cfg = KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv"}')
-    assert cfg.enabled and cfg.endpoint == "tcp://*:5557" and cfg.topic == "kv" and cfg.encoding == "array"
+    assert cfg.enabled and cfg.endpoint == "tcp://*:5557" and cfg.topic == "kv" and cfg.encoding == "map"
     assert KVEventsConfig.parse({"enable_kv_cache_events": True}).enabled  # zmq by default, as vLLM
     assert not KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "null"}).enabled
     assert not KVEventsConfig.parse("{}").enabled and KVEventsConfig.parse(None) is None
@@ -231,7 +232,10 @@ def joined(pub, sub, timeout=10.0):
     return seq
 
 
-def test_publisher_frames_numbers_and_replays_batches(tmp_path):
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_publisher_frames_numbers_and_replays_batches(tmp_path, encoding):
+    """Live: [topic, seq, payload]. Replay: vLLM 0.26 and later answer [b"", topic, seq, payload] and end with
+    [b"", b"", -1, b""]; up to 0.25 (the "array" consumers) without the topic frame."""
     zmq = pytest.importorskip("zmq")
     from jaxserve.kv_events import make_publisher
 
@@ -243,6 +247,7 @@ def test_publisher_frames_numbers_and_replays_batches(tmp_path):
             "endpoint": endpoint,
             "replay_endpoint": f"tcp://127.0.0.1:{port}",
             "topic": "kv",
+            "encoding": encoding,
         }
     ).start()
     sub = _subscriber(ctx, b"kv")
@@ -258,8 +263,9 @@ def test_publisher_frames_numbers_and_replays_batches(tmp_path):
         assert all(len(f[1]) == 8 for f in frames)
         (ts, stored, rank), (_, removed, _) = (msgpack.unpackb(f[2]) for f in frames)
         assert abs(ts - time.time()) < 60 and rank == 1
-        assert stored == [["BlockStored", [external_hash(h)], None, [1, 2], 2, None, "GPU", None]]
-        assert removed == [["BlockRemoved", [external_hash(h)], "GPU"]]
+        assert stored == [msgpack.unpackb(encode_batch(0, [BlockStored([h], None, [1, 2], 2)], 1, encoding))[1][0]]
+        assert removed == [msgpack.unpackb(encode_batch(0, [BlockRemoved([h])], 0, encoding))[1][0]]
+        assert stored[0]["type" if encoding == "map" else 0] == "BlockStored"
 
         dealer = ctx.socket(zmq.DEALER)  # replay from 0: the startup AllBlocksCleared first, then the rest
         dealer.setsockopt(zmq.LINGER, 0)
@@ -267,14 +273,17 @@ def test_publisher_frames_numbers_and_replays_batches(tmp_path):
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         replayed = []
         while dealer.poll(5000):
-            _, seq, payload = dealer.recv_multipart()
+            empty, *topic, seq, payload = dealer.recv_multipart()
+            assert empty == b"" and len(topic) == (1 if encoding == "map" else 0)
             if int.from_bytes(seq, "big", signed=True) == -1:
-                assert payload == b""
+                assert payload == b"" and topic in ([b""], [])
                 break
+            assert topic in ([b"kv"], [])
             replayed.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
         dealer.close()
         assert [seq for seq, _ in replayed] == list(range(last + 3))
-        assert replayed[0][1] == [["AllBlocksCleared"]] and replayed[-1][1] == removed
+        cleared = {"type": "AllBlocksCleared"} if encoding == "map" else ["AllBlocksCleared"]
+        assert replayed[0][1] == [cleared] and replayed[-1][1] == removed
     finally:
         sub.close()
         pub.close()
@@ -325,8 +334,8 @@ def test_a_served_request_publishes_its_pages_and_their_eviction():
                 ts, events, rank = msgpack.unpackb(payload)
                 batches.append(int.from_bytes(seq, "big"))
                 assert topic == b"kv-events" and rank == 0
-                stored.extend(e for e in events if e[0] == "BlockStored")
-                removed.extend(e for e in events if e[0] == "BlockRemoved")
+                stored.extend(e for e in events if e["type"] == "BlockStored")
+                removed.extend(e for e in events if e["type"] == "BlockRemoved")
 
     try:
         with TestClient(app) as client:
@@ -337,19 +346,26 @@ def test_a_served_request_publishes_its_pages_and_their_eviction():
             # vLLM's int form of a hash, worked out here: the sha256's last 8 bytes, big-endian.
             first = {int.from_bytes(h[-8:], "big") for h in bm.hash_to_page}  # 15 tokens computed: 3 full pages
             assert len(first) == 3
-            receive(lambda: {h for e in stored for h in e[1]} == first)
+            receive(lambda: {h for e in stored for h in e["block_hashes"]} == first)
             tokens = engine.tokenizer.encode(prompt) + [7] * 5
-            assert [t for e in stored for t in e[3]] == tokens[:12] and {e[4] for e in stored} == {4}
+            assert [t for e in stored for t in e["token_ids"]] == tokens[:12]
+            assert {e["block_size"] for e in stored} == {4}
             parent = None
             for e in stored:  # the chain: each event's parent is the previous event's last page
-                assert e[2] == parent and e[5:] == [None, "GPU", None]
-                parent = e[1][-1]
+                assert e["parent_block_hash"] == parent
+                assert (e["lora_id"], e["medium"], e["lora_name"]) == (None, "GPU", None)
+                parent = e["block_hashes"][-1]
 
             r = client.post("/v1/completions", json={"prompt": "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "max_tokens": 6})
             assert r.status_code == 200  # 31 tokens computed: all 8 pages, so the first request's are evicted
             cached = {int.from_bytes(h[-8:], "big") for h in bm.hash_to_page}
-            receive(lambda: {h for e in stored for h in e[1]} - {h for e in removed for h in e[1]} == cached)
-        assert {h for e in removed for h in e[1]} == first and all(e[2] == "GPU" for e in removed)
+            receive(
+                lambda: (
+                    {h for e in stored for h in e["block_hashes"]} - {h for e in removed for h in e["block_hashes"]}
+                    == cached
+                )
+            )
+        assert {h for e in removed for h in e["block_hashes"]} == first and all(e["medium"] == "GPU" for e in removed)
         assert batches == list(range(last + 1, last + 1 + len(batches)))  # no batch lost
     finally:
         sub.close()
