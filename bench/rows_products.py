@@ -40,7 +40,7 @@ def weights(mode: str) -> dict:
     import jax
 
     from jaxserve import quant
-    from jaxserve.models.llama import pack_bf16
+    from jaxserve.layers.linear import pack_bf16
 
     def convert(w, axis: int):
         if mode.startswith("float32"):

@@ -279,7 +279,7 @@ def _layer(layer) -> jax.Array:
 
 def matmul_rows(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     """x [M, K] (M <= 8) times a bfloat16 matrix w [K, N] (or [K, N / 2] uint32 pairs of bfloat16, as
-    ``models.llama.pack_bf16`` stores it, or float32), or times matrix ``layer`` of a stack [L, K, N] -> [M, N]
+    ``layers.linear.pack_bf16`` stores it, or float32), or times matrix ``layer`` of a stack [L, K, N] -> [M, N]
     float32, accumulated in float32 (C++: XLA:CPU's own bfloat16 products with fewer than 8 rows read the weights at
     a fifteenth of the float32 rate, and its float32 ones copy the scan's slice of a stack first)."""
     if not _load():

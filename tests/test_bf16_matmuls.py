@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.models.llama import matmul, pack_bf16
+from jaxserve.layers.linear import matmul, pack_bf16
 
 
 @pytest.mark.parametrize("n", [6, 7])  # even: packed in uint32 pairs; odd: plain bfloat16

@@ -106,7 +106,7 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # the model's matmul routes up to 8 rows there (int8 per output channel: fewer than 8); W8A8 (activations
     # quantized too) has its own product
-    from jaxserve.models.llama import matmul
+    from jaxserve.layers.linear import matmul
 
     routed = np.asarray(matmul(jnp.asarray(x), embed, cpu_ffi.ROWS))
     np.testing.assert_array_equal(routed, got)
@@ -140,7 +140,7 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     stack (K a multiple of 4, N of 64), which up to 4 rows stream in ranges of rows."""
     from jaxserve.kernels import cpu_ffi
 
-    from jaxserve.models.llama import matmul
+    from jaxserve.layers.linear import matmul
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
     rng = np.random.default_rng(m)
@@ -251,7 +251,7 @@ def test_rows_product_of_many_rows_dequantizes_in_cpp(dot_dtype):
     projection by the [V, D] embedding dequantizes 4,096 rows at a time (three blocks here)."""
     from jaxserve.kernels import cpu_ffi
 
-    from jaxserve.models.llama import matmul
+    from jaxserve.layers.linear import matmul
 
     rng = np.random.default_rng(9)
     tol = dict(rtol=1e-5, atol=1e-5) if dot_dtype is None else dict(rtol=0, atol=1e-2)

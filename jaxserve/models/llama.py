@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,9 @@ from flax import nnx
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
+from jaxserve.layers.linear import MATMUL_WEIGHTS_MIN_ROWS, RowsFn, matmul, pack_bf16
+from jaxserve.layers.norm import rms_norm
+from jaxserve.layers.rope import apply_rope, rope_inv_freq
 
 
 @jax.tree_util.register_dataclass
@@ -44,97 +46,6 @@ class AttentionBatch:
 AttentionFn = Callable[..., jax.Array]
 # write_kv_fn(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> (k_cache, v_cache)
 WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
-
-
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """[H/2] inverse frequencies, with Llama-3 or linear scaling applied."""
-    h = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv_freq
-    if rs.rope_type == "linear":
-        return inv_freq / rs.factor
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor
-    )
-    blended = (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    return jnp.where(mid, blended, scaled)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding in the rotate-half convention (HF). x: [T, heads, H], positions: [T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-    cos = jnp.cos(freqs)[:, None, :]
-    sin = jnp.sin(freqs)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-# Below this many rows XLA:CPU's bfloat16 products are slower than float32 ones (a [1, 576] x [576, 49152]
-# product: 1 against 15 GFLOP/s), so such products keep the full-precision weights, or go to a ``RowsFn``.
-MATMUL_WEIGHTS_MIN_ROWS = 8
-
-
-class RowsFn(Protocol):
-    """A product for steps of few rows (on the CPU: ``cpu_ffi.ROWS``, C++), where XLA's own is slow."""
-
-    def serves(self, w, rows: int) -> bool:
-        """Whether it takes this weight for ``rows`` rows (bfloat16 and float32 layer stacks below
-        ``MATMUL_WEIGHTS_MIN_ROWS``; quantized up to 8: XLA would dequantize whole matrices)."""
-
-    def __call__(self, x: jax.Array, w, layer: jax.Array | None = None) -> jax.Array:
-        """x [M, K] float32 times w ([K, N], or matrix ``layer`` of a stack [L, K, N]) -> [M, N] float32."""
-
-
-def pack_bf16(w: jax.Array) -> jax.Array:
-    """[..., N] -> [..., N / 2] uint32 holding bfloat16 pairs (N odd: plain bfloat16).
-
-    Inside the layer scan XLA:CPU copies each layer's slice of a bfloat16 array through a slow elementwise loop
-    (a 64-row MLP ran at a third of its unrolled speed); a uint32 slice is a plain copy, and the bitcast back to
-    bfloat16 in :func:`matmul` is free.
-    """
-    w = w.astype(jnp.bfloat16)
-    if w.shape[-1] % 2:
-        return w
-    return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint32)
-
-
-def matmul(
-    x: jax.Array, w: jax.Array | quant.QArray, rows_fn: RowsFn | None = None, layer: jax.Array | None = None
-) -> jax.Array:
-    """x @ w in w's dtype (uint32: bfloat16 pairs from :func:`pack_bf16`; a ``QArray``: quantized, see
-    ``jaxserve.quant.matmul``), accumulated in x's dtype.
-
-    With float32 activations and bfloat16 weights (``matmul_dtype="bfloat16"`` on the CPU) the product runs
-    on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more. With few
-    rows, ``rows_fn`` when given and it serves ``w`` for that many (on the CPU the C++ products of float32 rows by
-    bfloat16 or quantized weights); only it takes a stack of matrices [L, ...] with ``layer``.
-    """
-    if rows_fn is not None and x.ndim == 2 and rows_fn.serves(w, x.shape[0]):
-        return rows_fn(x, w, layer).astype(x.dtype)
-    if layer is not None:
-        raise ValueError("matmul: a stack of matrices with a layer index needs a rows_fn that serves it")
-    if isinstance(w, quant.QArray):
-        return quant.matmul(x, w)
-    if w.dtype == jnp.uint32:
-        w = jax.lax.bitcast_convert_type(w, jnp.bfloat16).reshape(*w.shape[:-1], 2 * w.shape[-1])
-    if w.dtype == x.dtype:
-        return x @ w
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=x.dtype)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,63 @@
+"""The linear layer's product, ``x @ w``, for every weight format: float, bfloat16 pairs (``pack_bf16``) and
+quantized (``jaxserve.quant.QArray``), with an optional product for steps of few rows (``RowsFn``)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import quant
+
+# Below this many rows XLA:CPU's bfloat16 products are slower than float32 ones (a [1, 576] x [576, 49152]
+# product: 1 against 15 GFLOP/s), so such products keep the full-precision weights, or go to a ``RowsFn``.
+MATMUL_WEIGHTS_MIN_ROWS = 8
+
+
+class RowsFn(Protocol):
+    """A product for steps of few rows (on the CPU: ``cpu_ffi.ROWS``, C++), where XLA's own is slow."""
+
+    def serves(self, w, rows: int) -> bool:
+        """Whether it takes this weight for ``rows`` rows (bfloat16 and float32 layer stacks below
+        ``MATMUL_WEIGHTS_MIN_ROWS``; quantized up to 8: XLA would dequantize whole matrices)."""
+
+    def __call__(self, x: jax.Array, w, layer: jax.Array | None = None) -> jax.Array:
+        """x [M, K] float32 times w ([K, N], or matrix ``layer`` of a stack [L, K, N]) -> [M, N] float32."""
+
+
+def pack_bf16(w: jax.Array) -> jax.Array:
+    """[..., N] -> [..., N / 2] uint32 holding bfloat16 pairs (N odd: plain bfloat16).
+
+    Inside the layer scan XLA:CPU copies each layer's slice of a bfloat16 array through a slow elementwise loop
+    (a 64-row MLP ran at a third of its unrolled speed); a uint32 slice is a plain copy, and the bitcast back to
+    bfloat16 in :func:`matmul` is free.
+    """
+    w = w.astype(jnp.bfloat16)
+    if w.shape[-1] % 2:
+        return w
+    return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint32)
+
+
+def matmul(
+    x: jax.Array, w: jax.Array | quant.QArray, rows_fn: RowsFn | None = None, layer: jax.Array | None = None
+) -> jax.Array:
+    """x @ w in w's dtype (uint32: bfloat16 pairs from :func:`pack_bf16`; a ``QArray``: quantized, see
+    ``jaxserve.quant.matmul``), accumulated in x's dtype.
+
+    With float32 activations and bfloat16 weights (``matmul_dtype="bfloat16"`` on the CPU) the product runs
+    on bfloat16 inputs with float32 accumulation, about twice XLA:CPU's float32 rate for 8 rows or more. With few
+    rows, ``rows_fn`` when given and it serves ``w`` for that many (on the CPU the C++ products of float32 rows by
+    bfloat16 or quantized weights); only it takes a stack of matrices [L, ...] with ``layer``.
+    """
+    if rows_fn is not None and x.ndim == 2 and rows_fn.serves(w, x.shape[0]):
+        return rows_fn(x, w, layer).astype(x.dtype)
+    if layer is not None:
+        raise ValueError("matmul: a stack of matrices with a layer index needs a rows_fn that serves it")
+    if isinstance(w, quant.QArray):
+        return quant.matmul(x, w)
+    if w.dtype == jnp.uint32:
+        w = jax.lax.bitcast_convert_type(w, jnp.bfloat16).reshape(*w.shape[:-1], 2 * w.shape[-1])
+    if w.dtype == x.dtype:
+        return x @ w
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=x.dtype)
