@@ -37,7 +37,7 @@ def _model():
     from jaxserve.config import load_preset
     from jaxserve.defaults import default_model_path
     from jaxserve.loading import LoadedModel
-    from jaxserve.models.llama import random_params
+    from jaxserve.models.schema import random_params
 
     # SmolLM2's vocabulary (the sampler's width), 8 query and 4 KV heads (for TP 2 and 4), 2 layers.
     cfg = dataclasses.replace(load_preset("smollm2-135m"), num_layers=2, hidden_size=512, num_heads=8, num_kv_heads=4)

@@ -27,7 +27,7 @@ def main() -> None:
     from jaxserve.config import load_preset
     from jaxserve.defaults import default_model_path
     from jaxserve.loading import LoadedModel
-    from jaxserve.models.llama import random_params
+    from jaxserve.models.schema import random_params
 
     cfg = dataclasses.replace(load_preset("smollm2-135m"), num_layers=2)
     model = LoadedModel("2-layers", cfg, random_params(cfg, 0.02, np.random.default_rng(0)), default_model_path())

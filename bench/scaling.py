@@ -43,7 +43,7 @@ def plumbing(args) -> None:
     from jaxserve.config import ModelConfig
     from jaxserve.defaults import default_model_path
     from jaxserve.loading import LoadedModel
-    from jaxserve.models.llama import random_params
+    from jaxserve.models.schema import random_params
 
     cfg = ModelConfig(
         vocab_size=49152,

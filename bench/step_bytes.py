@@ -53,7 +53,7 @@ def run(batch: int, penalties: bool, out_len: int) -> dict:
     from jaxserve.config import load_preset
     from jaxserve.defaults import default_model_path
     from jaxserve.loading import LoadedModel
-    from jaxserve.models.llama import random_params
+    from jaxserve.models.schema import random_params
 
     cfg = dataclasses.replace(load_preset("smollm2-135m"), num_layers=2)
     rng = np.random.default_rng(0)

@@ -202,7 +202,7 @@ def _model_config(model: str | ModelConfig) -> tuple[str, ModelConfig]:
 
 
 def _abstract_params(cfg: ModelConfig, dtype: str) -> dict:
-    from jaxserve.models.llama import param_schema
+    from jaxserve.models.schema import param_schema
 
     return {n: jax.ShapeDtypeStruct(s.shape, _np_dtype(dtype)) for n, s in param_schema(cfg).items()}
 
@@ -287,10 +287,12 @@ def plan(
         params = _abstract_params(cfg, dtype)
         if config.quantization:
             from jaxserve import quant
+            from jaxserve.models.schema import param_schema, quantizable_names
 
+            quantizable = quantizable_names(param_schema(cfg))
             params = {
                 n: jax.eval_shape(lambda x, n=n: quant.quantize_param(n, x, config.quantization), p)
-                if n in quant.QUANTIZED_PARAMS
+                if n in quantizable
                 else p
                 for n, p in params.items()
             }

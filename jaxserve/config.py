@@ -12,36 +12,7 @@ import json
 import math
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
-GEMMA_ARCHITECTURES = ("gemma", "gemma2")
-
-# HF `architectures[0]` / `model_type` -> our architecture name.
-_HF_MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma": "gemma",
-    "gemma2": "gemma2",
-}
-
-
-def architecture_flags(architecture: str) -> dict[str, Any]:
-    """The ``ModelConfig`` fields an architecture fixes, whatever its checkpoint's format (HF or GGUF): Gemma's
-    GeGLU activation, ``1 + w`` norms and embedding scale, Gemma-2's sandwich norms; plain SwiGLU otherwise."""
-    gemma = architecture in GEMMA_ARCHITECTURES
-    return {
-        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
-        "norm_weight_offset": 1.0 if gemma else 0.0,
-        "scale_embeddings": gemma,
-        "sandwich_norms": architecture == "gemma2",
-    }
-
-
-def gemma2_sliding_layers(num_layers: int) -> tuple[bool, ...]:
-    """Gemma-2's layer pattern when the checkpoint does not list one: sliding window (local) on even layers, full
-    attention (global) on odd ones."""
-    return tuple(i % 2 == 0 for i in range(num_layers))
+from jaxserve.models import registry
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -104,9 +75,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (2,)
 
     def __post_init__(self):
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in registry.names():
             raise ValueError(
-                f"ModelConfig.architecture {self.architecture!r} is not supported; known: {', '.join(ARCHITECTURES)}"
+                f"ModelConfig.architecture {self.architecture!r} is not supported; known: {', '.join(registry.names())}"
             )
         _positive(
             self,
@@ -183,82 +154,61 @@ class ModelConfig:
         Raises:
             ValueError: the model type is not a supported architecture.
         """
-        model_type = hf.get("model_type")
-        if model_type not in _HF_MODEL_TYPES:
-            archs = hf.get("architectures")
-            raise ValueError(
-                f"unknown architecture: model_type={model_type!r} (architectures={archs}); "
-                f"jaxserve supports {', '.join(sorted(_HF_MODEL_TYPES))}"
-            )
-        arch = _HF_MODEL_TYPES[model_type]
+        family = registry.for_hf(hf)
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
-        head_dim = hf.get("head_dim") or hidden // num_heads
         eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_scaling = None
-        # transformers 4 writes rope_theta / rope_scaling; transformers 5 writes one rope_parameters dict.
-        rope_params = hf.get("rope_parameters") or {}
-        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        rs = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
-        if rs:
-            rope_type = rs.get("rope_type", rs.get("type"))
-            if rope_type == "llama3":
-                rope_scaling = RopeScaling(
-                    "llama3",
-                    rs["factor"],
-                    rs["low_freq_factor"],
-                    rs["high_freq_factor"],
-                    rs["original_max_position_embeddings"],
-                )
-            elif rope_type == "linear":
-                rope_scaling = RopeScaling("linear", rs["factor"])
-            elif rope_type != "default":
-                raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
-        num_layers = hf["num_hidden_layers"]
-        flags = architecture_flags(arch)
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or flags["hidden_act"]
-        if act in ("gelu", "gelu_pytorch_tanh"):
-            act = "gelu_pytorch_tanh"  # Gemma's reference implementation uses the tanh approximation.
-        sliding_window = hf.get("sliding_window") if arch in ("mistral", "gemma2", "qwen2", "qwen3") else None
-        sliding_layers = None
-        if arch in ("qwen2", "qwen3"):
-            if not hf.get("use_sliding_window", False):
-                sliding_window = None
-            else:
-                max_window_layers = hf.get("max_window_layers", num_layers)
-                sliding_layers = tuple(i >= max_window_layers for i in range(num_layers))
-        if arch == "gemma2" and sliding_window:
-            layer_types = hf.get("layer_types")
-            if layer_types:
-                sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
-            else:
-                sliding_layers = gemma2_sliding_layers(num_layers)
-        return cls(
-            architecture=arch,
+        fields = dict(
+            architecture=family.name,
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
             intermediate_size=hf["intermediate_size"],
-            num_layers=num_layers,
+            num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
+            head_dim=hf.get("head_dim") or hidden // num_heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES),
-            attention_bias=hf.get("attention_bias", arch == "qwen2"),
-            qk_norm=arch == "qwen3",
-            **(flags | {"hidden_act": act}),
-            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if arch == "gemma2" else None,
-            attn_logit_softcap=hf.get("attn_logit_softcapping") if arch == "gemma2" else None,
-            final_logit_softcap=hf.get("final_logit_softcapping") if arch == "gemma2" else None,
-            sliding_window=sliding_window or None,
-            sliding_window_layers=sliding_layers,
+            tie_word_embeddings=hf.get("tie_word_embeddings", family.hf_defaults.get("tie_word_embeddings", False)),
+            attention_bias=hf.get("attention_bias", family.hf_defaults.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            **_hf_rope(hf),
         )
+        fields |= family.flags
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or fields.get("hidden_act", "silu")
+        # Gemma's reference implementation uses the tanh approximation for "gelu".
+        fields["hidden_act"] = "gelu_pytorch_tanh" if act in ("gelu", "gelu_pytorch_tanh") else act
+        fields |= family.hf_fields(hf, fields)
+        return cls(**fields)
+
+
+def _hf_rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` from a ``config.json``: transformers 4 writes ``rope_theta`` /
+    ``rope_scaling``, transformers 5 one ``rope_parameters`` dict.
+
+    Raises:
+        ValueError: a rope type jaxserve does not implement, naming it.
+    """
+    rope_params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rs = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+    scaling = None
+    if rs:
+        rope_type = rs.get("rope_type", rs.get("type"))
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                "llama3",
+                rs["factor"],
+                rs["low_freq_factor"],
+                rs["high_freq_factor"],
+                rs["original_max_position_embeddings"],
+            )
+        elif rope_type == "linear":
+            scaling = RopeScaling("linear", rs["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+    return {"rope_theta": theta, "rope_scaling": scaling}
 
 
 def list_presets() -> list[str]:

@@ -54,7 +54,6 @@ INT4_GROUP = 32  # int4's group (the largest of 32, 16 that divides the contract
 INT4_VOCAB_GROUP = 16  # the vocabulary matrices' (their rounding goes straight into the logits)
 # The parameters that are quantized: every matrix product's weight, and the embedding (a lookup, and the output
 # projection when tied). Norms and biases stay float.
-QUANTIZED_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed", "lm_head")
 
 
 @jax.tree_util.register_dataclass

@@ -44,7 +44,8 @@ from jaxserve import kernels, quant
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.kernels import cpu_ffi
-from jaxserve.models.llama import OUTPUT_AXES, AttentionBatch, Llama, ParamSpec, model_from_params, param_schema
+from jaxserve.models.dense import OUTPUT_AXES, AttentionBatch, model_from_params
+from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
 from jaxserve.request import PENDING_TOKEN
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
@@ -248,7 +249,7 @@ class ModelRunner:
         if bf16_products:
             make = lambda s: nnx.merge(self.graphdef, s).matmul_weights()  # noqa: E731
             shapes = {n: a.shape for n, a in jax.eval_shape(make, self.state).items()}  # packed: last dim halved
-            axes = {n: schema[n] for n in Llama.MATMUL_PARAMS} | {"output": ParamSpec(shapes["output"], OUTPUT_AXES)}
+            axes = {n: schema[n] for n in matmul_names(schema)} | {"output": ParamSpec(shapes["output"], OUTPUT_AXES)}
             mm_shardings = param_shardings(axes, self.mesh, shapes=shapes)
             self.matmul_weights = (
                 jax.tree.map(_place, jax.eval_shape(make, self.state), mm_shardings)
@@ -337,11 +338,11 @@ class ModelRunner:
         )
 
     def _quantize(self, params: dict, schema: dict, mode: str) -> dict:
-        """The float weights of ``jaxserve.quant.QUANTIZED_PARAMS`` quantized on their devices, one at a time, each
+        """The float weights the schema calls quantizable quantized on their devices, one at a time, each
         leaf sharded as its weight (int4 groups never straddle a shard: the group divides each device's part)."""
         out = dict(params)
         tp = self.tensor_parallel_size
-        for name in quant.QUANTIZED_PARAMS:
+        for name in quantizable_names(schema):
             w = params.get(name)
             if w is None or quant.is_quantized(w):
                 continue

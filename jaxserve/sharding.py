@@ -10,7 +10,7 @@ One engine replica runs one SPMD program over a ``Mesh`` with axes ``("data", "m
   programs on disjoint sub-meshes (see ``jaxserve.engine``), so a replica's mesh has ``data`` of size 1.
   ``expert`` and ``stage`` would be further axes.
 
-Every parameter is declared once with logical axes (``jaxserve.models.llama.param_schema``); ``DEFAULT_RULES``
+Every parameter is declared once with logical axes (``jaxserve.models.schema``); ``DEFAULT_RULES``
 maps logical axes to mesh axes. The custom kernels (Pallas, the CPU's C++ FFI calls) are not partitionable by
 XLA, so they run under ``jax.shard_map`` on each device's heads; without it XLA would gather the whole pool.
 """
@@ -135,7 +135,7 @@ def fit_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShardi
 def checkpoint_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
     """Where a checkpoint's parameters are restored: as served, except the KV projections of a model with fewer
     KV heads than devices, which come whole (the runner then repeats their heads, see ``replicate_kv_heads``)."""
-    from jaxserve.models.llama import param_schema
+    from jaxserve.models.schema import param_schema
 
     rules = dict(DEFAULT_RULES)
     if cfg.num_kv_heads % mesh.shape["model"]:

@@ -139,7 +139,7 @@ def tiny_model(tokenizer_path, num_heads: int = 8, num_kv_heads: int = 2, interm
 
     from jaxserve.config import ModelConfig
     from jaxserve.loading import LoadedModel
-    from jaxserve.models.llama import random_params
+    from jaxserve.models.schema import random_params
 
     config = ModelConfig(
         vocab_size=49152,

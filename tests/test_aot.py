@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.aot import CHIPS, GiB, parse_topology, plan
 from jaxserve.config import load_preset
-from jaxserve.models.llama import param_schema
+from jaxserve.models.schema import param_schema
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.loading import LoadedModel
-from jaxserve.models.llama import param_schema
+from jaxserve.models.schema import param_schema
 from jaxserve.sharding import DEFAULT_RULES, KV_POOL_SPEC, logical_spec, make_mesh
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

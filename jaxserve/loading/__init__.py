@@ -154,10 +154,12 @@ def convert(
         import jax
 
         from jaxserve import quant
+        from jaxserve.models.schema import param_schema, quantizable_names
 
+        quantizable = quantizable_names(param_schema(loaded.config))
         params = {
             name: jax.tree.map(np.asarray, quant.quantize_param(name, value, quantization))
-            if name in quant.QUANTIZED_PARAMS
+            if name in quantizable
             else value
             for name, value in params.items()
         }

@@ -15,6 +15,7 @@ temporaries stay in cache.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import mmap
 import struct
@@ -25,7 +26,9 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from jaxserve.config import ModelConfig, RopeScaling, architecture_flags, gemma2_sliding_layers
+from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.models import registry
+from jaxserve.models.schema import param_schema
 from jaxserve.utils import cdiv
 
 _Q = GGMLQuantizationType
@@ -494,36 +497,7 @@ def _parse(buf, size: int) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
 
 
 # ---------------------------------------------------------------------------------------------- architectures
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
-
-# GGUF tensor name -> HF name; ``{i}`` is the layer. ffn_norm is the pre-MLP norm: HF calls it
-# post_attention_layernorm except in Gemma-2, where that name belongs to the norm after attention.
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_GEMMA2_LAYER_NAMES = {
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
+# Tensor names come from the parameter schema (``ParamSpec.gguf`` / ``.hf``); these are the file's other tensors.
 _CONSUMED = ("rope_freqs.weight",)  # folded into ModelConfig.rope_scaling, not a weight of the HF model
 
 
@@ -629,14 +603,8 @@ class GGUFCheckpoint:
         return dequantize(self.raw(name), info.qtype, info.shape, name=name)
 
     # ---------------------------------------------------------------- config
-    def _arch(self) -> str:
-        arch = self.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{self.path.name}: GGUF architecture {arch!r} is not supported; "
-                f"jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        return arch
+    def _family(self) -> registry.Family:
+        return registry.for_gguf(self.architecture, self.path.name)
 
     def _meta(self, key: str, default: Any = ...) -> Any:
         if key in self.metadata:
@@ -660,7 +628,8 @@ class GGUFCheckpoint:
         Raises:
             ValueError: the architecture or one of its features is not supported, or a required key is missing.
         """
-        arch = self._arch()
+        family = self._family()
+        arch = self.architecture
         a = arch + "."
         hidden = self._meta(a + "embedding_length")
         num_layers = self._meta(a + "block_count")
@@ -693,26 +662,13 @@ class GGUFCheckpoint:
                 self.tensor("rope_freqs.weight").reshape(-1), head_dim, theta, self.metadata, arch
             )
 
-        sliding_window = self._meta(a + "attention.sliding_window", None) or None
-        sliding_layers = None
-        if arch == "gemma2":
-            sliding_window = sliding_window or 4096  # llama.cpp's default when the key is absent
-            sliding_layers = gemma2_sliding_layers(num_layers)
-        query_pre_attn_scalar = attn_softcap = final_softcap = None
-        if arch == "gemma2":
-            # llama.cpp does not store query_pre_attn_scalar; it scales by head_dim ** -0.5, except for the
-            # 46-layer 27B model, which uses hidden / heads (as does its HF config: 144).
-            query_pre_attn_scalar = float(hidden // num_heads if num_layers == 46 else head_dim)
-            attn_softcap = float(self._meta(a + "attn_logit_softcapping", 50.0))
-            final_softcap = float(self._meta(a + "final_logit_softcapping", 30.0))
-
         eos_ids: list[int] = []
         for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
             token = self.metadata.get("tokenizer.ggml." + key)
             if token is not None and token not in eos_ids:
                 eos_ids.append(token)
-        return ModelConfig(
-            architecture=arch,
+        fields = dict(
+            architecture=family.name,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=self._uniform(a + "feed_forward_length"),
@@ -727,14 +683,21 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
-            **architecture_flags(arch),
-            query_pre_attn_scalar=query_pre_attn_scalar,
-            attn_logit_softcap=attn_softcap,
-            final_logit_softcap=final_softcap,
-            sliding_window=sliding_window,
-            sliding_window_layers=sliding_layers,
+            sliding_window=self._meta(a + "attention.sliding_window", None) or None,
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(eos_ids),
+        )
+        fields |= family.flags
+        fields |= family.gguf_fields(lambda key, default=...: self._meta(a + key, default), fields)
+        return ModelConfig(**fields)
+
+    @functools.cached_property
+    def _hf_names(self) -> tuple[dict[str, str], dict[str, str]]:
+        """(global, per-layer) GGUF name -> HF name, from the parameter schema of this file's config."""
+        specs = [s for s in param_schema(self.model_config()).values() if s.gguf and s.hf]
+        return (
+            {s.gguf: s.hf for s in specs if not s.per_layer},
+            {s.gguf: s.hf for s in specs if s.per_layer},
         )
 
     # ---------------------------------------------------------------- tensors in HF convention
@@ -744,18 +707,16 @@ class GGUFCheckpoint:
         Raises:
             ValueError: unsupported architecture, or a tensor this loader does not know.
         """
-        arch = self._arch()
-        if gguf_name in _GLOBAL_NAMES:
-            return _GLOBAL_NAMES[gguf_name]
+        family = self._family()
+        global_names, layer_names = self._hf_names
+        if gguf_name in global_names:
+            return global_names[gguf_name]
         if gguf_name in _CONSUMED:
             return None
         parts = gguf_name.split(".", 2)
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-            suffix = parts[2]
-            table = {**_LAYER_NAMES, **_GEMMA2_LAYER_NAMES} if arch == "gemma2" else _LAYER_NAMES
-            if suffix in table:
-                return f"model.layers.{parts[1]}.{table[suffix]}"
-        raise ValueError(f"{self.path.name}: tensor {gguf_name!r} is not known to the {arch} GGUF loader")
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+            return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
+        raise ValueError(f"{self.path.name}: tensor {gguf_name!r} is not known to the {family.name} GGUF loader")
 
     def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> shape of every tensor :meth:`iter_hf_tensors` yields."""
@@ -785,6 +746,7 @@ class GGUFCheckpoint:
         from tqdm.auto import tqdm
 
         cfg = self.model_config()
+        permuted = self._family().gguf_permuted_qk
         names = [(name, self.hf_name(name)) for name in self.tensors]  # fail on unknown names before any work
         names = [(name, hf) for name, hf in names if hf is not None]
         total = sum(self.tensors[name].nbytes for name, _ in names)
@@ -809,9 +771,9 @@ class GGUFCheckpoint:
                         fallback.append(f"{name} ({info.qtype.name})")
                     w = self.tensor(name)
                     rows = lambda fn, w=w: fn(w)  # noqa: E731
-                if cfg.architecture == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+                if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
                     w = rows(lambda x: _unpermute_rows(x, cfg.num_heads))
-                elif cfg.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+                elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
                     w = rows(lambda x: _unpermute_rows(x, cfg.num_kv_heads))
                 elif cfg.norm_weight_offset and name.endswith("norm.weight"):  # llama.cpp stores 1 + w
                     w -= cfg.norm_weight_offset

@@ -15,56 +15,45 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.llama import param_schema
+from jaxserve.models.schema import ParamSpec, param_schema
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
-# HF per-layer suffix -> (our name, transpose)
-_LAYER_MAP = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
-    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of every parameter of :class:`jaxserve.models.llama.Llama` for this config (from its schema)."""
+    """Shapes of every parameter of the decoder for this config (from its schema)."""
     return {name: spec.shape for name, spec in param_schema(cfg).items()}
 
 
-def _target(cfg: ModelConfig, hf_name: str) -> tuple[str, int | None, bool] | None:
+def _hf_targets(schema: dict[str, ParamSpec]) -> tuple[dict[str, str], dict[str, str]]:
+    """(global, per-layer) HF name -> our parameter name, from the schema's ``hf`` names."""
+    return (
+        {s.hf: n for n, s in schema.items() if s.hf and not s.per_layer},
+        {s.hf: n for n, s in schema.items() if s.hf and s.per_layer},
+    )
+
+
+def _target(cfg: ModelConfig, hf_name: str, targets) -> tuple[str, int | None, bool] | None:
     """(param name, layer index or None, transpose) for an HF tensor name; None if ignored."""
-    if hf_name == "model.embed_tokens.weight":
-        return "embed", None, False
-    if hf_name == "model.norm.weight":
-        return "final_norm", None, False
-    if hf_name == "lm_head.weight":
-        return None if cfg.tie_word_embeddings else ("lm_head", None, True)
+    schema, (global_names, layer_names) = targets
+    if hf_name in global_names:
+        name = global_names[hf_name]
+        return name, None, schema[name].transposed
+    if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
     m = _LAYER_RE.match(hf_name)
-    if m:
-        layer, suffix = int(m.group(1)), m.group(2)
-        if suffix == "post_attention_layernorm.weight":  # Gemma-2: after attention; others: before the MLP
-            return ("post_attn_norm" if cfg.sandwich_norms else "mlp_norm"), layer, False
-        if suffix in _LAYER_MAP:
-            name, transpose = _LAYER_MAP[suffix]
-            return name, layer, transpose
+    if m and m.group(2) in layer_names:
+        name = layer_names[m.group(2)]
+        return name, int(m.group(1)), schema[name].transposed
     if _IGNORED.search(hf_name):
         return None
-    raise ValueError(f"unexpected tensor {hf_name!r} for a {cfg.architecture} model")
+    raise ValueError(
+        f"tensor {hf_name!r} has no place in a {cfg.architecture} model with this config "
+        "(no parameter of its schema has that name)"
+    )
 
 
 def params_from_hf_tensors(
@@ -84,7 +73,9 @@ def params_from_hf_tensors(
         ValueError: an unexpected tensor, a tensor of the wrong shape (naming both shapes), or a missing one.
     """
     np_dtype = _NP_DTYPES[dtype]
-    shapes = param_shapes(cfg)
+    schema = param_schema(cfg)
+    targets = schema, _hf_targets(schema)
+    shapes = {name: spec.shape for name, spec in schema.items()}
     params = (
         {name: np.empty(shape, np_dtype) for name, shape in shapes.items()}
         if shardings is None
@@ -93,12 +84,10 @@ def params_from_hf_tensors(
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict] = {}  # name -> {layer: QArray parts} of checkpoints served quantized
     for hf_name, array in tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False):
-        target = _target(cfg, hf_name)
+        target = _target(cfg, hf_name, targets)
         if target is None:
             continue
         name, layer, transpose = target
-        if name not in params:
-            raise ValueError(f"tensor {hf_name!r} has no place in a {cfg.architecture} model with this config")
         if hasattr(array, "scale"):  # a pre-quantized matrix (loading.gguf.GGUFQuantized): kept quantized
             expected = shapes[name] if layer is None else shapes[name][1:]
             got = array.values.T.shape if transpose else array.values.shape
@@ -126,7 +115,7 @@ def params_from_hf_tensors(
             params[name][layer] = array
         filled[name].add(layer)
     for name, shape in shapes.items():
-        want = {None} if name in ("embed", "final_norm", "lm_head") else set(range(cfg.num_layers))
+        want = set(range(cfg.num_layers)) if schema[name].per_layer else {None}
         missing = want - filled[name]
         if missing:
             where = "" if missing == {None} else f" (layers {sorted(missing)[:8]})"

@@ -1,9 +1,10 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 1/2) as one flax NNX module.
+"""The dense decoder: every family of ``jaxserve.models.registry`` (Llama 2/3, SmolLM2, Mistral, Qwen2/3,
+Gemma 1/2) as one flax NNX module, built from the parameter schema (``jaxserve.models.schema``).
 
 Weights of all layers are stacked on a leading layer axis and the layers run under ``lax.scan``, so compile
 time does not grow with depth. The runner holds the module split into ``(graphdef, state)``
-(:func:`model_from_params`); its jitted step merges them back (``nnx.merge``) and calls :meth:`Llama.__call__`
-(hidden states, K/V written into the pool) and :meth:`Llama.logits`. Attention and the K/V write are arguments
+(:func:`model_from_params`); its jitted step merges them back (``nnx.merge``) and calls
+:meth:`DenseDecoder.__call__` (hidden states, K/V written into the pool) and :meth:`DenseDecoder.logits`. Attention and the K/V write are arguments
 of ``__call__`` (``attention_fn``, ``write_kv_fn``), so the same model runs on any kernel of
 ``jaxserve.kernels``.
 
@@ -26,6 +27,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers.linear import MATMUL_WEIGHTS_MIN_ROWS, RowsFn, matmul, pack_bf16
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope, rope_inv_freq
+from jaxserve.models.schema import layer_names, matmul_names, param_schema
 
 
 @jax.tree_util.register_dataclass
@@ -48,84 +50,13 @@ AttentionFn = Callable[..., jax.Array]
 WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """One parameter, declared once: its shape, the logical axis of each dimension, and how it starts.
-
-    Logical axes (``jaxserve.sharding.DEFAULT_RULES`` maps them to mesh axes): ``layers`` (the stacked layer
-    axis), ``embed`` (hidden), ``vocab``, ``q_heads`` / ``kv_heads`` (heads x head_dim, flattened), ``head_dim``
-    and ``mlp`` (the MLP hidden).
-    """
-
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]
-    norm: bool = False  # a norm scale: starts at 1 (0 for Gemma's 1 + w norms) instead of random
-
-
-def param_schema(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Every parameter of :class:`Llama` for this config: the model builds from it, loaders fill it, the
-    sharding rules place it."""
-    L, D, N, K, H, F, V = (
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-    )
-
-    def norm(*dims: tuple[int, str]) -> ParamSpec:
-        return ParamSpec(tuple(n for n, _ in dims), tuple(a for _, a in dims), norm=True)
-
-    def dense(*dims: tuple[int, str]) -> ParamSpec:
-        return ParamSpec(tuple(n for n, _ in dims), tuple(a for _, a in dims))
-
-    layers, embed = (L, "layers"), (D, "embed")
-    q, kv, mlp = (N * H, "q_heads"), (K * H, "kv_heads"), (F, "mlp")
-    schema = {
-        "embed": dense((V, "vocab"), embed),
-        "attn_norm": norm(layers, embed),
-        "wq": dense(layers, embed, q),
-        "wk": dense(layers, embed, kv),
-        "wv": dense(layers, embed, kv),
-        "wo": dense(layers, q, embed),
-    }
-    if cfg.attention_bias:
-        schema.update(bq=dense(layers, q), bk=dense(layers, kv), bv=dense(layers, kv))
-    if cfg.qk_norm:
-        schema.update(q_norm=norm(layers, (H, "head_dim")), k_norm=norm(layers, (H, "head_dim")))
-    if cfg.sandwich_norms:
-        schema.update(post_attn_norm=norm(layers, embed), post_mlp_norm=norm(layers, embed))
-    schema.update(
-        mlp_norm=norm(layers, embed),
-        w_gate=dense(layers, embed, mlp),
-        w_up=dense(layers, embed, mlp),
-        w_down=dense(layers, mlp, embed),
-        final_norm=norm(embed),
-    )
-    if not cfg.tie_word_embeddings:
-        schema["lm_head"] = dense(embed, (V, "vocab"))
-    return schema
-
-
-def random_params(cfg: ModelConfig, std: float, rng) -> dict:
-    """Random float32 weights for ``cfg``: norm scales 1, the rest N(0, ``std``), drawn from the NumPy generator
-    ``rng`` in ``param_schema``'s order. For tests and benchmarks whose subject is shapes or plumbing, not values."""
-    import numpy as np
-
-    return {
-        n: (np.ones(s.shape, np.float32) if s.norm else rng.normal(0, std, s.shape).astype(np.float32))
-        for n, s in param_schema(cfg).items()
-    }
-
-
-# The [D, V] output projection in ``Llama.matmul_weights`` (the transposed embedding when tied).
+# The [D, V] output projection in ``DenseDecoder.matmul_weights`` (the transposed embedding when tied).
 OUTPUT_AXES = ("embed", "vocab")
 
 
-class Llama(nnx.Module):
-    """Decoder-only transformer. Parameters are created from :func:`param_schema` and filled by the loaders."""
+class DenseDecoder(nnx.Module):
+    """Decoder-only transformer: per layer the schema's attention block, then its MLP block. Parameters are created
+    from ``param_schema`` and filled by the loaders."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
@@ -140,38 +71,19 @@ class Llama(nnx.Module):
             )
             setattr(self, name, nnx.Param(value))
 
-    _LAYER_PARAMS = (
-        "attn_norm",
-        "wq",
-        "wk",
-        "wv",
-        "wo",
-        "bq",
-        "bk",
-        "bv",
-        "q_norm",
-        "k_norm",
-        "post_attn_norm",
-        "post_mlp_norm",
-        "mlp_norm",
-        "w_gate",
-        "w_up",
-        "w_down",
-    )
-    MATMUL_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
     def matmul_weights(self) -> dict[str, jax.Array]:
         """bfloat16 copies of the weights of every matrix product, for :func:`matmul`.
 
-        Keys: :attr:`MATMUL_PARAMS` (stacked over layers, packed by :func:`pack_bf16`) and "output", the [D, V]
+        Keys: the schema's ``matmul_names`` (stacked over layers, packed by :func:`pack_bf16`) and "output", the [D, V]
         output projection.
 
         Raises:
             ValueError: the weights are quantized (they are not copied to bfloat16).
         """
-        if any(isinstance(getattr(self, n).get_value(), quant.QArray) for n in (*self.MATMUL_PARAMS, "embed")):
+        names = matmul_names(param_schema(self.cfg))
+        if any(isinstance(getattr(self, n).get_value(), quant.QArray) for n in (*names, "embed")):
             raise ValueError("matmul_dtype='bfloat16' copies float weights; it cannot be combined with quantization")
-        out = {n: pack_bf16(getattr(self, n)[...]) for n in self.MATMUL_PARAMS}
+        out = {n: pack_bf16(getattr(self, n)[...]) for n in names}
         # Outside the scan no slice is copied, and unpacking the [D, V] matrix would copy it every step.
         out["output"] = (self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]).astype(jnp.bfloat16)
         return out
@@ -206,14 +118,16 @@ class Llama(nnx.Module):
         if cfg.scale_embeddings:
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
 
-        layer_params = {n: getattr(self, n).get_value() for n in self._LAYER_PARAMS if hasattr(self, n)}
+        schema = param_schema(cfg)
+        layer_params = {n: getattr(self, n).get_value() for n in layer_names(schema)}
+        products = matmul_names(schema)
         if matmul_weights is not None and (T >= MATMUL_WEIGHTS_MIN_ROWS or rows_fn is not None):
-            layer_params.update({n: matmul_weights[n] for n in self.MATMUL_PARAMS})
+            layer_params.update({n: matmul_weights[n] for n in products})
         # Matrices the rows product serves stay whole, out of the scan's slices: it reads the layer's matrix in
         # place (a custom call's operand is a buffer: slicing the stack copied each layer's weights every step).
         stacked = {}
         if rows_fn is not None:
-            stacked = {n: layer_params.pop(n) for n in self.MATMUL_PARAMS if rows_fn.serves(layer_params[n], T)}
+            stacked = {n: layer_params.pop(n) for n in products if rows_fn.serves(layer_params[n], T)}
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
 
         def layer(carry, xs):
@@ -282,7 +196,7 @@ class Llama(nnx.Module):
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state of ShapeDtypeStructs) without allocating or initializing any weight."""
-    model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: DenseDecoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
 

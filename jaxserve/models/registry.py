@@ -1,0 +1,181 @@
+"""The model families jaxserve serves: one descriptor each, and nothing about a family anywhere else.
+
+A :class:`Family` says which checkpoints are of the family (HF ``model_type``, llama.cpp's
+``general.architecture``), which ``ModelConfig`` fields the family fixes, and how its config and GGUF metadata
+give the fields only it has (sliding-window layouts, soft caps, ...). Tensor names come from the parameter schema
+(``jaxserve.models.schema``), which is the same for every family built of the same blocks. Adding a family is adding
+a descriptor to ``FAMILIES`` (and a block to the schema where its math is new); docs/adding-a-model.md.
+
+Host code: no jax here (``jaxserve.config`` reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+# hf_fields(config_json, fields) / gguf_fields(meta, fields) -> the family's own ModelConfig fields. ``fields``:
+# what the common reader made of the checkpoint (num_layers, hidden_size, head_dim, ...); ``meta(key, default)``:
+# a GGUF metadata value under ``{architecture}.`` (default ``...``: required, a clear error when absent).
+FieldsFn = Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
+
+
+def _none(source, fields) -> dict[str, Any]:
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes:
+        name: ``ModelConfig.architecture``.
+        hf_model_types: the ``model_type`` values of its HF ``config.json``.
+        gguf_architecture: llama.cpp's ``general.architecture`` for it; None: not read from GGUF (llama.cpp
+            converts Mistral to ``llama``, which loads as the llama family).
+        flags: ``ModelConfig`` fields the family fixes, whatever the checkpoint's format.
+        hf_defaults: fields whose ``config.json`` key may be absent, and their value then.
+        hf_fields, gguf_fields: the family's own fields from a ``config.json`` / the GGUF metadata.
+        gguf_permuted_qk: llama.cpp's converter interleaved the halves of each q/k head (the rope convention of
+            its "normal" rope); the loader undoes it.
+    """
+
+    name: str
+    hf_model_types: tuple[str, ...]
+    gguf_architecture: str | None = None
+    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    hf_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    hf_fields: FieldsFn = _none
+    gguf_fields: FieldsFn = _none
+    gguf_permuted_qk: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "flags", MappingProxyType(dict(self.flags)))
+        object.__setattr__(self, "hf_defaults", MappingProxyType(dict(self.hf_defaults)))
+
+
+# ------------------------------------------------------------------------------------------ the families' own fields
+def _mistral_hf(hf, fields) -> dict[str, Any]:
+    return {"sliding_window": hf.get("sliding_window") or None}
+
+
+def _qwen_hf(hf, fields) -> dict[str, Any]:
+    """Qwen2/3 configs carry a ``sliding_window`` that applies only with ``use_sliding_window``, to the layers from
+    ``max_window_layers`` on."""
+    if not hf.get("use_sliding_window", False) or not hf.get("sliding_window"):
+        return {}
+    n = fields["num_layers"]
+    first = hf.get("max_window_layers", n)
+    return {"sliding_window": hf["sliding_window"], "sliding_window_layers": tuple(i >= first for i in range(n))}
+
+
+def alternating_sliding_layers(num_layers: int) -> tuple[bool, ...]:
+    """Gemma 2's layer pattern when the checkpoint does not list one: sliding window (local) on even layers, full
+    attention (global) on odd ones."""
+    return tuple(i % 2 == 0 for i in range(num_layers))
+
+
+def _gemma2_hf(hf, fields) -> dict[str, Any]:
+    out = {
+        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
+        "attn_logit_softcap": hf.get("attn_logit_softcapping"),
+        "final_logit_softcap": hf.get("final_logit_softcapping"),
+    }
+    if hf.get("sliding_window"):
+        types = hf.get("layer_types")
+        out["sliding_window"] = hf["sliding_window"]
+        out["sliding_window_layers"] = (
+            tuple(t == "sliding_attention" for t in types)
+            if types
+            else alternating_sliding_layers(fields["num_layers"])
+        )
+    return out
+
+
+def _gemma2_gguf(meta, fields) -> dict[str, Any]:
+    n, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
+    return {
+        "sliding_window": meta("attention.sliding_window", None) or 4096,  # llama.cpp's default when absent
+        "sliding_window_layers": alternating_sliding_layers(n),
+        # llama.cpp does not store query_pre_attn_scalar; it scales by head_dim ** -0.5, except for the 46-layer
+        # 27B model, which uses hidden / heads (as does its HF config: 144).
+        "query_pre_attn_scalar": float(hidden // heads if n == 46 else fields["head_dim"]),
+        "attn_logit_softcap": float(meta("attn_logit_softcapping", 50.0)),
+        "final_logit_softcap": float(meta("final_logit_softcapping", 30.0)),
+    }
+
+
+_GEMMA = {"hidden_act": "gelu_pytorch_tanh", "norm_weight_offset": 1.0, "scale_embeddings": True}
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", ("llama",), "llama", gguf_permuted_qk=True),
+    Family("mistral", ("mistral",), hf_fields=_mistral_hf),
+    Family("qwen2", ("qwen2",), "qwen2", hf_defaults={"attention_bias": True}, hf_fields=_qwen_hf),
+    Family("qwen3", ("qwen3",), "qwen3", flags={"qk_norm": True}, hf_fields=_qwen_hf),
+    Family("gemma", ("gemma",), "gemma", flags=_GEMMA, hf_defaults={"tie_word_embeddings": True}),
+    Family(
+        "gemma2",
+        ("gemma2",),
+        "gemma2",
+        flags=_GEMMA | {"sandwich_norms": True},
+        hf_defaults={"tie_word_embeddings": True},
+        hf_fields=_gemma2_hf,
+        gguf_fields=_gemma2_gguf,
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------ lookups
+def names() -> tuple[str, ...]:
+    """Every family's ``ModelConfig.architecture``."""
+    return tuple(f.name for f in FAMILIES)
+
+
+def family(name: str) -> Family:
+    """The family of a ``ModelConfig.architecture``.
+
+    Raises:
+        ValueError: no such family, naming the known ones.
+    """
+    for f in FAMILIES:
+        if f.name == name:
+            return f
+    raise ValueError(f"model family {name!r} is not supported; known: {', '.join(names())}")
+
+
+def for_hf(config: Mapping[str, Any]) -> Family:
+    """The family of an HF ``config.json``.
+
+    Raises:
+        ValueError: its ``model_type`` is no family's, naming it, its ``architectures`` and the supported types.
+    """
+    model_type = config.get("model_type")
+    for f in FAMILIES:
+        if model_type in f.hf_model_types:
+            return f
+    known = sorted(t for f in FAMILIES for t in f.hf_model_types)
+    raise ValueError(
+        f"unknown architecture: model_type={model_type!r} (architectures={config.get('architectures')}); "
+        f"jaxserve supports {', '.join(known)}"
+    )
+
+
+def gguf_architectures() -> tuple[str, ...]:
+    return tuple(f.gguf_architecture for f in FAMILIES if f.gguf_architecture)
+
+
+def for_gguf(architecture: str | None, where: str) -> Family:
+    """The family of a GGUF file's ``general.architecture``.
+
+    Raises:
+        ValueError: no family reads it, naming ``where`` (the file), the architecture and the supported ones.
+    """
+    for f in FAMILIES:
+        if f.gguf_architecture is not None and f.gguf_architecture == architecture:
+            return f
+    raise ValueError(
+        f"{where}: GGUF architecture {architecture!r} is not supported; "
+        f"jaxserve supports {', '.join(gguf_architectures())}"
+    )
