@@ -22,21 +22,42 @@ def _positive(obj: Any, *names: str) -> None:
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
 
 
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style ("llama3") or linear rope scaling."""
+    """A rope scaling (``jaxserve.layers.rope`` computes it): "linear", "llama3" (``low_freq_factor``,
+    ``high_freq_factor``), "yarn" (``beta_fast``, ``beta_slow``, ``truncate``, ``mscale``, ``mscale_all_dim``) or
+    "longrope" (``short_factor``, ``long_factor``: one divisor per frequency); ``attention_factor`` overrides the
+    cos / sin scale YaRN and longrope derive from ``factor``."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
-            raise ValueError(f"RopeScaling.rope_type must be 'llama3' or 'linear', got {self.rope_type!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeScaling.rope_type must be one of {', '.join(ROPE_TYPES)}, got {self.rope_type!r}")
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
+        _positive(self, "original_max_position_embeddings")
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(float(v) for v in value))
+            elif self.rope_type == "longrope":
+                raise ValueError(f"RopeScaling.{name} is required by rope_type 'longrope'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +128,14 @@ class ModelConfig:
                 f"ModelConfig.sliding_window_layers has {len(self.sliding_window_layers)} entries, "
                 f"expected num_layers={self.num_layers}"
             )
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(rs, name)) != self.head_dim // 2:
+                    raise ValueError(
+                        f"ModelConfig.rope_scaling.{name} has {len(getattr(rs, name))} entries, expected head_dim / 2 "
+                        f"= {self.head_dim // 2}"
+                    )
         for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -183,32 +212,53 @@ class ModelConfig:
         return cls(**fields)
 
 
+# config.json's rope keys -> RopeScaling fields, per rope type.
+_HF_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+    ),
+    "longrope": ("factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
+}
+
+
 def _hf_rope(hf: dict[str, Any]) -> dict[str, Any]:
     """``rope_theta`` and ``rope_scaling`` from a ``config.json``: transformers 4 writes ``rope_theta`` /
     ``rope_scaling``, transformers 5 one ``rope_parameters`` dict.
 
     Raises:
-        ValueError: a rope type jaxserve does not implement, naming it.
+        ValueError: a rope type jaxserve does not implement (naming it and the supported ones), or a missing key.
     """
     rope_params = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     rs = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
-    scaling = None
-    if rs:
-        rope_type = rs.get("rope_type", rs.get("type"))
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                "llama3",
-                rs["factor"],
-                rs["low_freq_factor"],
-                rs["high_freq_factor"],
-                rs["original_max_position_embeddings"],
-            )
-        elif rope_type == "linear":
-            scaling = RopeScaling("linear", rs["factor"])
-        elif rope_type != "default":
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
-    return {"rope_theta": theta, "rope_scaling": scaling}
+    if not rs or rs.get("rope_type", rs.get("type", "default")) == "default":
+        return {"rope_theta": theta, "rope_scaling": None}
+    rope_type = rs.get("rope_type", rs.get("type"))
+    if rope_type == "su":  # Phi-3's first configs: longrope's old name
+        rope_type = "longrope"
+    if rope_type not in _HF_ROPE_KEYS:
+        raise ValueError(
+            f"rope scaling type {rope_type!r} is not supported; jaxserve implements {', '.join(_HF_ROPE_KEYS)}"
+        )
+    fields = {k: rs[k] for k in _HF_ROPE_KEYS[rope_type] if rs.get(k) is not None}
+    if rope_type in ("yarn", "longrope"):
+        # Phi-3 and DeepSeek keep the pretraining context here and the extended one in max_position_embeddings.
+        original = rs.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+        if original is None:
+            raise ValueError(f"rope scaling {rope_type!r} needs original_max_position_embeddings")
+        fields["original_max_position_embeddings"] = original
+        if fields.get("factor") is None:
+            fields["factor"] = hf.get("max_position_embeddings", original) / original
+    return {"rope_theta": theta, "rope_scaling": RopeScaling(rope_type, **fields)}
 
 
 def list_presets() -> list[str]:

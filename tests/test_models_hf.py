@@ -46,10 +46,33 @@ CASES = {
             rope_theta=500000.0,
         ),
     ),
+    # longrope's short factors (positions below the original context: all 19 here), transformers-5 rope_parameters.
+    "llama_longrope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                original_max_position_embeddings=64,
+                short_factor=[1.0, 1.1, 1.3, 1.7, 2.2, 2.9, 3.5, 4.0],
+                long_factor=[1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+            ),
+        ),
+    ),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    # YaRN with a 4-token original context, so that its ramp falls inside the 16 frequencies of head_dim 32.
+    "qwen3_yarn": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            head_dim=32,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4),
+        ),
+    ),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, hidden_activation="gelu_pytorch_tanh")),
     "gemma2": (
         "Gemma2Config",
@@ -72,10 +95,12 @@ def _hf_model(case: str, tmp_path):
     config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     config._attn_implementation = "eager"
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # random norm weights, so a wrong norm convention shows up
+    with torch.no_grad():  # random norm weights and biases, so a wrong norm convention or a dropped bias shows up
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if "gemma" in case else 1.0))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.3)
     model.save_pretrained(tmp_path)
     return model
 
@@ -117,6 +142,43 @@ def test_logits_match_hf(case, tmp_path):
     ours = _paged_logits(graphdef, state, cfg, tokens, chunks=[7, 6, 1, 1, 1, 1, 1, 1])
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "longrope"])
+def test_rope_frequencies_match_hf(rope_type):
+    """Our inverse frequencies and attention factor against transformers' rope functions, with options the
+    checkpoint cases leave at their defaults (YaRN's mscale pair and untruncated band; longrope's long factors,
+    which HF takes for a whole forward past the original context, and we per position from it)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.layers.rope import Rope
+
+    params = {
+        "yarn": dict(factor=8.0, original_max_position_embeddings=16, mscale=1.3, mscale_all_dim=0.7, truncate=False),
+        "longrope": dict(
+            original_max_position_embeddings=32, short_factor=[1.5] * 8, long_factor=[1.0 + i for i in range(8)]
+        ),
+    }[rope_type]
+    hf_config = transformers.LlamaConfig(
+        **COMMON, rope_parameters=dict(rope_type=rope_type, rope_theta=5000.0, beta_fast=16.0, **params)
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", seq_len=hf_config.max_position_embeddings)
+    rope = Rope.of(ModelConfig.from_hf(hf_config.to_dict()))
+    np.testing.assert_allclose(rope.inv_freq(long=True), inv_freq.double().numpy(), rtol=1e-6)
+    assert rope.attention_factor == pytest.approx(factor, rel=1e-9) and factor != 1.0
+    cos, _ = rope.tables(jnp.asarray([0, 31, 32], jnp.int32))  # longrope: short below 32, long from it
+    expected = np.cos(np.outer([0, 31, 32], inv_freq.double().numpy())) * factor
+    if rope_type == "longrope":
+        expected[1] = np.cos(31 * rope.inv_freq()) * factor
+    np.testing.assert_allclose(np.asarray(cos), expected, atol=1e-5)
+
+
+def test_unknown_rope_type_is_a_clear_error(tmp_path):
+    config = dict(COMMON, model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    with pytest.raises(ValueError, match="rope scaling type 'dynamic' is not supported; jaxserve implements linear"):
+        read_config(tmp_path)
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):

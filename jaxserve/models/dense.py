@@ -26,7 +26,7 @@ from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.layers.linear import MATMUL_WEIGHTS_MIN_ROWS, RowsFn, matmul, pack_bf16
 from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rope import apply_rope, rope_inv_freq
+from jaxserve.layers.rope import Rope, apply_rope
 from jaxserve.models.schema import layer_names, matmul_names, param_schema
 
 
@@ -108,7 +108,7 @@ class DenseDecoder(nnx.Module):
         T = tokens.shape[0]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
-        inv_freq = rope_inv_freq(cfg)
+        cos, sin = Rope.of(cfg).tables(batch.positions)  # [T, H/2] each, shared by the layers
 
         embed = self.embed.get_value()
         if isinstance(embed, quant.QArray):  # dequantized rows, in the dtype of the rest of the model
@@ -146,7 +146,7 @@ class DenseDecoder(nnx.Module):
             q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
             if cfg.qk_norm:
                 q, k = rms_norm(q, p["q_norm"], eps, off), rms_norm(k, p["k_norm"], eps, off)
-            q, k = apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache, v_cache = write_kv_fn(k_cache, v_cache, layer_idx, k, v, batch.slot_mapping)
             attn = attention_fn(
                 q,
