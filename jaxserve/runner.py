@@ -44,6 +44,7 @@ from jaxserve import kernels, quant
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.kernels import cpu_ffi
+from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.models.dense import OUTPUT_AXES, AttentionBatch, model_from_params
 from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
 from jaxserve.request import PENDING_TOKEN
@@ -466,11 +467,11 @@ class ModelRunner:
             return self._steps[key]
         attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only, self.platform), self.mesh)
         graphdef, gathered = self.graphdef, self.replicated
-        rows_fn = self._rows_fn()
+        policy = MatmulPolicy(rows=self._rows_fn())
 
         def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
             per_shard = jax.lax.with_sharding_constraint(
-                model.logits(hidden, mm, rows_fn), NamedSharding(self.mesh, VOCAB_SPEC)
+                model.logits(hidden, policy, mm), NamedSharding(self.mesh, VOCAB_SPEC)
             )
             return jax.lax.with_sharding_constraint(per_shard, gathered)
 
@@ -480,7 +481,7 @@ class ModelRunner:
             # device when this step was packed.
             tokens = jnp.where(tokens < 0, fed[jnp.clip(-tokens - 1, 0, fed.shape[0] - 1)], tokens)
             model = nnx.merge(graphdef, state)
-            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, mm, rows_fn)
+            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
             plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)

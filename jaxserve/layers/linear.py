@@ -1,8 +1,11 @@
 """The linear layer's product, ``x @ w``, for every weight format: float, bfloat16 pairs (``pack_bf16``) and
-quantized (``jaxserve.quant.QArray``), with an optional product for steps of few rows (``RowsFn``)."""
+quantized (``jaxserve.quant.QArray``), with an optional product for steps of few rows (``RowsFn``); and the
+``MatmulPolicy`` that decides, per step, which weights and which product each matrix goes through."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Protocol
 
 import jax
@@ -61,3 +64,49 @@ def matmul(
     if w.dtype == x.dtype:
         return x @ w
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulPolicy:
+    """How a step's matrix products run. The runner builds it once for its platform and settings; the model asks it
+    for every product and knows nothing of the platform.
+
+    - bfloat16 copies (``matmul_dtype="bfloat16"``): the step receives them (``copies``, from
+      ``DenseDecoder.matmul_weights``) and uses them for steps of at least ``MATMUL_WEIGHTS_MIN_ROWS`` rows, where
+      XLA:CPU's bfloat16 products beat its float32 ones, or always when ``rows`` serves the step.
+    - ``rows``: a product for steps of few rows (on one CPU device the C++ ``cpu_ffi.ROWS``). The matrices it serves
+      stay out of the layer scan's slices, whole: it reads layer ``i``'s matrix in place in the stack (a custom
+      call's operand is a buffer: slicing the stack copied each layer's weights every step).
+    """
+
+    rows: RowsFn | None = None
+
+    def uses_copies(self, copies: dict | None, rows: int) -> bool:
+        return copies is not None and (rows >= MATMUL_WEIGHTS_MIN_ROWS or self.rows is not None)
+
+    def layer_weights(
+        self, params: dict, matrices: tuple[str, ...], copies: dict | None, rows: int
+    ) -> tuple[dict, dict]:
+        """A step's per-layer weights (``matrices`` are the products' names) -> (the ones the layer scan slices,
+        the matrices ``rows`` reads whole)."""
+        if self.uses_copies(copies, rows):
+            params = params | {n: copies[n] for n in matrices}
+        if self.rows is None:
+            return params, {}
+        whole = {n: params[n] for n in matrices if self.rows.serves(params[n], rows)}
+        return {n: w for n, w in params.items() if n not in whole}, whole
+
+    def product(self, x: jax.Array, name: str, sliced: dict, whole: dict, layer: jax.Array) -> jax.Array:
+        """x times layer ``layer``'s matrix ``name``, from the scan's slice or read whole from its stack."""
+        if name in whole:
+            return matmul(x, whole[name], self.rows, layer)
+        return matmul(x, sliced[name])
+
+    def output(self, x: jax.Array, w, copies: dict | None) -> jax.Array:
+        """x [..., D] times the output projection ``w`` (the model's own, or the copies' "output")."""
+        if self.uses_copies(copies, math.prod(x.shape[:-1])):
+            w = copies["output"]
+        return matmul(x, w, self.rows)
+
+
+PLAIN = MatmulPolicy()  # XLA's products on the model's own weights

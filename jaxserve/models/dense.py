@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
-from jaxserve.layers.linear import MATMUL_WEIGHTS_MIN_ROWS, RowsFn, matmul, pack_bf16
+from jaxserve.layers.linear import PLAIN, MatmulPolicy, pack_bf16
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import Rope, apply_rope
 from jaxserve.models.schema import layer_names, matmul_names, param_schema
@@ -96,13 +96,13 @@ class DenseDecoder(nnx.Module):
         v_cache: jax.Array,
         attention_fn: AttentionFn,
         write_kv_fn: WriteKVFn,
-        matmul_weights: dict[str, jax.Array] | None = None,
-        rows_fn: RowsFn | None = None,
+        policy: MatmulPolicy = PLAIN,
+        copies: dict[str, jax.Array] | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the decoder over the step's tokens. Returns (hidden [T, D] after the final norm, k, v caches).
 
-        ``matmul_weights`` (from :meth:`matmul_weights`) replaces the weights of the matrix products when the
-        step has at least ``MATMUL_WEIGHTS_MIN_ROWS`` tokens, or, given ``rows_fn`` (see :func:`matmul`), always.
+        ``policy`` decides how each matrix product runs, with ``copies`` (from :meth:`matmul_weights`) the
+        bfloat16 copies it may use.
         """
         cfg = self.cfg
         T = tokens.shape[0]
@@ -119,15 +119,9 @@ class DenseDecoder(nnx.Module):
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
 
         schema = param_schema(cfg)
-        layer_params = {n: getattr(self, n).get_value() for n in layer_names(schema)}
-        products = matmul_names(schema)
-        if matmul_weights is not None and (T >= MATMUL_WEIGHTS_MIN_ROWS or rows_fn is not None):
-            layer_params.update({n: matmul_weights[n] for n in products})
-        # Matrices the rows product serves stay whole, out of the scan's slices: it reads the layer's matrix in
-        # place (a custom call's operand is a buffer: slicing the stack copied each layer's weights every step).
-        stacked = {}
-        if rows_fn is not None:
-            stacked = {n: layer_params.pop(n) for n in products if rows_fn.serves(layer_params[n], T)}
+        layer_params, whole = policy.layer_weights(
+            {n: getattr(self, n).get_value() for n in layer_names(schema)}, matmul_names(schema), copies, T
+        )
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
 
         def layer(carry, xs):
@@ -135,9 +129,7 @@ class DenseDecoder(nnx.Module):
             p, layer_idx, window = xs
 
             def mul(h: jax.Array, name: str) -> jax.Array:
-                if name in stacked:
-                    return matmul(h, stacked[name], rows_fn, layer_idx)
-                return matmul(h, p[name])
+                return policy.product(h, name, p, whole, layer_idx)
 
             h = rms_norm(x, p["attn_norm"], eps, off)
             q, k, v = mul(h, "wq"), mul(h, "wk"), mul(h, "wv")
@@ -178,18 +170,16 @@ class DenseDecoder(nnx.Module):
         return rms_norm(x, self.final_norm[...], eps, off), k_cache, v_cache
 
     def logits(
-        self, hidden: jax.Array, matmul_weights: dict[str, jax.Array] | None = None, rows_fn: RowsFn | None = None
+        self, hidden: jax.Array, policy: MatmulPolicy = PLAIN, copies: dict[str, jax.Array] | None = None
     ) -> jax.Array:
-        """[..., D] -> [..., V] float32 logits (with Gemma-2's final soft cap); ``matmul_weights`` and ``rows_fn``
-        as in ``__call__``."""
-        if matmul_weights is not None and (math.prod(hidden.shape[:-1]) >= MATMUL_WEIGHTS_MIN_ROWS or rows_fn):
-            w = matmul_weights["output"]
-        elif self.cfg.tie_word_embeddings:
+        """[..., D] -> [..., V] float32 logits (with Gemma-2's final soft cap); ``policy`` and ``copies`` as in
+        ``__call__``."""
+        if self.cfg.tie_word_embeddings:
             w = self.embed.get_value()  # quantized: [V, D] grouped along D, and matmul transposes it
             w = w if isinstance(w, quant.QArray) else w.T
         else:
             w = self.lm_head.get_value()
-        logits = matmul(hidden, w, rows_fn).astype(jnp.float32)
+        logits = policy.output(hidden, w, copies).astype(jnp.float32)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
