@@ -281,7 +281,7 @@ def plan(
     compiled: list[Variant] = []
     if compile:
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))
-        page_bytes = probe.device_page_bytes()  # with the TPU's tile padding
+        page_bytes = probe.pool.device_page_bytes()  # with the TPU's tile padding
         weights = _per_chip_bytes((probe.state, probe.matmul_weights))
     else:
         params = _abstract_params(cfg, dtype)

@@ -29,14 +29,11 @@ import functools
 import logging
 import os
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
-from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,6 +41,7 @@ from jaxserve import kernels, quant
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.kernels import cpu_ffi
+from jaxserve.kv_pool import KVPool
 from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.models.dense import OUTPUT_AXES, AttentionBatch, model_from_params
 from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
@@ -52,8 +50,6 @@ from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, comput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import (
-    KV_POOL_SPEC,
-    KV_SCALES_SPEC,
     VOCAB_SPEC,
     fit_sharding,
     kv_heads_for,
@@ -67,31 +63,7 @@ from jaxserve.structured import bitmask_width
 from jaxserve.utils import cdiv, next_pow2
 from jaxserve.wire import StepDecoder, StepEncoder, has_changes
 
-_CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
-_CPU_KV_AVAILABLE_SHARE = 0.25  # ... and to at most this share of the memory available at startup
-
 logger = logging.getLogger(__name__)
-
-
-def available_host_memory(meminfo: str = "/proc/meminfo") -> int:
-    """Bytes of host memory available now: MemAvailable from /proc/meminfo (what the kernel can hand out
-    without swapping), else the free physical pages."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def coarse_floor(n: int) -> int:
-    """The largest m * 2**k <= n with m in 4..7 (at most 20% below n): a few values per octave. n below 8 as is."""
-    if n < 8:
-        return n
-    shift = n.bit_length() - 3
-    return (n >> shift) << shift
 
 
 def _buckets(lo: int, hi: int) -> list[int]:
@@ -257,47 +229,15 @@ class ModelRunner:
                 if self.abstract
                 else jax.jit(make, out_shardings=mm_shardings)(self.state)
             )
-        self.kv_dtype = kv_dtype(cache_cfg.dtype, dtype)  # default: the weights' dtype
-        # int8 pages travel as kernels.Int8Pages: the values and one float32 scale per token and KV head.
-        self.kv_int8 = self.kv_dtype == jnp.int8
-        self.kv_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
-        # The pool row-major, as the kernels read it, from allocation on: left to itself XLA:TPU gives a pool with
-        # small trailing dims another layout and copies the whole pool in and out of every step (AOT showed
-        # 2.8x the pool in temporaries for SmolLM2 and Llama-3-8B shapes).
-        self.kv_format = Format(Layout(tuple(range(5))), self.kv_sharding)
-        if self.kv_int8:
-            scales = Format(Layout(tuple(range(4))), NamedSharding(self.mesh, KV_SCALES_SPEC))
-            self.kv_format = kernels.Int8Pages(self.kv_format, scales)
-        cpp = attention_impl in ("auto", "xla") and cpu_ffi.serves(self.kv_dtype) and cpu_ffi.available()
+        cpp = (
+            attention_impl in ("auto", "xla")
+            and cpu_ffi.serves(kv_dtype(cache_cfg.dtype, dtype))
+            and cpu_ffi.available()
+        )
         on_cpu = (platform or jax.default_backend()) == "cpu"
-        if self.kv_dtype != jnp.float32 and on_cpu and attention_impl != "pallas" and not cpp:
-            warnings.warn(
-                f"a {self.kv_dtype} KV cache on the CPU is slow without the C++ attention: XLA:CPU converts "
-                "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "
-                "kv_cache_dtype='float32' is the CPU default",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        if self.kv_int8 and (platform or jax.default_backend()) == "tpu":
-            warnings.warn(
-                "int8 KV pages take more HBM per page than bfloat16 on a TPU: the pool's two minor dims "
-                "(KV heads, head_dim) and the scales' (page_size, KV heads) are padded to the TPU's tiles "
-                "(`jaxserve plan` measures it); bfloat16 or fp8 pages are the better choice there today",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        self.num_pages = cache_cfg.num_pages or self._pages_from_memory(cache_cfg, sched_cfg)
-        if jax.process_count() > 1:  # every process must allocate the same pool: the smallest any can hold
-            self.num_pages = int(np.min(multihost_utils.process_allgather(np.int32(self.num_pages))))
-        if self.abstract:
-            self.k_cache = self.v_cache = jax.tree.map(
-                lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f.sharding),
-                jax.eval_shape(self._pool_zeros(self.num_pages)),
-                self.kv_format,
-            )
-        else:
-            zeros = self._pool_zeros(self.num_pages)
-            self.k_cache, self.v_cache = zeros(), zeros()  # allocated already split over KV heads
+        self.pool = KVPool(model_cfg, cache_cfg, sched_cfg, self.mesh, dtype, platform, cpp, attention_impl)
+        self.num_pages = self.pool.num_pages
+        self.k_cache, self.v_cache = self.pool.allocate(self.abstract)
         # From 1 row on one CPU device (a one-request decode step costs its rows there: SmolLM2's dense part 15.3 ms
         # at 1 row against 19.4 at 8, so one request decodes ~1.45x faster), else from 8: matrix units pad rows to 8
         # anyway, and data-parallel replicas, which compile every variant once per replica.
@@ -331,12 +271,6 @@ class ModelRunner:
         self._requests: dict[str, _CachedRequest] = {}
         self.page_table = np.full((2 * self.max_seqs, self.page_buckets[-1]), NULL_PAGE, np.int32)
         self._free_rows = list(range(len(self.page_table) - 1, -1, -1))
-        self._copy = jax.jit(
-            _copy_pages,
-            donate_argnums=(0, 1),
-            in_shardings=(self.kv_format,) * 2 + (None,) * 2,
-            out_shardings=(self.kv_format,) * 2,
-        )
 
     def _quantize(self, params: dict, schema: dict, mode: str) -> dict:
         """The float weights the schema calls quantizable quantized on their devices, one at a time, each
@@ -374,86 +308,6 @@ class ModelRunner:
         self.decode_steps = 0  # steps where every sequence computes one token, and their device seconds
         self.decode_device_seconds = 0.0
 
-    # ------------------------------------------------------------------ sizing
-    def _page_bytes(self) -> int:
-        c = self.cfg
-        row = c.head_dim * self.kv_dtype.itemsize + (4 if self.kv_int8 else 0)  # + an int8 row's float32 scale
-        return 2 * c.num_layers * self.page_size * c.num_kv_heads * row
-
-    def _pool_shape(self, num_pages: int) -> tuple[int, ...]:
-        c = self.cfg
-        return c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.head_dim
-
-    def _pool_zeros(self, num_pages: int):
-        """A jitted allocation of one (K or V) pool, split over KV heads and laid out row-major (int8: an
-        ``Int8Pages`` of zero values and scales)."""
-        shape = self._pool_shape(num_pages)
-
-        def zeros():
-            values = jnp.zeros(shape, self.kv_dtype)
-            return kernels.Int8Pages(values, jnp.zeros(shape[:4], jnp.float32)) if self.kv_int8 else values
-
-        return jax.jit(zeros, out_shardings=self.kv_format)
-
-    def device_page_bytes(self) -> int:
-        """What one page of the K and V pools takes on each device, as the compiler lays it out: a TPU pads the
-        pool's two minor dims (KV heads per device, head_dim) to its tiles, e.g. one bfloat16 KV head to two."""
-        pages = 64
-        with jax.set_mesh(self.mesh):  # a topology's devices (jaxserve.aot) compile inside their mesh
-            out = self._pool_zeros(pages).lower().compile().memory_analysis().output_size_in_bytes
-        return cdiv(2 * out, pages)
-
-    def _pages_from_memory(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> int:
-        """Pool size when ``num_pages`` is not given; logs the pages, tokens and bytes.
-
-        ``cache_cfg.kv_cache_memory`` bytes (an int) or that fraction (a float) of the memory available now
-        (device: its limit minus what is in use; CPU: MemAvailable). By default: on a device
-        ``kv_cache_memory_fraction`` of its limit minus what is in use; on the CPU enough for every sequence
-        at full length, but at most min(4 GiB, a quarter of the available host memory), since the host
-        runs other processes (the pool is allocated, and touched, at startup).
-        """
-        device = self.mesh.local_devices[0]  # one this process owns: another host's device has no memory stats
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        on_device = bool(stats and "bytes_limit" in stats)
-        available = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if on_device else available_host_memory()
-        # A device's memory holds its share of each page (the pool is split over KV heads); the CPU's simulated
-        # devices all live in the same host memory.
-        explicit = cache_cfg.kv_cache_memory
-        page_bytes = self.device_page_bytes() if on_device else self._page_bytes()
-        if isinstance(explicit, int):
-            budget = explicit
-        elif explicit is not None:
-            budget = int(explicit * available)
-        elif on_device:
-            budget = int(stats["bytes_limit"] * cache_cfg.kv_cache_memory_fraction - stats.get("bytes_in_use", 0))
-        else:
-            budget = int(min(_CPU_KV_CAP_BYTES, available * _CPU_KV_AVAILABLE_SHARE))
-        pages = budget // page_bytes
-        if explicit is None and not on_device:
-            # The host's available memory moves by megabytes from one second to the next, and the pool's page count
-            # is a dimension of every compiled step: coarsened, a process started a moment later (a restarted
-            # server, the next command) runs the same programs and loads them from the persistent cache.
-            pages = min(coarse_floor(pages), sched_cfg.max_num_seqs * cdiv(sched_cfg.max_model_len, self.page_size) + 1)
-        if pages < 2:
-            raise ValueError(
-                f"not enough memory for a KV cache: {budget} bytes hold {pages} pages of {page_bytes} "
-                f"bytes ({available} bytes available); set num_pages or kv_cache_memory"
-            )
-        if budget > available:
-            logger.warning(
-                "kv_cache_memory=%r asks for %d bytes but only %d are available", explicit, budget, available
-            )
-        logger.info(
-            "KV pool: %d pages of %d tokens = %d tokens, %.2f GiB (%.2f GiB available, kv_cache_memory=%r)",
-            pages,
-            self.page_size,
-            pages * self.page_size,
-            pages * page_bytes / 2**30,
-            available / 2**30,
-            explicit,
-        )
-        return pages
-
     # ------------------------------------------------------------------ compiled functions
     def _step_fn(self, decode_only: bool):
         """The step for every batch; ``decode_only`` is the one variant besides the shape buckets.
@@ -488,7 +342,7 @@ class ModelRunner:
             feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
             return out, plp, feed, k_cache, v_cache
 
-        kv, placed = self.kv_format, lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+        kv, placed = self.pool.format, lambda tree: jax.tree.map(lambda x: x.sharding, tree)
         fn = jax.jit(
             step,
             donate_argnums=(2, 3),
@@ -723,7 +577,7 @@ class ModelRunner:
         if copy is None and step is None:
             return None
         for src, dst in copy or ():
-            self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, src, dst)
+            self.k_cache, self.v_cache = self.pool.copy(self.k_cache, self.v_cache, src, dst)
         if step is None:
             return None
         decode_only, *inputs = step
@@ -854,7 +708,7 @@ class ModelRunner:
             self._step_fn(decode).trace(*self._example_args(tb, pb)).lower() for tb, pb, decode in self.warmup_shapes()
         ]
         copies = [self._copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in _buckets(1, self.max_seqs)]
-        lowered += [self._copy.lower(self.k_cache, self.v_cache, src, dst) for src, dst in copies]  # every length
+        lowered += [self.pool.copy.lower(self.k_cache, self.v_cache, src, dst) for src, dst in copies]  # every length
         t1 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(workers or max(1, (os.cpu_count() or 1) // 4)) as pool:
             list(pool.map(lambda x: x.compile(), lowered))
@@ -959,9 +813,3 @@ def _attention_fns(impl: str, decode_only: bool, platform: str | None = None):
         return kernels.ragged_paged_attention(q, *args, max_q_len=1 if decode_only else q.shape[0], **kw, **kwargs)
 
     return attention, functools.partial(kernels.write_kv, **kw)
-
-
-def _copy_pages(k_cache, v_cache, src, dst):
-    """Copy-on-write: pages ``src`` -> ``dst`` in every layer (an int8 pool's scales with its values)."""
-    copy = lambda x: x.at[:, dst].set(x[:, src])  # noqa: E731
-    return jax.tree.map(copy, k_cache), jax.tree.map(copy, v_cache)

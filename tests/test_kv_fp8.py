@@ -122,7 +122,7 @@ def test_engine_serves_an_fp8_pool_in_a_quarter_of_the_bytes(default_loaded, kv)
         llm = LLM(default_loaded, kv_cache_dtype=name, max_num_seqs=4, num_pages=64, max_model_len=256)
         runs[name] = llm
         assert llm.engine.runner.k_cache.dtype == jnp.dtype(FP8.get(name, name))
-    page = {n: r.engine.runner._page_bytes() for n, r in runs.items()}
+    page = {n: r.engine.runner.pool.page_bytes() for n, r in runs.items()}
     assert page[kv] * 4 == page["float32"]
     outs = runs[kv].generate(prompts, sp, use_tqdm=False)
     agree = total = 0

@@ -174,9 +174,9 @@ def test_engine_int8_pool_bytes_and_agreement_with_float32(default_loaded, int8_
     assert isinstance(runner.k_cache, Int8Pages) and runner.k_cache.values.dtype == jnp.int8
     assert runner.k_cache.scales.shape == runner.k_cache.shape[:4]
     ref = LLM(default_loaded, kv_cache_dtype="float32", **ENGINE)
-    assert runner._page_bytes() * 256 == ref.engine.runner._page_bytes() * 68
+    assert runner.pool.page_bytes() * 256 == ref.engine.runner.pool.page_bytes() * 68
     live = sum(x.nbytes for x in jax.tree.leaves((runner.k_cache, runner.v_cache)))
-    assert live == runner._page_bytes() * runner.num_pages  # the live arrays are what the sizing counts
+    assert live == runner.pool.page_bytes() * runner.num_pages  # the live arrays are what the sizing counts
     outs = int8_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     agree = total = 0
     for o in outs:

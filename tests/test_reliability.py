@@ -15,7 +15,7 @@ from helpers import WARMUP_ENGINE, first_layers
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, SchedulerConfig, bytes_or_fraction
 from jaxserve.engine import StepFailed
-from jaxserve.runner import ModelRunner, available_host_memory, coarse_floor
+from jaxserve.kv_pool import KVPool, available_host_memory, coarse_floor
 
 pytestmark = pytest.mark.slow
 
@@ -275,11 +275,11 @@ def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
 # ---------------------------------------------------------------- item 5: the pool from available memory
 
 
-class _FakeRunner:
+class _FakePool:
     page_size = 16
     mesh = types.SimpleNamespace(local_devices=jax.local_devices())
 
-    def _page_bytes(self):
+    def page_bytes(self):
         return 1 << 20  # 1 MiB pages
 
 
@@ -288,19 +288,19 @@ def test_cpu_pool_sized_from_available_memory(monkeypatch, tmp_path, caplog):
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:    2097152 kB\n")
     assert available_host_memory(str(meminfo)) == 2 << 30
     assert available_host_memory(str(tmp_path / "missing")) > 0  # falls back to sysconf
-    import jaxserve.runner as runner_mod
+    import jaxserve.kv_pool as pool_mod
 
     sched = SchedulerConfig(max_num_seqs=64, max_model_len=2048)  # wants 64 * 128 + 1 pages
-    pages = lambda **kw: ModelRunner._pages_from_memory(_FakeRunner(), CacheConfig(**kw), sched)  # noqa: E731
+    pages = lambda **kw: KVPool.pages_from_memory(_FakePool(), CacheConfig(**kw), sched)  # noqa: E731
     # A quarter of what is available, at most 4 GiB, rounded down to m * 2**k pages (m 4..7): 1.9 GiB / 4 = 486
     # pages -> 448; the same pool for any availability in a band, so a restarted process reuses its compiled steps.
     cases = ((2 << 30, 512), ((2 << 30) - (100 << 20), 448), (64 << 30, 4096), (1 << 40, 4096), (8 << 20, 2))
     for available, expected in cases:
-        monkeypatch.setattr(runner_mod, "available_host_memory", lambda a=available: a)
-        with caplog.at_level("INFO", logger="jaxserve.runner"):
+        monkeypatch.setattr(pool_mod, "available_host_memory", lambda a=available: a)
+        with caplog.at_level("INFO", logger="jaxserve.kv_pool"):
             assert pages() == expected, available
         assert f"KV pool: {expected} pages of 16 tokens = {expected * 16} tokens" in caplog.text
-    monkeypatch.setattr(runner_mod, "available_host_memory", lambda: 2 << 30)
+    monkeypatch.setattr(pool_mod, "available_host_memory", lambda: 2 << 30)
     assert pages(kv_cache_memory=100 << 20) == 100  # bytes: exactly that
     assert pages(kv_cache_memory=0.5) == 1024  # a fraction of what is available
     assert pages(kv_cache_memory=1.0) == 2048
@@ -309,7 +309,7 @@ def test_cpu_pool_sized_from_available_memory(monkeypatch, tmp_path, caplog):
     floors = {1: 1, 7: 7, 8: 8, 9: 8, 15: 14, 16: 16, 17: 16, 4369: 4096, 5825: 5120, 8193: 8192}
     assert {n: coarse_floor(n) for n in floors} == floors
     small = SchedulerConfig(max_num_seqs=2, max_model_len=64)  # the default never exceeds what can be used
-    assert ModelRunner._pages_from_memory(_FakeRunner(), CacheConfig(), small) == 2 * 4 + 1
+    assert KVPool.pages_from_memory(_FakePool(), CacheConfig(), small) == 2 * 4 + 1
 
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, 0.0, True, "1G"])
@@ -363,7 +363,7 @@ def test_the_cpu_engine_takes_the_cpu_defaults(default_loaded):
 def test_engine_pool_from_kv_cache_memory(default_loaded):
     llm = LLM(default_loaded, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, kv_cache_memory=64 << 20)
     runner = llm.engine.runner
-    assert runner.num_pages == (64 << 20) // runner._page_bytes()
+    assert runner.num_pages == (64 << 20) // runner.pool.page_bytes()
     assert runner.k_cache.shape[1] == runner.num_pages
     assert llm.engine.scheduler.block_manager.num_pages == runner.num_pages
     out = llm.generate(["Hello"], GREEDY, use_tqdm=False)[0]
