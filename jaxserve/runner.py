@@ -40,12 +40,12 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import kernels, quant
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
+from jaxserve.input_batch import CachedRequest, InputBatch, next_pow2_buckets, targets
 from jaxserve.kernels import cpu_ffi
 from jaxserve.kv_pool import KVPool
 from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.models.dense import OUTPUT_AXES, AttentionBatch, model_from_params
 from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
-from jaxserve.request import PENDING_TOKEN
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
@@ -64,45 +64,6 @@ from jaxserve.utils import cdiv, next_pow2
 from jaxserve.wire import StepDecoder, StepEncoder, has_changes
 
 logger = logging.getLogger(__name__)
-
-
-def _buckets(lo: int, hi: int) -> list[int]:
-    out, b = [], next_pow2(lo)
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return out + [next_pow2(hi)]
-
-
-def _pick(buckets: list[int], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass
-class _CachedRequest:
-    """The runner's own record of a live request: its row of the standing page table and its tokens (prompt,
-    then every token the runner sampled for it), for the sampler's penalties and the prompt logprobs."""
-
-    row: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    pending: int = 0  # async scheduling: tokens sampled by steps in flight, not yet in token_ids
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +89,7 @@ class InFlight:
     """A launched step whose results the host has not read yet (``ModelRunner.launch`` -> ``collect``)."""
 
     sched: SchedulerOutput
-    reqs: list[_CachedRequest]
+    reqs: list[CachedRequest]
     want_plp: list[bool]
     next_tokens: np.ndarray
     decode_only: bool
@@ -245,7 +206,7 @@ class ModelRunner:
         # and a process may have 65,530 (vm.max_map_count).
         if one_token_buckets is None:
             one_token_buckets = on_cpu and self.mesh.size == 1
-        buckets = set(_buckets(8, sched_cfg.max_num_batched_tokens))
+        buckets = set(next_pow2_buckets(8, sched_cfg.max_num_batched_tokens))
         self.token_buckets = sorted(buckets | {1} if one_token_buckets else buckets)
         self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
@@ -261,16 +222,18 @@ class ModelRunner:
         # kv_lens), never the padding, so on the CPU the widest table serves every step: one page bucket, and a
         # third to a fifth of the variants to compile (a 2,048-token max_model_len: 5 widths).
         max_pages = cdiv(sched_cfg.max_model_len, self.page_size)
-        self.page_buckets = [next_pow2(max_pages)] if on_cpu and cpp else _buckets(min(8, max_pages), max_pages)
+        self.page_buckets = (
+            [next_pow2(max_pages)] if on_cpu and cpp else next_pow2_buckets(min(8, max_pages), max_pages)
+        )
         self.attention_impl = attention_impl
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
         self.reset_timers()
         self._steps: dict[tuple, object] = {}
         # What the runner holds of each live request (started by the scheduler's NewRequestData), and the
         # standing page table: one row per live request, updated by each step's page-table changes.
-        self._requests: dict[str, _CachedRequest] = {}
-        self.page_table = np.full((2 * self.max_seqs, self.page_buckets[-1]), NULL_PAGE, np.int32)
-        self._free_rows = list(range(len(self.page_table) - 1, -1, -1))
+        self.inputs = InputBatch(
+            self.page_size, self.token_buckets, self.page_buckets, self.max_seqs, self.num_speculative_tokens
+        )
 
     def _quantize(self, params: dict, schema: dict, mode: str) -> dict:
         """The float weights the schema calls quantizable quantized on their devices, one at a time, each
@@ -362,92 +325,6 @@ class ModelRunner:
         return cpu_ffi.ROWS if ok else None
 
     # ------------------------------------------------------------------ packing
-    def update_states(self, sched: SchedulerOutput) -> None:
-        """Applies a step's changes to the requests the runner holds: drops finished and preempted ones, starts
-        new ones, writes page-table changes into the standing table."""
-        for rid in (*sched.finished_req_ids, *sched.preempted_req_ids):
-            gone = self._requests.pop(rid, None)
-            if gone is not None:
-                self._free_rows.append(gone.row)
-        for s in sched.scheduled:
-            if s.new is not None:
-                if s.req_id in self._requests:
-                    raise ValueError(f"request {s.req_id!r} is started twice")
-                if not self._free_rows:  # more live requests than rows: double the table
-                    n = len(self.page_table)
-                    self.page_table = np.concatenate([self.page_table, np.full_like(self.page_table, NULL_PAGE)])
-                    self._free_rows = list(range(2 * n - 1, n - 1, -1))
-                row = self._free_rows.pop()
-                self.page_table[row] = NULL_PAGE
-                new = s.new
-                self._requests[s.req_id] = _CachedRequest(
-                    row,
-                    list(new.prompt_token_ids) + list(new.output_token_ids),
-                    len(new.prompt_token_ids),
-                    new.sampling_params,
-                )
-            row = self._requests[s.req_id].row
-            self.page_table[row, s.pages_from : s.pages_from + len(s.new_page_ids)] = s.new_page_ids
-
-    def sample_rows(self, token_bucket: int) -> int:
-        """Rows the step samples in a token bucket: one per sequence, and with speculative decoding one more per
-        proposed token (never more than the bucket's tokens)."""
-        return min(token_bucket, self.max_seqs * (1 + self.num_speculative_tokens))
-
-    def pack(self, sched: SchedulerOutput) -> tuple[np.ndarray, AttentionBatch, np.ndarray, list[tuple[int, int]]]:
-        """SchedulerOutput -> (tokens [Tb], AttentionBatch, logits_indices [Rb], rows) as padded host arrays (after
-        ``update_states``: the page tables come from the standing table). ``logits_indices`` are the positions
-        sampled: each sequence's last, and the positions of its proposals' predecessors before it; ``rows`` says
-        whose (sequence index, index among its sampled positions) each is."""
-        seqs = sched.scheduled
-        num_tokens = sum(len(s.token_ids) for s in seqs)
-        tb = _pick(self.token_buckets, num_tokens)
-        sb = max(min(tb, self.max_seqs), len(seqs))
-        kv_lens = np.zeros(sb, np.int32)
-        for i, s in enumerate(seqs):
-            kv_lens[i] = s.start_pos + len(s.token_ids)
-        pb = _pick(self.page_buckets, cdiv(int(kv_lens.max()), self.page_size))
-        rows = np.array([self._requests[s.req_id].row for s in seqs], np.int32)
-        page_indices = np.full((sb, pb), NULL_PAGE, np.int32)
-        page_indices[: len(seqs)] = self.page_table[rows, :pb]
-        tokens = np.zeros(tb, np.int32)
-        positions = np.zeros(tb, np.int32)
-        slots = np.full(tb, -1, np.int32)
-        cu = np.zeros(sb + 1, np.int32)
-        t = fed = 0
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-            tokens[t : t + n] = s.token_ids
-            if s.token_ids[0] == PENDING_TOKEN:  # sampled by the step in flight: read on the device (see step)
-                if s.req_id not in self._fed_rows:
-                    raise ValueError(f"request {s.req_id!r} has a pending token the previous step did not sample")
-                tokens[t] = -1 - self._fed_rows[s.req_id]
-                fed += 1
-            positions[t : t + n] = pos
-            slots[t : t + n] = page_indices[i, pos // self.page_size] * self.page_size + pos % self.page_size
-            t += n
-            cu[i + 1] = t
-        cu[len(seqs) + 1 :] = t
-        if (tokens < 0).sum() != fed:  # e.g. a draft model's PLACEHOLDER proposal left unfilled
-            raise ValueError(f"a scheduled token id is negative: {sorted(set(tokens[tokens < 0].tolist()))}")
-        logits_indices = np.zeros(max(self.sample_rows(tb), sb), np.int32)
-        rows = []
-        for i, s in enumerate(seqs):
-            d = len(s.draft_token_ids)
-            for j in range(d + 1):
-                logits_indices[len(rows)] = cu[i + 1] - 1 - d + j
-                rows.append((i, j))
-        batch = AttentionBatch(
-            positions=positions,
-            slot_mapping=slots,
-            kv_lens=kv_lens,
-            page_indices=page_indices,
-            cu_q_lens=cu,
-            num_seqs=np.int32(len(seqs)),
-        )
-        return tokens, batch, logits_indices, rows
-
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput, token_masks: dict[str, np.ndarray] | None = None) -> RunnerOutput:
         """Runs one step: the sampled token of every scheduled request whose chunk asks for one, and the prompt
@@ -466,17 +343,17 @@ class ModelRunner:
         A scheduled token ``PENDING_TOKEN`` is the one the previous launched step sampled for that request: the
         step reads it on the device (async scheduling), so this may run before the previous step's ``collect``.
         """
-        self.update_states(sched)
+        self.inputs.update(sched)
         copy = self._copy_chunks(sched.copy_ops)
         if not sched.scheduled:
             self._publish(sched, token_masks)
             self._launch(copy, None)
             return None
         t0 = time.perf_counter()
-        tokens, batch, logits_indices, rows = self.pack(sched)
+        tokens, batch, logits_indices, rows = self.inputs.pack(sched, self._fed_rows)
         self.num_tokens_computed += sched.num_scheduled_tokens
         self.num_steps += 1
-        reqs = [self._requests[s.req_id] for s in sched.scheduled]
+        reqs = [self.inputs.requests[s.req_id] for s in sched.scheduled]
         params = [r.params for r in reqs]
         mask = None
         if token_masks:
@@ -505,7 +382,7 @@ class ModelRunner:
             for p, s, r in zip(params, sched.scheduled, reqs)
         ]
         # -1: no position has a target, and the step skips the prompt logprobs.
-        next_tokens = self._next_tokens(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
+        next_tokens = targets(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
         t1 = time.perf_counter()
         decode_only = all(len(s.token_ids) == 1 for s in sched.scheduled)
         self._publish(sched, token_masks)
@@ -626,18 +503,6 @@ class ModelRunner:
             chunks.append((src, dst))
         return chunks
 
-    @staticmethod
-    def _next_tokens(sched: SchedulerOutput, reqs: list[_CachedRequest], padded: int) -> np.ndarray:
-        """[Tb] the token that follows each position of the step (prompt_logprobs' targets; 0 past the end)."""
-        out = np.zeros(padded, np.int32)
-        t = 0
-        for s, r in zip(sched.scheduled, reqs):
-            n = len(s.token_ids)
-            nxt = r.token_ids[s.start_pos + 1 : s.start_pos + n + 1]
-            out[t : t + len(nxt)] = nxt
-            t += n
-        return out
-
     def _sampling_metadata(self, params: list[SamplingParams], **kwargs) -> SamplingMetadata:
         """The batch's sampler arrays at the fixed widths every step uses (bias entries, token history).
 
@@ -707,7 +572,7 @@ class ModelRunner:
         lowered = [
             self._step_fn(decode).trace(*self._example_args(tb, pb)).lower() for tb, pb, decode in self.warmup_shapes()
         ]
-        copies = [self._copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in _buckets(1, self.max_seqs)]
+        copies = [self._copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in next_pow2_buckets(1, self.max_seqs)]
         lowered += [self.pool.copy.lower(self.k_cache, self.v_cache, src, dst) for src, dst in copies]  # every length
         t1 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(workers or max(1, (os.cpu_count() or 1) // 4)) as pool:
@@ -737,7 +602,7 @@ class ModelRunner:
             cu_q_lens=np.zeros(sb + 1, np.int32),
             num_seqs=np.int32(0),
         )
-        rows = max(self.sample_rows(tokens), sb)
+        rows = max(self.inputs.sample_rows(tokens), sb)
         meta = self._sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
         return (
             self.state,
