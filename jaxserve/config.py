@@ -92,6 +92,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # Gemma-2.
     sliding_window: int | None = None  # Mistral / Gemma-2 window, in tokens.
     sliding_window_layers: tuple[bool, ...] | None = None  # per layer; None = all layers if window set
+    local_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base (no scaling)
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
 
@@ -121,6 +122,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not self.rope_theta > 0:
             raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.local_rope_theta is not None and not (self.local_rope_theta > 0 and self.sliding_window):
+            raise ValueError(
+                f"ModelConfig.local_rope_theta must be > 0 and needs a sliding_window, got {self.local_rope_theta!r} "
+                f"with sliding_window={self.sliding_window!r}"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if self.sliding_window_layers is not None and len(self.sliding_window_layers) != self.num_layers:
@@ -184,6 +190,8 @@ class ModelConfig:
             ValueError: the model type is not a supported architecture.
         """
         family = registry.for_hf(hf)
+        if isinstance(hf.get("text_config"), dict):  # a multimodal config: its language model's, under the top's
+            hf = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")} | hf["text_config"]
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         eos = hf.get("eos_token_id")
@@ -238,6 +246,8 @@ def _hf_rope(hf: dict[str, Any]) -> dict[str, Any]:
         ValueError: a rope type jaxserve does not implement (naming it and the supported ones), or a missing key.
     """
     rope_params = hf.get("rope_parameters") or {}
+    if "full_attention" in rope_params:  # one dict per layer type (Gemma 3): the global layers' is the model's
+        rope_params = rope_params["full_attention"] or {}
     theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     rs = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
     if not rs or rs.get("rope_type", rs.get("type", "default")) == "default":

@@ -101,7 +101,17 @@ def test_parse_topology():
 
 
 @pytest.mark.parametrize(
-    "preset", ["smollm2-135m", "llama-3-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b", "gemma-2-9b"]
+    "preset",
+    [
+        "smollm2-135m",
+        "llama-3-8b",
+        "llama-3.1-70b",
+        "mistral-7b",
+        "qwen2.5-7b",
+        "gemma-2-9b",
+        "gemma-3-1b-it",
+        "gemma-3-27b-it",
+    ],
 )
 def test_every_preset_plans_on_a_v5p_slice(preset):
     cfg = load_preset(preset)
@@ -109,6 +119,34 @@ def test_every_preset_plans_on_a_v5p_slice(preset):
     p = plan(preset, "v5p:2x2x1", tp, compile=False)
     assert p.fits and p.weight_bytes_per_chip == _weight_bytes(preset) // tp
     assert p.page_bytes_per_chip == _kv_bytes_per_page(preset, tp)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_gemma3_local_and_global_layers_compile_for_tpu(tmp_path, topology):
+    """Gemma 3's layers (5 local : 1 global, each kind on its own rope, q/k and sandwich norms) through XLA's and
+    Mosaic's TPU compilers: a small model of the family with a decode and a mixed step."""
+    import json
+
+    config = {
+        "model_type": "gemma3_text",
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "sliding_window": 32,
+        "max_position_embeddings": 256,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = plan(str(tmp_path), topology, 1, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, variants="all")
+    assert p.fits and [(v.tokens, v.decode_only) for v in p.variants] == [(8, False), (16, False)]
+    assert all(v.flops > 0 and v.code_bytes > 0 for v in p.variants)
 
 
 def test_plan_reads_an_hf_config_json(tmp_path):

@@ -380,8 +380,14 @@ CASES = {  # name: (gguf arch, HF config class, overrides)
             query_pre_attn_scalar=24,
         ),
     ),  # llama.cpp scales Gemma-2 attention by head_dim ** -0.5 (but for 27B)
+    # llama.cpp: every 6th layer global, the local layers' rope base 10,000, attention scaled by head_dim ** -0.5.
+    "gemma3": (
+        "gemma3",
+        "Gemma3TextConfig",
+        dict(num_hidden_layers=7, head_dim=24, sliding_window=5, query_pre_attn_scalar=24),
+    ),
 }
-HF_READS = ("llama", "qwen2", "qwen3", "gemma2")  # GGUF architectures transformers' GGUF loader supports
+HF_READS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # GGUF architectures transformers' GGUF loader supports
 
 
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -408,6 +414,7 @@ def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) 
     """A GGUF file as llama.cpp's converter would write this HF model (float32 tensors)."""
     a = arch + "."
     rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: one per layer type, the global layers' in the file
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     w = _writer(path, arch)
     w.add_uint32(a + "context_length", config.max_position_embeddings)
@@ -426,6 +433,7 @@ def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) 
     if arch == "gemma2":
         w.add_float32(a + "attn_logit_softcapping", config.attn_logit_softcapping)
         w.add_float32(a + "final_logit_softcapping", config.final_logit_softcapping)
+    if arch in ("gemma2", "gemma3"):
         w.add_uint32(a + "attention.sliding_window", config.sliding_window)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(config.vocab_size)])

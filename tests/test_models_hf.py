@@ -86,6 +86,21 @@ CASES = {
             hidden_activation="gelu_pytorch_tanh",
         ),
     ),
+    # 5 local : 1 global over 7 layers, the local layers on their own rope base, the global ones linearly scaled.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=7,
+            head_dim=16,
+            sliding_window=5,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
 }
 
 
@@ -179,6 +194,43 @@ def test_unknown_rope_type_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(__import__("json").dumps(config))
     with pytest.raises(ValueError, match="rope scaling type 'dynamic' is not supported; jaxserve implements linear"):
         read_config(tmp_path)
+
+
+def test_multimodal_gemma3_serves_its_language_model(tmp_path):
+    """Gemma 3 4B / 12B / 27B are multimodal checkpoints (model_type "gemma3", the text model under text_config,
+    its tensors under language_model.*, a vision tower beside them): we load the language model, whose logits on
+    text equal HF's whole model's."""
+    text = dict(COMMON, num_hidden_layers=7, head_dim=16, sliding_window=5, query_pre_attn_scalar=24)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision | {"patch_size": 14})
+    config.mm_tokens_per_image = 4
+    config._attn_implementation = "eager"
+    torch.manual_seed(3)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and "language_model" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path)
+    cfg = read_config(tmp_path)
+    assert cfg.architecture == "gemma3" and cfg.num_layers == 7 and cfg.sliding_window_layers[5] is False
+    graphdef, state = model_from_params(cfg, params_from_hf_tensors(cfg, iter_hf_dir(tmp_path)))
+    tokens = np.random.default_rng(1).integers(0, COMMON["vocab_size"], 19)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(tokens)[None]).logits[0].float().numpy()
+    ours = _paged_logits(graphdef, state, cfg, tokens, chunks=[7, 6, 1, 1, 1, 1, 1, 1])
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_gemma3_bad_layer_types_are_a_clear_error(tmp_path):
+    config = dict(COMMON, model_type="gemma3_text", head_dim=16, sliding_window=5)
+    for layer_types, match in (
+        (["sliding_attention", "chunked_attention", "full_attention"], "layer_types must list 3 of"),
+        (["sliding_attention", "full_attention"], "layer_types must list 3 of"),
+    ):
+        (tmp_path / "config.json").write_text(__import__("json").dumps(config | {"layer_types": layer_types}))
+        with pytest.raises(ValueError, match=match):
+            read_config(tmp_path)
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):

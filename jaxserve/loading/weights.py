@@ -15,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import registry
 from jaxserve.models.schema import ParamSpec, param_schema
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -83,7 +84,11 @@ def params_from_hf_tensors(
     )
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict] = {}  # name -> {layer: QArray parts} of checkpoints served quantized
+    family = registry.family(cfg.architecture)
     for hf_name, array in tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False):
+        hf_name = family.hf_tensor_name(hf_name)
+        if hf_name is None:
+            continue
         target = _target(cfg, hf_name, targets)
         if target is None:
             continue

@@ -109,6 +109,8 @@ class DenseDecoder(nnx.Module):
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
         cos, sin = Rope.of(cfg).tables(batch.positions)  # [T, H/2] each, shared by the layers
+        if cfg.local_rope_theta is not None:  # the sliding-window layers' own (Gemma 3), picked per layer
+            local = Rope(cfg.head_dim, cfg.local_rope_theta).tables(batch.positions)
 
         embed = self.embed.get_value()
         if isinstance(embed, quant.QArray):  # dequantized rows, in the dtype of the rest of the model
@@ -138,7 +140,11 @@ class DenseDecoder(nnx.Module):
             q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
             if cfg.qk_norm:
                 q, k = rms_norm(q, p["q_norm"], eps, off), rms_norm(k, p["k_norm"], eps, off)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cfg.local_rope_theta is None:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            else:
+                c, s = jnp.where(window > 0, local[0], cos), jnp.where(window > 0, local[1], sin)
+                q, k = apply_rope(q, c, s), apply_rope(k, c, s)
             k_cache, v_cache = write_kv_fn(k_cache, v_cache, layer_idx, k, v, batch.slot_mapping)
             attn = attention_fn(
                 q,

@@ -40,6 +40,8 @@ class Family:
         hf_fields, gguf_fields: the family's own fields from a ``config.json`` / the GGUF metadata.
         gguf_permuted_qk: llama.cpp's converter interleaved the halves of each q/k head (the rope convention of
             its "normal" rope); the loader undoes it.
+        hf_tensor_prefixes: checkpoint name prefixes renamed on load (prefix -> replacement; None: not this
+            model's tensors, skipped), e.g. a multimodal checkpoint's language model and vision tower.
     """
 
     name: str
@@ -50,10 +52,19 @@ class Family:
     hf_fields: FieldsFn = _none
     gguf_fields: FieldsFn = _none
     gguf_permuted_qk: bool = False
+    hf_tensor_prefixes: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "flags", MappingProxyType(dict(self.flags)))
         object.__setattr__(self, "hf_defaults", MappingProxyType(dict(self.hf_defaults)))
+        object.__setattr__(self, "hf_tensor_prefixes", MappingProxyType(dict(self.hf_tensor_prefixes)))
+
+    def hf_tensor_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as the schema knows it; None: a tensor of another model (skipped)."""
+        for prefix, replacement in self.hf_tensor_prefixes.items():
+            if name.startswith(prefix):
+                return None if replacement is None else replacement + name[len(prefix) :]
+        return name
 
 
 # ------------------------------------------------------------------------------------------ the families' own fields
@@ -94,6 +105,40 @@ def _gemma2_hf(hf, fields) -> dict[str, Any]:
     return out
 
 
+def _gemma3_hf(hf, fields) -> dict[str, Any]:
+    """Gemma 3: Gemma 2's fields, a layer pattern of 5 local : 1 global by default, and the local layers' own rope
+    base (transformers 5: ``rope_parameters["sliding_attention"]``; before: ``rope_local_base_freq``)."""
+    n = fields["num_layers"]
+    if not hf.get("layer_types"):
+        every = hf.get("sliding_window_pattern", 6)
+        hf = {
+            **hf,
+            "layer_types": ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)],
+        }
+    unknown = sorted(set(hf["layer_types"]) - {"sliding_attention", "full_attention"})
+    if unknown or len(hf["layer_types"]) != n:
+        raise ValueError(
+            f"gemma3: layer_types must list {n} of 'sliding_attention' / 'full_attention', got {hf['layer_types']}"
+        )
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"gemma3: a rope scaling on the local layers ({local['rope_type']!r}) is not supported")
+    theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    return _gemma2_hf(hf, fields) | {"local_rope_theta": float(theta)}
+
+
+def _gemma3_gguf(meta, fields) -> dict[str, Any]:
+    n, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
+    return {
+        # llama.cpp: every 6th layer global, a fixed 10,000 rope base on the local ones; the 27B model (62 layers)
+        # scales attention by hidden / heads, the others by head_dim.
+        "sliding_window": meta("attention.sliding_window", None) or 4096,
+        "sliding_window_layers": tuple((i + 1) % 6 != 0 for i in range(n)),
+        "local_rope_theta": 10000.0,
+        "query_pre_attn_scalar": float(hidden // heads if n == 62 else fields["head_dim"]),
+    }
+
+
 def _gemma2_gguf(meta, fields) -> dict[str, Any]:
     n, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
     return {
@@ -106,6 +151,18 @@ def _gemma2_gguf(meta, fields) -> dict[str, Any]:
         "final_logit_softcap": float(meta("final_logit_softcapping", 30.0)),
     }
 
+
+# A multimodal checkpoint (HF's ...ForConditionalGeneration) as its language model: the names transformers writes
+# (the hub's checkpoints', and transformers 5's save_pretrained's) and those of its in-memory modules.
+_MULTIMODAL_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+    "vision_tower.": None,
+    "model.vision_tower.": None,
+    "multi_modal_projector.": None,
+    "model.multi_modal_projector.": None,
+}
 
 _GEMMA = {"hidden_act": "gelu_pytorch_tanh", "norm_weight_offset": 1.0, "scale_embeddings": True}
 
@@ -123,6 +180,16 @@ FAMILIES: tuple[Family, ...] = (
         hf_defaults={"tie_word_embeddings": True},
         hf_fields=_gemma2_hf,
         gguf_fields=_gemma2_gguf,
+    ),
+    Family(
+        "gemma3",
+        ("gemma3_text", "gemma3"),  # gemma3: the multimodal 4B / 12B / 27B, served as their language model
+        "gemma3",
+        flags=_GEMMA | {"sandwich_norms": True, "qk_norm": True},
+        hf_defaults={"tie_word_embeddings": True},
+        hf_fields=_gemma3_hf,
+        gguf_fields=_gemma3_gguf,
+        hf_tensor_prefixes=_MULTIMODAL_PREFIXES,
     ),
 )
 
