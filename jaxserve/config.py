@@ -93,6 +93,7 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral / Gemma-2 window, in tokens.
     sliding_window_layers: tuple[bool, ...] | None = None  # per layer; None = all layers if window set
     local_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base (no scaling)
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: rope rotates only this share of each head (rotary_dim)
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
 
@@ -134,13 +135,18 @@ class ModelConfig:
                 f"ModelConfig.sliding_window_layers has {len(self.sliding_window_layers)} entries, "
                 f"expected num_layers={self.num_layers}"
             )
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ValueError(
+                f"ModelConfig.partial_rotary_factor must be in (0, 1] and give an even rotary_dim > 0, got "
+                f"{self.partial_rotary_factor!r} (rotary_dim {self.rotary_dim} of head_dim {self.head_dim})"
+            )
         rs = self.rope_scaling
         if rs is not None and rs.rope_type == "longrope":
             for name in ("short_factor", "long_factor"):
-                if len(getattr(rs, name)) != self.head_dim // 2:
+                if len(getattr(rs, name)) != self.rotary_dim // 2:
                     raise ValueError(
-                        f"ModelConfig.rope_scaling.{name} has {len(getattr(rs, name))} entries, expected head_dim / 2 "
-                        f"= {self.head_dim // 2}"
+                        f"ModelConfig.rope_scaling.{name} has {len(getattr(rs, name))} entries, expected "
+                        f"rotary_dim / 2 = {self.rotary_dim // 2}"
                     )
         for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
             value = getattr(self, name)
@@ -150,6 +156,11 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rope rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attn_scale(self) -> float:
@@ -249,9 +260,12 @@ def _hf_rope(hf: dict[str, Any]) -> dict[str, Any]:
     if "full_attention" in rope_params:  # one dict per layer type (Gemma 3): the global layers' is the model's
         rope_params = rope_params["full_attention"] or {}
     theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    partial = {
+        "partial_rotary_factor": float(hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)))
+    }
     rs = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
     if not rs or rs.get("rope_type", rs.get("type", "default")) == "default":
-        return {"rope_theta": theta, "rope_scaling": None}
+        return {"rope_theta": theta, "rope_scaling": None} | partial
     rope_type = rs.get("rope_type", rs.get("type"))
     if rope_type == "su":  # Phi-3's first configs: longrope's old name
         rope_type = "longrope"
@@ -268,7 +282,7 @@ def _hf_rope(hf: dict[str, Any]) -> dict[str, Any]:
         fields["original_max_position_embeddings"] = original
         if fields.get("factor") is None:
             fields["factor"] = hf.get("max_position_embeddings", original) / original
-    return {"rope_theta": theta, "rope_scaling": RopeScaling(rope_type, **fields)}
+    return {"rope_theta": theta, "rope_scaling": RopeScaling(rope_type, **fields)} | partial
 
 
 def list_presets() -> list[str]:

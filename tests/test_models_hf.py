@@ -101,6 +101,33 @@ CASES = {
             },
         ),
     ),
+    # Fused qkv and gate_up matrices split on load; longrope (short factors below the original context).
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            original_max_position_embeddings=64,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                original_max_position_embeddings=64,
+                short_factor=[1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5],
+                long_factor=[1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+            ),
+        ),
+    ),
+    # Phi-4-mini's partial rotary (here half of each head) and a sliding window on every layer.
+    "phi3_partial": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            sliding_window=6,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
+    ),
 }
 
 
@@ -220,6 +247,14 @@ def test_multimodal_gemma3_serves_its_language_model(tmp_path):
         ref = hf(input_ids=torch.tensor(tokens)[None]).logits[0].float().numpy()
     ours = _paged_logits(graphdef, state, cfg, tokens, chunks=[7, 6, 1, 1, 1, 1, 1, 1])
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
+    _hf_model("phi3", tmp_path)
+    cfg = read_config(tmp_path)
+    tensors = [(n, a[:-2] if n.endswith("layers.1.mlp.gate_up_proj.weight") else a) for n, a in iter_hf_dir(tmp_path)]
+    with pytest.raises(ValueError, match=r"fused tensor 'model\.layers\.1\.mlp\.gate_up_proj\.weight' has 190 rows, "):
+        params_from_hf_tensors(cfg, tensors)
 
 
 def test_gemma3_bad_layer_types_are_a_clear_error(tmp_path):

@@ -27,20 +27,22 @@ from jaxserve.config import ModelConfig, RopeScaling
 
 @dataclasses.dataclass(frozen=True)
 class Rope:
-    """The rotary embedding of one kind of layer: head size, base and scaling (``None``: plain rope)."""
+    """The rotary embedding of one kind of layer: how many leading dims of each head it rotates (``dim``: the
+    config's ``rotary_dim``, the rest passing through), its base and its scaling (``None``: plain rope)."""
 
-    head_dim: int
+    dim: int
     theta: float
     scaling: RopeScaling | None = None
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> Rope:
         """The rope of ``cfg``'s layers."""
-        return cls(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return cls(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def inv_freq(self, long: bool = False) -> np.ndarray:
-        """[H/2] float64 inverse frequencies (``long``: longrope's for positions past the original context)."""
-        h = self.head_dim
+        """[R/2] float64 inverse frequencies, R the rotated dims (``long``: longrope's for positions past the
+        original context)."""
+        h = self.dim
         base = 1.0 / self.theta ** (np.arange(0, h, 2, dtype=np.float64) / h)
         rs = self.scaling
         if rs is None:
@@ -65,7 +67,7 @@ class Rope:
         raise ValueError(f"rope_type {rs.rope_type!r} has no frequencies here")  # RopeScaling refuses it first
 
     def _yarn(self, base: np.ndarray) -> np.ndarray:
-        rs, h = self.scaling, self.head_dim
+        rs, h = self.scaling, self.dim
 
         def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the context
             return (
@@ -117,8 +119,10 @@ class Rope:
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x [T, heads, H] by the tables of :meth:`Rope.tables` ([T, H/2] each), rotate-half convention."""
+    """Rotates x [T, heads, H] by the tables of :meth:`Rope.tables` ([T, R/2] each), rotate-half convention over
+    the leading R dims of each head; the others pass through (partial rotary)."""
+    r = 2 * cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    x1, x2 = jnp.split(x[..., :r].astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if r == x.shape[-1] else jnp.concatenate([out, x[..., r:]], axis=-1)

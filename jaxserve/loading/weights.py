@@ -57,6 +57,34 @@ def _target(cfg: ModelConfig, hf_name: str, targets) -> tuple[str, int | None, b
     )
 
 
+def _unfused(family, schema: dict[str, ParamSpec], tensors: Iterable) -> Iterable:
+    """The checkpoint's tensors under the schema's names: the family's prefixes renamed (or skipped) and its fused
+    tensors split along their rows into the tensors they hold (a quantized one too: its blocks run along the
+    input channels, so rows split whole)."""
+    rows = {s.hf: s.shape[-1] for s in schema.values() if s.hf and s.per_layer}  # output channels per tensor
+    for name, array in tensors:
+        name = family.hf_tensor_name(name)
+        if name is None:
+            continue
+        m = _LAYER_RE.match(name)
+        parts = family.hf_fused.get(m.group(2)) if m else None
+        if not parts:
+            yield name, array
+            continue
+        sizes = [rows[p] for p in parts if p in rows]
+        got = (array.values if hasattr(array, "scale") else array).shape[0]
+        if len(sizes) != len(parts) or got != sum(sizes):
+            raise ValueError(
+                f"fused tensor {name!r} has {got} rows, expected {' + '.join(map(str, sizes))} for {parts}"
+            )
+        start = 0
+        for part, n in zip(parts, sizes):
+            rows_of = slice(start, start + n)
+            piece = array.map_rows(lambda x, r=rows_of: x[r]) if hasattr(array, "scale") else array[rows_of]
+            yield f"model.layers.{m.group(1)}.{part}", piece
+            start += n
+
+
 def params_from_hf_tensors(
     cfg: ModelConfig,
     tensors: Iterable[tuple[str, np.ndarray]],
@@ -85,10 +113,8 @@ def params_from_hf_tensors(
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict] = {}  # name -> {layer: QArray parts} of checkpoints served quantized
     family = registry.family(cfg.architecture)
-    for hf_name, array in tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False):
-        hf_name = family.hf_tensor_name(hf_name)
-        if hf_name is None:
-            continue
+    stream = tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False)
+    for hf_name, array in _unfused(family, schema, stream):
         target = _target(cfg, hf_name, targets)
         if target is None:
             continue

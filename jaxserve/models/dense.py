@@ -110,7 +110,7 @@ class DenseDecoder(nnx.Module):
         eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
         cos, sin = Rope.of(cfg).tables(batch.positions)  # [T, H/2] each, shared by the layers
         if cfg.local_rope_theta is not None:  # the sliding-window layers' own (Gemma 3), picked per layer
-            local = Rope(cfg.head_dim, cfg.local_rope_theta).tables(batch.positions)
+            local = Rope(cfg.rotary_dim, cfg.local_rope_theta).tables(batch.positions)
 
         embed = self.embed.get_value()
         if isinstance(embed, quant.QArray):  # dequantized rows, in the dtype of the rest of the model

@@ -42,6 +42,8 @@ class Family:
             its "normal" rope); the loader undoes it.
         hf_tensor_prefixes: checkpoint name prefixes renamed on load (prefix -> replacement; None: not this
             model's tensors, skipped), e.g. a multimodal checkpoint's language model and vision tower.
+        hf_fused: a fused checkpoint tensor (per-layer name) -> the schema's tensors it holds, stacked along its
+            rows (its output channels) in this order; each takes its schema shape's share. Split on load.
     """
 
     name: str
@@ -53,11 +55,13 @@ class Family:
     gguf_fields: FieldsFn = _none
     gguf_permuted_qk: bool = False
     hf_tensor_prefixes: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    hf_fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "flags", MappingProxyType(dict(self.flags)))
         object.__setattr__(self, "hf_defaults", MappingProxyType(dict(self.hf_defaults)))
         object.__setattr__(self, "hf_tensor_prefixes", MappingProxyType(dict(self.hf_tensor_prefixes)))
+        object.__setattr__(self, "hf_fused", MappingProxyType(dict(self.hf_fused)))
 
     def hf_tensor_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as the schema knows it; None: a tensor of another model (skipped)."""
@@ -164,6 +168,12 @@ _MULTIMODAL_PREFIXES = {
     "model.multi_modal_projector.": None,
 }
 
+
+def _phi3_hf(hf, fields) -> dict[str, Any]:
+    """Phi-3's ``sliding_window`` applies to every layer (Phi-3-mini-4k: 2047)."""
+    return {"sliding_window": hf.get("sliding_window") or None}
+
+
 _GEMMA = {"hidden_act": "gelu_pytorch_tanh", "norm_weight_offset": 1.0, "scale_embeddings": True}
 
 FAMILIES: tuple[Family, ...] = (
@@ -190,6 +200,19 @@ FAMILIES: tuple[Family, ...] = (
         hf_fields=_gemma3_hf,
         gguf_fields=_gemma3_gguf,
         hf_tensor_prefixes=_MULTIMODAL_PREFIXES,
+    ),
+    Family(
+        "phi3",
+        ("phi3",),
+        hf_fields=_phi3_hf,
+        hf_fused={
+            "self_attn.qkv_proj.weight": (
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+            ),
+            "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        },
     ),
 )
 
