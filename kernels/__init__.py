@@ -3,7 +3,7 @@
 Imported as ``jaxserve.kernels``. The two entry points the model uses:
 
     ragged_paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=0, soft_cap=None, impl="auto", max_q_len=None)
+                           sm_scale, sliding_window=0, soft_cap=None, sinks=None, impl="auto", max_q_len=None)
         -> [T, num_q_heads, head_dim]
     write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, impl="auto") -> (k_cache, v_cache)
 
@@ -24,6 +24,7 @@ and one float32 scale per token and KV head) that every implementation below rea
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jaxserve.kernels import cpu_ffi
 from jaxserve.kernels._common import Int8Pages, is_fp8, is_int8_pages, validate_attention_inputs
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
@@ -81,6 +82,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     impl: str = "auto",
     interpret: bool | None = None,
     backend: str | None = None,
@@ -100,6 +102,8 @@ def ragged_paged_attention(
       sm_scale: softmax scale (a Python float).
       sliding_window: 0 = off, else attend to the last ``sliding_window`` positions; may be traced.
       soft_cap: None or ``cap`` for ``cap * tanh(s / cap)`` on the scores.
+      sinks: None, or [num_q_heads] float32 attention sinks (gpt-oss): each head's logit joins its softmax's
+        denominator, with no value; may be traced (a layer's slice inside the layer scan).
       impl, backend, interpret: see the module docstring.
       max_q_len: optional static hint, the longest query chunk of any sequence in this step (1 for pure decode);
         "xla" picks its block size from it, the others ignore it. Any value gives the same result.
@@ -113,8 +117,10 @@ def ragged_paged_attention(
         is concrete) a page table too short for the longest context.
     """
     kernel, interp = _choose(impl, backend, interpret)
+    if sinks is not None and jnp.shape(sinks) != (q.shape[1],):
+        raise ValueError(f"sinks must be [num_q_heads] = [{q.shape[1]}], got shape {jnp.shape(sinks)}")
     args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     if kernel == "reference":
         validate_attention_inputs(
             q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap

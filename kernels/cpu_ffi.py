@@ -205,11 +205,12 @@ def paged_attention(
     *,
     sm_scale: float,
     soft_cap: float | None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """[T, Nq, H] float32 ragged paged attention (``reference.ragged_paged_attention_ref``'s contract): every
     sequence's query tokens, zeros for padding tokens. float32, bfloat16 or fp8 caches (one dtype for both), or two
     ``Int8Pages`` (each row widened times its scale); products and softmax in float32; ``window`` <= 0 means no
-    window."""
+    window; ``sinks`` [Nq] the attention sinks' logits (None: none)."""
     if not _load():
         raise RuntimeError(f"the C++ paged attention is unavailable: {_error}")
     int8 = _pool_kind(k_cache, v_cache, "the C++ paged attention")
@@ -233,6 +234,7 @@ def paged_attention(
         i32(cu_q_lens),
         i32(num_seqs),
         i32(window),
+        jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(q.shape[1]),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
     )

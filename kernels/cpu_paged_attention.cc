@@ -312,6 +312,9 @@ struct Geometry {
   // layer is at ((layer * num_pages + page) * page_size + slot) * kv_heads + head.
   const float* k_scales = nullptr;
   const float* v_scales = nullptr;
+  // Attention sinks (gpt-oss): one logit per query head in every row's softmax denominator, no value; null: none.
+  // A row starts as if it had seen one key of score sinks[head] and value 0: running max sinks[head], sum 1.
+  const float* sinks = nullptr;
 
   // The first key a query token at ``pos`` sees: 0, or the start of its sliding window.
   int64_t FirstVisible(int64_t pos) const { return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0; }
@@ -336,6 +339,9 @@ void AttendBlockT(const Geometry& g, const float* q, const T* k_cache, const T* 
   float* kbuf = acc + rows * H;
   float* vbuf = kbuf + kWide * H;
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  if (g.sinks != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) m[r] = g.sinks[r % Nq], l[r] = 1.0f;
+  }
   const int64_t layer_base = g.layer * g.num_pages;
   const int64_t page_bytes = S * K * H * static_cast<int64_t>(sizeof(T));
   const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -473,6 +479,12 @@ void AttendRowsT(const Geometry& g, const float* q, const T* k_cache, const T* v
         for (int64_t h = 0; h < HD; ++h) base[h * kWide + u] = qr[h] * g.sm_scale;
       }
       std::fill(base + 2 * HD * kWide, base + 2 * HD * kWide + kWide, neg_inf);  // m
+      if (g.sinks != nullptr) {  // m = the row's sink, l = 1
+        for (int u = 0; u < kWide && lg * kWide + u < rows; ++u) {
+          base[2 * HD * kWide + u] = g.sinks[kh * group + (lg * kWide + u) % group];
+          base[2 * HD * kWide + kWide + u] = 1.0f;
+        }
+      }
     }
   }
   const int64_t layer_base = g.layer * g.num_pages;
@@ -608,9 +620,10 @@ template <typename T>
 ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
-                              ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float sm_scale,
-                              float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out,
-                              const float* k_scales = nullptr, const float* v_scales = nullptr) {
+                              ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                              ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, ffi::ThreadPool pool,
+                              ffi::ResultBuffer<ffi::F32> out, const float* k_scales = nullptr,
+                              const float* v_scales = nullptr) {
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
   auto pd = page_indices.dimensions();
@@ -623,6 +636,12 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
   }
   g.layer = layer.typed_data()[0];
   g.window = window.typed_data()[0];
+  if (sinks.element_count() != 0) {  // [num_q_heads] logits, or empty: no sinks
+    if (sinks.element_count() != g.num_q_heads) {
+      return ffi::Error::InvalidArgument("paged attention: sinks must hold one logit per query head");
+    }
+    g.sinks = sinks.typed_data();
+  }
   if (g.layer < 0 || g.layer >= cd[0]) return ffi::Error::InvalidArgument("paged attention: layer out of range");
   const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], pd[0]);
   const int32_t* cu = cu_q_lens.typed_data();
@@ -725,24 +744,25 @@ ffi::Error WriteKV(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<f
 ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                           ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
-                          float sm_scale, float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, ffi::ThreadPool pool,
+                          ffi::ResultBuffer<ffi::F32> out) {
   const auto dt = k_cache.element_type();
   if (v_cache.element_type() != dt) return ffi::Error::InvalidArgument("paged attention: K and V dtypes differ");
   if (dt == ffi::DataType::F32) {
     return PagedAttentionImpl<float>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window,
-                                     sm_scale, soft_cap, pool, out);
+                                     sinks, sm_scale, soft_cap, pool, out);
   }
   if (dt == ffi::DataType::BF16) {
     return PagedAttentionImpl<uint16_t>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                        window, sm_scale, soft_cap, pool, out);
+                                        window, sinks, sm_scale, soft_cap, pool, out);
   }
   if (dt == ffi::DataType::F8E4M3FN) {
     return PagedAttentionImpl<E4M3>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window,
-                                    sm_scale, soft_cap, pool, out);
+                                    sinks, sm_scale, soft_cap, pool, out);
   }
   if (dt == ffi::DataType::F8E5M2) {
     return PagedAttentionImpl<E5M2>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window,
-                                    sm_scale, soft_cap, pool, out);
+                                    sinks, sm_scale, soft_cap, pool, out);
   }
   return ffi::Error::InvalidArgument("paged attention: caches must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
 }
@@ -752,8 +772,9 @@ ffi::Error PagedAttentionInt8(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
                               ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
-                              ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float sm_scale,
-                              float soft_cap, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                              ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, ffi::ThreadPool pool,
+                              ffi::ResultBuffer<ffi::F32> out) {
   if (k_cache.element_type() != ffi::DataType::S8 || v_cache.element_type() != ffi::DataType::S8) {
     return ffi::Error::InvalidArgument("paged attention (int8): caches must be int8");
   }
@@ -768,7 +789,8 @@ ffi::Error PagedAttentionInt8(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
     }
   }
   return PagedAttentionImpl<int8_t>(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, window,
-                                    sm_scale, soft_cap, pool, out, k_scales.typed_data(), v_scales.typed_data());
+                                    sinks, sm_scale, soft_cap, pool, out, k_scales.typed_data(),
+                                    v_scales.typed_data());
 }
 
 // Products of a few float32 rows (M <= kMaxRows: one step's decode tokens) by a weight matrix, float32
@@ -1844,6 +1866,7 @@ auto BindBatch(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
       .template Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
       .template Arg<ffi::Buffer<ffi::S32>>()  // window
+      .template Arg<ffi::Buffer<ffi::F32>>()  // sinks: [num_q_heads], or [0] for none
       .template Attr<float>("sm_scale")
       .template Attr<float>("soft_cap")
       .template Ctx<ffi::ThreadPool>()

@@ -164,13 +164,15 @@ def _kernel(
             plgpu.store(o_ref.at[tok_st, head, dims], out.astype(o_ref.dtype), mask=row_mask)
 
 
-def _combine_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
-    """Flash-decoding merge. o: [NS, T, N, H] (each split normalized), lse: [NS, T, N] -> [T, N, H]."""
+def _combine_splits(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Flash-decoding merge. o: [NS, T, N, H] (each split normalized), lse: [NS, T, N] -> ([T, N, H], the whole
+    context's log-sum-exp [T, N]: -inf where nothing was seen)."""
     m = jnp.max(lse, axis=0)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m)  # [NS, T, N]; splits that saw nothing weigh 0
     den = jnp.sum(w, axis=0)
-    return jnp.einsum("stn,stnh->tnh", w, o) / jnp.where(den > 0, den, 1.0)[..., None]
+    out = jnp.einsum("stn,stnh->tnh", w, o) / jnp.where(den > 0, den, 1.0)[..., None]
+    return out, jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
 
 
 def default_block_sizes(num_tokens, num_seqs_padded, group, head_dim, kv_heads, max_ctx):
@@ -198,6 +200,7 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
     num_splits: int | None = None,
@@ -208,7 +211,9 @@ def ragged_paged_attention_gpu(
     """Ragged paged attention on a GPU (Pallas Triton); same contract as ``ragged_paged_attention_ref``.
 
     Args:
-      q .. num_seqs, sm_scale, sliding_window, soft_cap: as in ``reference.ragged_paged_attention_ref``.
+      q .. num_seqs, sm_scale, sliding_window, soft_cap, sinks: as in ``reference.ragged_paged_attention_ref``.
+        Sinks are applied to the kernel's output: a row's softmax without the sink, times
+        sigmoid(lse - sink), lse its scores' log-sum-exp, is the softmax with it.
       block_q: query tokens per program (power of two); block_q * next_pow2(group) rows per tile.
       block_kv: context tokens per inner step (power of two, >= 16).
       num_splits: context splits per query block (flash-decoding); None picks one from the shapes.
@@ -252,6 +257,7 @@ def ragged_paged_attention_gpu(
         cu_q_lens.astype(jnp.int32),
         jnp.asarray(num_seqs, jnp.int32),
         jnp.asarray(sliding_window, jnp.int32),
+        None if sinks is None else jnp.asarray(sinks, jnp.float32),
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         block_q=block_q,
@@ -286,6 +292,7 @@ def _rpa_gpu(
     cu_q_lens,
     num_seqs,
     sliding_window,
+    sinks,
     *,
     sm_scale,
     soft_cap,
@@ -304,7 +311,7 @@ def _rpa_gpu(
     num_blocks = num_seq_q_blocks(num_tokens, page_indices.shape[0], block_q)
     blk_seq, blk_tok0 = seq_q_blocks(cu_q_lens, num_seqs, block_q, num_blocks)
     scalars = jnp.stack([layer.reshape(()), sliding_window.reshape(())])
-    if num_splits == 1:
+    if num_splits == 1 and sinks is None:
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     else:
         out_shape = [
@@ -331,6 +338,11 @@ def _rpa_gpu(
         interpret=interpret,
         name=f"ragged_paged_attention_gpu_bq{block_q}_bkv{block_kv}_s{num_splits}",
     )(blk_seq, blk_tok0, cu_q_lens, kv_lens, page_indices, scalars, q, k_values, v_values, *scales)
-    out = outs[0] if num_splits == 1 else _combine_splits(*outs)
+    if len(outs) == 1:
+        out = outs[0]
+    else:  # several splits, or sinks: the kernel wrote each split's output and log-sum-exp
+        out, lse = _combine_splits(*outs)
+        if sinks is not None:
+            out = out * jax.nn.sigmoid(lse - sinks[None, :])[..., None]
     valid = valid_token_mask(cu_q_lens, num_seqs, num_tokens)
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

@@ -52,9 +52,9 @@ def _kernel(
     blk_seq_hi_ref,  # [num_q_blocks]: one past the last
     # inputs
     q_ref,  # [kv_heads_per_block, block_q * group, head_dim] (VMEM block)
-    k_hbm,  # [L, num_pages, page_size, num_kv_heads, head_dim] (HBM)
-    v_hbm,
     *refs,
+    # with sinks only: sink_ref [kv_heads_per_block, block_q * group, 128] f32, each row's sink, lane-replicated
+    # k_hbm, v_hbm: [L, num_pages, page_size, num_kv_heads, head_dim] (HBM)
     # int8 pools only: k_scales_hbm, v_scales_hbm [L, num_pages, page_size, num_kv_heads] f32 (HBM)
     # output
     #   o_ref [kv_heads_per_block, block_q * group, head_dim]
@@ -72,7 +72,10 @@ def _kernel(
     group: int,
     pages_per_seq: int,
     pages_per_block: int,
+    has_sinks: bool,
 ):
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    k_hbm, v_hbm, *refs = refs
     if quantized:
         ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
         pools = ((k_hbm, k_buf), (v_hbm, v_buf), (ks_hbm, ks_buf), (vs_hbm, vs_buf))
@@ -89,8 +92,12 @@ def _kernel(
     tok_hi = tok_lo + block_q
     seq_lo, seq_hi = blk_seq_lo_ref[q_blk], blk_seq_hi_ref[q_blk]
 
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if has_sinks:  # each row starts as if it had seen one key of score its sink and value 0
+        m_ref[...] = sink_ref[...]
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def seq_info(s):
@@ -279,6 +286,7 @@ def ragged_paged_attention_tpu(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     kv_heads_per_block: int | None = None,
@@ -288,7 +296,7 @@ def ragged_paged_attention_tpu(
     """Ragged paged attention on a TPU (Pallas Mosaic); same contract as ``ragged_paged_attention_ref``.
 
     Args:
-      q .. num_seqs, sm_scale, sliding_window, soft_cap: as in ``reference.ragged_paged_attention_ref``.
+      q .. num_seqs, sm_scale, sliding_window, soft_cap, sinks: as in ``reference.ragged_paged_attention_ref``.
       block_q: query tokens per program; block_q * group should be a multiple of 8 (f32) / 16 (bf16).
       pages_per_block: pages fetched per DMA step (the double buffer holds two such blocks of K and of V).
       kv_heads_per_block: KV heads per program (a grid axis); None = as many as fit the VMEM budget.
@@ -333,6 +341,7 @@ def ragged_paged_attention_tpu(
         cu_q_lens.astype(jnp.int32),
         jnp.asarray(num_seqs, jnp.int32),
         jnp.asarray(sliding_window, jnp.int32),
+        None if sinks is None else jnp.asarray(sinks, jnp.float32),
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         block_q=block_q,
@@ -366,6 +375,7 @@ def _rpa_tpu(
     cu_q_lens,
     num_seqs,
     sliding_window,
+    sinks,
     *,
     sm_scale,
     soft_cap,
@@ -415,7 +425,16 @@ def _rpa_tpu(
         group=group,
         pages_per_seq=pages_per_seq,
         pages_per_block=pages_per_block,
+        has_sinks=sinks is not None,
     )
+    # Each row's sink (row t * G + g of head block k: query head k * G + g), lane-replicated as the running max.
+    sink_rows, sink_specs = (), []
+    if sinks is not None:
+        sink_rows = (
+            jnp.broadcast_to(sinks.reshape(num_kv_heads, 1, group, 1), (num_kv_heads, block_q, group, _LANES)),
+        )
+        sink_rows = (sink_rows[0].reshape(num_kv_heads, rows, _LANES),)
+        sink_specs = [pl.BlockSpec((kv_heads_per_block, rows, _LANES), lambda hb, qb, *_: (hb, 0, 0))]
     if interpret:
         interpret = pltpu.InterpretParams(uninitialized_memory="nan")  # unwritten VMEM reads as NaN
     out = pl.pallas_call(
@@ -424,7 +443,7 @@ def _rpa_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_kv_heads // kv_heads_per_block, num_q_blocks),
-            in_specs=[qo_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
+            in_specs=[qo_spec, *sink_specs] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
             out_specs=qo_spec,
             scratch_shapes=[
                 buf,
@@ -441,6 +460,6 @@ def _rpa_tpu(
         ),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(scalars, kv_lens, page_indices.reshape(-1), cu_q_lens, blk_seq_lo, blk_seq_hi, qt, *pools)
+    )(scalars, kv_lens, page_indices.reshape(-1), cu_q_lens, blk_seq_lo, blk_seq_hi, qt, *sink_rows, *pools)
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]  # padding rows: l == 0 -> zeros

@@ -76,6 +76,7 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     max_q_len: int | None = None,
     block_q: int | None = None,
     ctx_chunk: int | None = None,
@@ -85,8 +86,8 @@ def ragged_paged_attention_xla(
     """Ragged paged attention in jnp/lax for the CPU; same contract as ``ragged_paged_attention_ref``.
 
     Args:
-      q .. num_seqs, sm_scale, sliding_window, soft_cap: as in ``reference.ragged_paged_attention_ref``
-        (``layer`` and ``sliding_window`` may be traced).
+      q .. num_seqs, sm_scale, sliding_window, soft_cap, sinks: as in ``reference.ragged_paged_attention_ref``
+        (``layer``, ``sliding_window`` and ``sinks`` may be traced).
       max_q_len: optional static hint, the longest query chunk of any sequence in this step (1 for pure decode),
         bucketed. It only picks block sizes; every value gives the same result.
       block_q: query tokens per block for sequences with more than one query token (overrides the hint).
@@ -146,6 +147,7 @@ def ragged_paged_attention_xla(
             0 if no_window else sliding_window,
             sm_scale=sm_scale,
             soft_cap=soft_cap,
+            sinks=sinks,
         )
         return out.astype(q.dtype)
     return _rpa_xla(
@@ -158,6 +160,7 @@ def ragged_paged_attention_xla(
         cu_q_lens.astype(jnp.int32),
         jnp.asarray(num_seqs, jnp.int32),
         jnp.asarray(sliding_window, jnp.int32),
+        None if sinks is None else jnp.asarray(sinks, jnp.float32),
         sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         has_window=not no_window,
@@ -194,6 +197,7 @@ def _rpa_xla(
     cu_q_lens,
     num_seqs,
     window,
+    sinks,
     *,
     sm_scale,
     soft_cap,
@@ -222,6 +226,7 @@ def _rpa_xla(
         kv_lens,
         page_indices,
         window,
+        sinks,
         soft_cap=soft_cap,
         has_window=has_window,
     )
@@ -259,6 +264,7 @@ def _attend_blocks(
     kv_lens,
     page_indices,
     window,
+    sinks,
     out,
     blk_seq,
     blk_tok0,
@@ -280,6 +286,8 @@ def _attend_blocks(
     k_rows, v_rows = _flat_rows(k_cache, head_dim), _flat_rows(v_cache, head_dim)
     heads = jnp.arange(kv_heads, dtype=jnp.int32)[:, None]
     row_tok = jnp.arange(rows, dtype=jnp.int32) // group  # [R] token offset of each matmul row
+    if sinks is not None:  # [K, R, 1]: row r of KV head k is query head k * group + r % group
+        row_sinks = sinks.reshape(kv_heads, group)[:, jnp.arange(rows) % group, None]
 
     def block(i, out):
         tok0, pos0, n_rows = blk_tok0[i], blk_pos0[i], blk_rows[i]
@@ -316,6 +324,8 @@ def _attend_blocks(
             jnp.zeros((kv_heads, rows, 1), jnp.float32),
             jnp.zeros((kv_heads, rows, head_dim), jnp.float32),
         )
+        if sinks is not None:  # each row starts as if it had seen one key of score its sink and value 0
+            init = (row_sinks, jnp.ones_like(init[1]), init[2])
         if num_chunks == 1:
             _, denom, acc = chunk(0, init)
         else:  # only the chunks some real row can see

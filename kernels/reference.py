@@ -50,6 +50,7 @@ def ragged_paged_attention_ref(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of query chunks over paged K/V, as the module docstring defines it.
 
@@ -58,6 +59,9 @@ def ragged_paged_attention_ref(
       sm_scale: softmax scale applied to q (a Python float).
       sliding_window: 0 = off, else attend to the last ``sliding_window`` positions; may be traced.
       soft_cap: None or ``cap`` for ``cap * tanh(s / cap)`` on the scores.
+      sinks: None, or [num_q_heads] float32 attention sinks (gpt-oss): head h's logit joins its softmax's
+        denominator as one more score, neither scaled nor capped, with no value: out = sum_j e^(s_j - m) v_j /
+        (sum_j e^(s_j - m) + e^(sink_h - m)), m the max over the scores and the sink. May be traced.
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype (computed in float32); padding tokens are zeros.
@@ -95,7 +99,7 @@ def ragged_paged_attention_ref(
         scores = _cap(scores, soft_cap)
         scores = jnp.where(mask, scores, -jnp.inf)
         scores = scores.reshape(num_tokens, num_kv_heads, group, num_seqs_padded * max_ctx)
-        probs = _safe_softmax(scores).reshape(num_tokens, num_kv_heads, group, num_seqs_padded, max_ctx)
+        probs = _safe_softmax(scores, sinks).reshape(num_tokens, num_kv_heads, group, num_seqs_padded, max_ctx)
         out = jnp.einsum("tkgsc,sckh->tkgh", probs, v.astype(jnp.float32))
     else:
         # [T, C, K, H]: each token's own context.
@@ -106,7 +110,7 @@ def ragged_paged_attention_ref(
         scores = jnp.einsum("tkgh,tckh->tkgc", qg, k.astype(jnp.float32))
         scores = _cap(scores, soft_cap)
         scores = jnp.where(allowed[:, None, None, :], scores, -jnp.inf)
-        out = jnp.einsum("tkgc,tckh->tkgh", _safe_softmax(scores), v.astype(jnp.float32))
+        out = jnp.einsum("tkgc,tckh->tkgh", _safe_softmax(scores, sinks), v.astype(jnp.float32))
     out = jnp.where(valid_tok[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
@@ -122,12 +126,18 @@ def _cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
     return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
-def _safe_softmax(scores: jax.Array) -> jax.Array:
-    """Softmax over the last axis that gives zeros (not NaN) for a fully masked row."""
+def _safe_softmax(scores: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """Softmax over the last axis of [T, K, G, C] scores that gives zeros (not NaN) for a fully masked row; with
+    ``sinks`` ([K * G] logits) each head's sink joins the denominator."""
     m = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = jnp.asarray(sinks, jnp.float32).reshape(1, *scores.shape[1:3], 1)
+        m = jnp.maximum(m, sink)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(scores - m)
     s = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        s = s + jnp.exp(sink - m)
     return e / jnp.where(s > 0, s, 1.0)
 
 

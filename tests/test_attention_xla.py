@@ -47,8 +47,8 @@ make_batch = functools.partial(make_batch, hq=9, hk=3, extra_pages=3, page=PAGE)
 _reference = jax.jit(ragged_paged_attention_ref, static_argnames=("sm_scale", "soft_cap"))
 
 
-def reference(b: Batch, layer=1, sliding_window=0, soft_cap=None):
-    return _reference(*b.args(layer), sm_scale=SM_SCALE, sliding_window=sliding_window, soft_cap=soft_cap)
+def reference(b: Batch, layer=1, sliding_window=0, soft_cap=None, sinks=None):
+    return _reference(*b.args(layer), sm_scale=SM_SCALE, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
 
 
 def check(out, b: Batch, expected, tol=TOL):
@@ -268,6 +268,27 @@ def test_cpu_impls_match_reference(impl, case):
         functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap, impl=impl, decode_chunk=32)
     )
     check(fn(*b.args(), sliding_window=window), b, reference(b, sliding_window=window, soft_cap=soft_cap))
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+@pytest.mark.parametrize("case", ["decode", "prefill-window", "gqa8-d128"])
+def test_sinks_match_reference(impl, case):
+    """Attention sinks (one logit per query head in the softmax's denominator) in both CPU paths: decode rows (the
+    C++ kernel's per-row softmax), prefill chunks (its lane groups), a window and a soft cap, head_dim 128."""
+    window, soft_cap = 0, None
+    if case == "decode":
+        b = make_batch(DECODE_Q, DECODE_KV, seed=31)
+    elif case == "prefill-window":
+        b = make_batch(*PREFILL_WINDOW[:2], seed=32)
+        window, soft_cap = jnp.int32(PREFILL_WINDOW[2]), 5.0
+    else:
+        b = make_batch(DECODE_Q + [40], DECODE_KV + [90], hq=16, hk=2, d=128, seed=33)
+    sinks = jnp.asarray(np.random.default_rng(34).normal(0.0, 2.0, b.q.shape[1]), jnp.float32)
+    fn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap, impl=impl))
+    expected = reference(b, sliding_window=window, soft_cap=soft_cap, sinks=sinks)
+    check(fn(*b.args(), sliding_window=window, sinks=sinks), b, expected)
+    plain = reference(b, sliding_window=window, soft_cap=soft_cap)
+    assert np.abs(np.asarray(expected) - np.asarray(plain)).max() > 0.1  # the sinks change the output
 
 
 @pytest.mark.parametrize("case", ["decode", "mixed", "prefill-window"])

@@ -51,8 +51,9 @@ DECODE_KV = [1, 16, 17, 33, 70]
 make_batch = functools.partial(make_batch, page=PAGE)
 
 
-def naive_attention(b: Batch, layer, *, sm_scale, window=0, soft_cap=None) -> np.ndarray:
-    """One query token and one head at a time, in float64, straight from the definition."""
+def naive_attention(b: Batch, layer, *, sm_scale, window=0, soft_cap=None, sinks=None) -> np.ndarray:
+    """One query token and one head at a time, in float64, straight from the definition (``sinks``: gpt-oss's,
+    as HF transformers computes them: the head's sink concatenated to its scores, softmaxed, then dropped)."""
     q = np.asarray(b.q, np.float64)
     kc, vc = np.asarray(b.k_cache, np.float64), np.asarray(b.v_cache, np.float64)
     cu, kv_lens, table = np.asarray(b.cu_q_lens), np.asarray(b.kv_lens), np.asarray(b.page_indices)
@@ -69,8 +70,11 @@ def naive_attention(b: Batch, layer, *, sm_scale, window=0, soft_cap=None) -> np
                 scores = ks[lo : pos + 1, h // group] @ q[t, h] * sm_scale
                 if soft_cap is not None:
                     scores = soft_cap * np.tanh(scores / soft_cap)
+                if sinks is not None:
+                    scores = np.append(scores, float(sinks[h]))
                 p = np.exp(scores - scores.max())
-                out[t, h] = (p / p.sum()) @ vs[lo : pos + 1, h // group]
+                p = (p / p.sum())[: pos + 1 - lo]
+                out[t, h] = p @ vs[lo : pos + 1, h // group]
     return out
 
 
@@ -88,24 +92,32 @@ def assert_padding_zero(out, b: Batch):
 
 
 # ------------------------------------------------------------------------------------------ the reference
+def sinks_for(hq: int) -> jax.Array:
+    """Attention sinks around the scores' range (scaled scores here are ~N(0, 1)): some heads' sinks dominate their
+    softmax, some hardly count."""
+    return jnp.asarray(np.random.default_rng(7).normal(0.0, 2.0, hq), jnp.float32)
+
+
 @pytest.mark.parametrize("path", ["dense", "gather"])
 @pytest.mark.parametrize(
-    "hq, hk, window, soft_cap",
-    [(8, 2, 0, None), (6, 2, 7, None), (4, 1, 20, 5.0), (2, 2, 0, None)],
-    ids=["gqa4", "gqa3-window7", "gqa4-window20-softcap", "mha"],
+    "hq, hk, window, soft_cap, sinks",
+    [(8, 2, 0, None, False), (6, 2, 7, None, False), (4, 1, 20, 5.0, False), (2, 2, 0, None, False)]
+    + [(8, 2, 0, None, True), (6, 2, 7, 5.0, True)],
+    ids=["gqa4", "gqa3-window7", "gqa4-window20-softcap", "mha", "gqa4-sinks", "gqa3-window7-softcap-sinks"],
 )
-def test_reference_matches_naive(path, hq, hk, window, soft_cap):
+def test_reference_matches_naive(path, hq, hk, window, soft_cap, sinks):
     if path == "dense":  # few sequences: every sequence's context is gathered once and masked densely
         b = make_batch([5, 1, 0, 17, 3], [20, 16, 15, 17, 40], hq=hq, hk=hk, pad_seqs=2)
         assert b.page_indices.shape[0] <= reference._DENSE_MAX_SEQS
     else:  # many sequences: each token gathers its own context
         b = make_batch(MIXED_Q, MIXED_KV, hq=hq, hk=hk, pad_seqs=2)
         assert b.page_indices.shape[0] > reference._DENSE_MAX_SEQS
+    sinks = sinks_for(hq) if sinks else None
     for layer in (0, 1):
         out = reference.ragged_paged_attention_ref(
-            *b.args(layer), sm_scale=SM_SCALE, sliding_window=window, soft_cap=soft_cap
+            *b.args(layer), sm_scale=SM_SCALE, sliding_window=window, soft_cap=soft_cap, sinks=sinks
         )
-        expected = naive_attention(b, layer, sm_scale=SM_SCALE, window=window, soft_cap=soft_cap)
+        expected = naive_attention(b, layer, sm_scale=SM_SCALE, window=window, soft_cap=soft_cap, sinks=sinks)
         assert_close(out, expected)
         assert_padding_zero(out, b)
 
@@ -158,10 +170,10 @@ def run_kernel(backend, b: Batch, layer=1, **kw):
     return fn(*b.args(layer), sm_scale=SM_SCALE, interpret=True, **kw)
 
 
-def check_kernel(backend, b: Batch, *, dtype=jnp.float32, window=0, soft_cap=None, **kw):
-    out = run_kernel(backend, b, sliding_window=window, soft_cap=soft_cap, **kw)
+def check_kernel(backend, b: Batch, *, dtype=jnp.float32, window=0, soft_cap=None, sinks=None, **kw):
+    out = run_kernel(backend, b, sliding_window=window, soft_cap=soft_cap, sinks=sinks, **kw)
     expected = reference.ragged_paged_attention_ref(
-        *b.args(1), sm_scale=SM_SCALE, sliding_window=window, soft_cap=soft_cap
+        *b.args(1), sm_scale=SM_SCALE, sliding_window=window, soft_cap=soft_cap, sinks=sinks
     )
     assert out.dtype == b.q.dtype
     assert_close(out, expected, dtype)
@@ -177,6 +189,8 @@ KERNEL_CASES = {
     "mixed-window7": (dict(hq=8, hk=2, d=64), dict(window=7)),
     "mixed-window20-softcap": (dict(hq=8, hk=2, d=64), dict(window=20, soft_cap=5.0)),
     "mixed-bf16-d128": (dict(hq=8, hk=2, d=128, dtype=jnp.bfloat16), dict(dtype=jnp.bfloat16)),
+    "mixed-window7-sinks": (dict(hq=8, hk=2, d=64), dict(window=7, sinks=sinks_for(8))),
+    "mixed-gqa3-softcap-sinks": (dict(hq=6, hk=2, d=64), dict(soft_cap=5.0, sinks=sinks_for(6))),
 }
 
 
@@ -198,6 +212,7 @@ def test_gpu_kernel_context_splits(num_splits):
     """Flash-decoding: the context of each query block split over programs (uneven splits too)."""
     b = make_batch(MIXED_Q, MIXED_KV, hq=8, hk=2, d=64)
     check_kernel("gpu", b, window=20, num_splits=num_splits, block_kv=16)
+    check_kernel("gpu", b, window=20, num_splits=num_splits, block_kv=16, sinks=sinks_for(8))  # merged after
 
 
 @pytest.mark.slow

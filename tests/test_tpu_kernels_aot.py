@@ -89,10 +89,11 @@ def compile_attention(
     num_seqs,
     soft_cap=None,
     kv_dtype=None,
+    sinks=False,
     **kernel_options,
 ):
     """AOT-compiles ragged_paged_attention_tpu for one chip of ``topology`` (pages in ``kv_dtype``, default
-    ``dtype``); returns the compiled executable."""
+    ``dtype``; ``sinks``: with traced attention sinks); returns the compiled executable."""
     mesh = _mesh(topology)
     a = functools.partial(_abstract, mesh)
     cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
@@ -107,9 +108,9 @@ def compile_attention(
         i32(num_seqs + 1),
         i32(),
         i32(),
-    )
+    ) + ((a((num_q_heads,), jnp.float32),) if sinks else ())
 
-    def step(q, k, v, layer, kv_lens, page_indices, cu_q_lens, n, window):
+    def step(q, k, v, layer, kv_lens, page_indices, cu_q_lens, n, window, sinks=None):
         return ragged_paged_attention_tpu(
             q,
             k,
@@ -122,6 +123,7 @@ def compile_attention(
             sm_scale=head_dim**-0.5,
             sliding_window=window,
             soft_cap=soft_cap,
+            sinks=sinks,
             **kernel_options,
         )
 
@@ -167,6 +169,14 @@ TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")
 def test_attention_compiles_for_tpu(topology, corner):
     dtype, hq, hk, d, page, (tokens, seqs), cap = ATTENTION_CORNERS[corner]
     compile_attention(topology, dtype, hq, hk, d, page, tokens, seqs, soft_cap=cap)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_attention_sinks_compile_for_tpu(topology):
+    """gpt-oss's attention: traced sinks (each row's running max starts at its head's sink), a sliding window,
+    bfloat16 and float32, decode and mixed steps."""
+    compile_attention(topology, BF16, 64, 8, 64, 16, *DECODE, sinks=True)
+    compile_attention(topology, F32, 14, 2, 128, 32, *MIXED, sinks=True)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
