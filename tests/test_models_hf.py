@@ -249,14 +249,6 @@ def test_multimodal_gemma3_serves_its_language_model(tmp_path):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
-    _hf_model("phi3", tmp_path)
-    cfg = read_config(tmp_path)
-    tensors = [(n, a[:-2] if n.endswith("layers.1.mlp.gate_up_proj.weight") else a) for n, a in iter_hf_dir(tmp_path)]
-    with pytest.raises(ValueError, match=r"fused tensor 'model\.layers\.1\.mlp\.gate_up_proj\.weight' has 190 rows, "):
-        params_from_hf_tensors(cfg, tensors)
-
-
 def test_gemma3_bad_layer_types_are_a_clear_error(tmp_path):
     config = dict(COMMON, model_type="gemma3_text", head_dim=16, sliding_window=5)
     for layer_types, match in (
@@ -274,11 +266,28 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
         read_config(tmp_path)
 
 
-def test_wrong_shape_names_tensor_and_both_shapes(tmp_path):
-    _hf_model("llama", tmp_path)
+@pytest.mark.parametrize(
+    "case, tensor, rows, match",
+    [
+        (
+            "llama",
+            "layers.1.self_attn.k_proj.weight",
+            1,
+            r"layers\.1\.self_attn\.k_proj\.weight.*\(31, 64\).*\(32, 64\)",
+        ),
+        (
+            "phi3",
+            "layers.1.mlp.gate_up_proj.weight",
+            2,
+            r"fused tensor 'model\.layers\.1\.mlp\.gate_up_proj\.weight' has 190 rows",
+        ),
+    ],
+)
+def test_wrong_shape_names_tensor_and_both_shapes(tmp_path, case, tensor, rows, match):
+    _hf_model(case, tmp_path)
     cfg = read_config(tmp_path)
-    tensors = [(n, a[:-1] if n.endswith("layers.1.self_attn.k_proj.weight") else a) for n, a in iter_hf_dir(tmp_path)]
-    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_proj\.weight.*\(31, 64\).*\(32, 64\)"):
+    tensors = [(n, a[:-rows] if n.endswith(tensor) else a) for n, a in iter_hf_dir(tmp_path)]
+    with pytest.raises(ValueError, match=match):
         params_from_hf_tensors(cfg, tensors)
 
 
