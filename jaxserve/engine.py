@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import numbers
 import os
-import random
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,17 +23,19 @@ from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import StepChannel, agree, multi_process, replica_groups
 from jaxserve.draft import DraftProposer
+from jaxserve.input_processor import InputProcessor
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.output_processor import OutputProcessor, Sequence, TrackedRequest
+from jaxserve.outputs import RequestOutput
 from jaxserve.remote import GroupLink, RemoteRunner, follow_group
-from jaxserve.request import Request, RequestStatus, check_prompt, out_of_vocabulary
+from jaxserve.request import RequestStatus
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.sharding import check_parallelism, checkpoint_shardings, kv_heads_for, make_mesh
-from jaxserve.structured import Matcher, StructuredOutputs
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from jaxserve.structured import StructuredOutputs
+from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,24 +96,6 @@ class StepFailed(RuntimeError):
         self.request_ids, self.outputs, self.cause = request_ids, outputs, cause
 
 
-def _is_token_id(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
-
-
-@dataclasses.dataclass
-class _Sequence:
-    """Engine-side state of one of a prompt's ``n`` sequences."""
-
-    index: int
-    request: Request
-    detok: IncrementalDetokenizer
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-    stop_reason: int | str | None = None
-    matcher: Matcher | None = None  # structured outputs: where the sequence is in its grammar
-
-
 @dataclasses.dataclass
 class Replica:
     """One data-parallel replica: its own devices (a mesh of ``tensor_parallel_size``), weights, KV pool,
@@ -126,18 +108,6 @@ class Replica:
 
     def load(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
-
-
-@dataclasses.dataclass
-class _Tracked:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_Sequence]
-    pending_forks: list[_Sequence]  # n > 1: children waiting for the first sequence's prompt pages
-    replica: Replica | None = None  # where it is queued (set when it is)
-    prompt_logprobs: dict = dataclasses.field(default_factory=dict)  # position -> SampledToken, as computed
 
 
 class LLMEngine:
@@ -253,9 +223,18 @@ class LLMEngine:
         if multi_process():
             self._connect(groups, home)
         self.load_seconds = time.perf_counter() - t0
-        self._rng = random.Random(config.seed)
-        self._tracked: dict[str, _Tracked] = {}
-        self._seq_owner: dict[str, tuple[_Tracked, _Sequence]] = {}  # scheduler request id -> owner
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.scheduler_config.max_model_len,
+            self.runner.num_pages,
+            self.structured,
+            self.eos_token_ids,
+            config.seed,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._seq_owner: dict[str, tuple[TrackedRequest, Sequence]] = {}  # scheduler request id -> owner
 
     @property
     def runner(self) -> ModelRunner:
@@ -382,7 +361,7 @@ class LLMEngine:
             ValueError: as ``add_request``, naming the bad item's request id (and its index in ``items``).
         """
         items = list(items)
-        prepared: list[_Tracked] = []
+        prepared: list[TrackedRequest] = []
         taken: set[str] = set()  # ids (and children's ids) of the items before this one
         for k, item in enumerate(items):
             try:
@@ -390,7 +369,9 @@ class LLMEngine:
                     raise ValueError(
                         f"an item must be (request_id, prompt, sampling_params[, priority]), got {type(item).__name__}"
                     )
-                prepared.append(self._prepare(*item, arrival_time=arrival_time, taken=taken))
+                prepared.append(
+                    self.input_processor.prepare(*item, arrival_time=arrival_time, taken=taken, in_use=self._in_use)
+                )
             except ValueError as e:
                 raise ValueError(str(e) if len(items) == 1 else f"item {k} of {len(items)}: {e}") from None
         self._dispatch(prepared)
@@ -400,17 +381,21 @@ class LLMEngine:
             for seq in tracked.seqs:
                 self._seq_owner[seq.request.request_id] = (tracked, seq)
 
-    def _dispatch(self, prepared: list[_Tracked]) -> None:
+    def _in_use(self, request_id: str) -> bool:
+        """Whether a request or sequence of this id is live (a new one may not take it)."""
+        return request_id in self._tracked or request_id in self._seq_owner
+
+    def _dispatch(self, prepared: list[TrackedRequest]) -> None:
         """Queues each request on the least loaded replica, all or none (each scheduler validates all of its
         share before queueing any)."""
         loads = [r.load() for r in self.replicas]
-        shares: dict[int, list[_Tracked]] = {}
+        shares: dict[int, list[TrackedRequest]] = {}
         for tracked in prepared:
             i = min(range(len(loads)), key=loads.__getitem__)
             loads[i] += len(tracked.seqs)
             tracked.replica = self.replicas[i]
             shares.setdefault(i, []).append(tracked)
-        queued: list[_Tracked] = []
+        queued: list[TrackedRequest] = []
         try:
             for i, share in shares.items():
                 self.replicas[i].scheduler.add_requests([t.seqs[0].request for t in share])
@@ -419,103 +404,6 @@ class LLMEngine:
             for tracked in queued:
                 tracked.replica.scheduler.abort_request(tracked.seqs[0].request.request_id)
             raise
-
-    def _prepare(
-        self,
-        request_id: str,
-        prompt,
-        sampling_params: SamplingParams | None,
-        priority: int = 0,
-        *,
-        arrival_time: float | None,
-        taken: set[str],
-    ) -> _Tracked:
-        """One request, validated and built, not queued; its ids are added to ``taken``."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"a request id must be a non-empty string, got {request_id!r}")
-        where = f"request {request_id!r}"
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"{where}: sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if not _is_token_id(priority):
-            raise ValueError(f"{where}: priority must be an int, got {priority!r}")
-        ids = [request_id] + ([f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [])
-        for rid in ids:  # children's ids too: "x#1" and "x" with n=2 would share a sequence id
-            if rid in self._tracked or rid in self._seq_owner or rid in taken:
-                raise ValueError(
-                    f"request id {request_id!r} is already in use"
-                    if rid == request_id
-                    else f"{where}: its sequence id {rid!r} (n={params.n}) is already in use"
-                )
-        prompt_text, prompt_ids = self._prompt_ids(where, prompt)
-        vocab, max_len = self.model_config.vocab_size, self.scheduler_config.max_model_len
-        try:
-            check_prompt(prompt_ids, vocab, max_len)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        for name, toks in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids)):
-            bad = out_of_vocabulary(toks, vocab)
-            if bad:
-                raise ValueError(
-                    f"{where}: SamplingParams.{name} has token ids {bad} outside the vocabulary [0, {vocab})"
-                )
-        if params.n > self.runner.num_pages:
-            raise ValueError(
-                f"{where}: SamplingParams.n={params.n} sequences cannot each hold a page of the "
-                f"{self.runner.num_pages}-page KV pool"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(prompt_ids)
-        so = params.structured_outputs
-        matchers = [None] * params.n
-        if so is not None:
-            try:
-                matchers = self.structured.matchers(so, params.n)
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        tracked = _Tracked(request_id, prompt_text, prompt_ids, params, [], [])
-        for i in range(params.n):
-            child_params = dataclasses.replace(
-                params, n=1, max_tokens=max_tokens, seed=base_seed if i == 0 else hash((base_seed, i)) & (2**63 - 1)
-            )
-            req = Request(
-                ids[i + 1] if params.n > 1 else request_id,
-                prompt_ids,
-                child_params,
-                self.eos_token_ids,
-                arrival_time,
-                int(priority),
-            )
-            seq = _Sequence(
-                i,
-                req,
-                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
-                logprobs=[] if params.logprobs is not None else None,
-                matcher=matchers[i],
-            )
-            tracked.seqs.append(seq)
-        taken.update(ids)
-        return tracked
-
-    def _prompt_ids(self, where: str, prompt) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt: a string, or token ids as a list, tuple or 1-D int array (their
-        values are checked by ``check_prompt``)."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
-            ids = prompt.tolist()
-        elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            got = (
-                f"an array of {prompt.dtype} with shape {prompt.shape}"
-                if isinstance(prompt, np.ndarray)
-                else f"a {type(prompt).__name__} holding {sorted({type(t).__name__ for t in prompt})}"
-                if isinstance(prompt, (list, tuple))
-                else f"a {type(prompt).__name__}"
-            )
-            raise ValueError(f"{where}: the prompt must be a string or a list of int token ids, got {got}")
-        return (prompt if isinstance(prompt, str) else None), ids
 
     def abort_request(self, request_id: str) -> bool:
         """Aborts a request (all its sequences) and frees its pages at once; it produces no further output.
@@ -659,7 +547,7 @@ class LLMEngine:
         scheduler.update_from_output(sched, emitted)
         if replica.drafter is not None:
             replica.drafter.update(sched, emitted)
-        touched: dict[str, _Tracked] = {}
+        touched: dict[str, TrackedRequest] = {}
         errors: dict[str, Exception] = {}
         for rid, toks in sampled.items():
             owner = self._seq_owner.get(rid)
@@ -673,7 +561,9 @@ class LLMEngine:
                 continue
             try:
                 for j, tok in enumerate(kept):
-                    if self._append(tracked, seq, tok, last=j == len(kept) - 1):  # a stop string or the grammar
+                    if self.output_processor.append(
+                        tracked, seq, tok, last=j == len(kept) - 1
+                    ):  # a stop string or the grammar
                         del out_ids[before[rid] + j + 1 :]  # ended it: the confirmed tokens after it are dropped
                         break
             except Exception as e:  # noqa: BLE001 - e.g. detokenization: only this request fails
@@ -684,7 +574,7 @@ class LLMEngine:
         for tracked in touched.values():
             if tracked.request_id in errors:
                 continue
-            out = self._output(tracked)
+            out = self.output_processor.output(tracked)
             outputs.append(out)
             if out.finished:
                 self._forget(tracked)
@@ -709,49 +599,10 @@ class LLMEngine:
         for rid in request_ids:
             self.abort_request(rid)
 
-    def _forget(self, tracked: _Tracked) -> None:
+    def _forget(self, tracked: TrackedRequest) -> None:
         self._tracked.pop(tracked.request_id, None)
         for seq in tracked.seqs:
             self._seq_owner.pop(seq.request.request_id, None)
-
-    def _append(self, tracked: _Tracked, seq: _Sequence, tok, last: bool = True) -> bool:
-        """Adds one sampled token to a sequence's text, logprobs and grammar; ``last``: the last of the step's
-        tokens for it (only then can the scheduler have finished it). True if this token ended the sequence here
-        (a stop string, or the grammar's end)."""
-        params = seq.request.sampling_params
-        req = seq.request
-        finished_before = req.is_finished and last  # by the scheduler: a stop token, max_tokens, the model length
-        if seq.logprobs is not None:
-            entry = {tok.token_id: Logprob(tok.logprob, self.tokenizer.decode([tok.token_id], False))}
-            for tid, lp in zip(tok.top_ids, tok.top_logprobs):
-                entry.setdefault(tid, Logprob(lp, self.tokenizer.decode([tid], False)))
-            seq.logprobs.append(entry)
-        seq.cumulative_logprob += tok.logprob
-        stopped_by_token = finished_before and req.finish_reason == "stop"
-        if stopped_by_token:
-            seq.stop_reason = tok.token_id if tok.token_id in (params.stop_token_ids or ()) else None
-            return False  # the stop token's text is not part of the output
-        ended = False
-        if seq.matcher is not None:
-            seq.matcher.advance(tok.token_id)
-            if seq.matcher.done and not req.is_finished:  # the grammar is complete: nothing more may follow
-                tracked.replica.scheduler.finish_request(req.request_id, "stop")
-                req.status = RequestStatus.FINISHED_STOPPED
-                ended = True
-        seq.text += seq.detok.add(tok.token_id)
-        if finished_before or ended:
-            seq.text += seq.detok.flush()
-        for stop in params.stop or ():
-            # Only the tail can hold a new match: the new text plus len(stop) - 1 characters before it.
-            at = seq.text.find(stop, max(0, len(seq.text) - len(stop) - 64))
-            if at >= 0:
-                seq.text = seq.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
-                seq.stop_reason = stop
-                tracked.replica.scheduler.finish_request(req.request_id, "stop")
-                req.status = RequestStatus.FINISHED_STOPPED
-                ended = True
-                break
-        return ended
 
     def _start_forks(self, replica: Replica) -> None:
         """n > 1: the other sequences share the first one's prompt pages once its prefill is done."""
@@ -768,52 +619,6 @@ class LLMEngine:
             else:
                 continue
             tracked.pending_forks = []
-
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        outs = []
-        hold = max((len(s) for s in tracked.params.stop or ()), default=1) - 1
-        for seq in tracked.seqs:
-            req = seq.request
-            text = seq.text
-            if not req.is_finished and hold:
-                text = text[: max(0, len(text) - hold)]  # a stop string may still be forming
-            outs.append(
-                CompletionOutput(
-                    seq.index,
-                    text,
-                    list(req.confirmed_output_token_ids),
-                    seq.cumulative_logprob if seq.logprobs is not None else None,
-                    seq.logprobs,
-                    req.finish_reason,
-                    seq.stop_reason,
-                )
-            )
-        finished = all(s.request.is_finished for s in tracked.seqs) and not tracked.pending_forks
-        return RequestOutput(
-            tracked.request_id,
-            tracked.prompt,
-            tracked.prompt_token_ids,
-            outs,
-            finished,
-            tracked.seqs[0].request.num_cached_tokens,
-            self._prompt_logprobs(tracked),
-        )
-
-    def _prompt_logprobs(self, tracked: _Tracked) -> list[dict[int, Logprob] | None] | None:
-        if tracked.params.prompt_logprobs is None:
-            return None
-        entries = tracked.prompt_logprobs
-        out: list[dict[int, Logprob] | None] = [None]
-        for pos in range(1, len(tracked.prompt_token_ids)):
-            e = entries.get(pos)
-            if e is None:
-                out.append(None)
-                continue
-            d = {e.token_id: Logprob(e.logprob, self.tokenizer.decode([e.token_id], False))}
-            for tid, lp in zip(e.top_ids, e.top_logprobs):
-                d.setdefault(tid, Logprob(lp, self.tokenizer.decode([tid], False)))
-            out.append(d)
-        return out
 
     # ------------------------------------------------------------------ KV events
     def enable_kv_events(self) -> None:

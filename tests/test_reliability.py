@@ -253,19 +253,19 @@ def test_a_failed_step_fails_only_its_requests(llm, monkeypatch):
     monkeypatch.setattr(engine.runner, "launch", real)
     # A host-side failure of one request: the others' outputs of the step come with the exception.
     engine.add_requests([(f"q{i}", p, GREEDY) for i, p in enumerate(prompts)])
-    real_append = engine._append
+    real_append = engine.output_processor.append
 
     def append(tracked, seq, tok, **kw):
         if tracked.request_id == "q1":
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
         return real_append(tracked, seq, tok, **kw)
 
-    monkeypatch.setattr(engine, "_append", append)
+    monkeypatch.setattr(engine.output_processor, "append", append)
     with pytest.raises(StepFailed) as err:
         for _ in range(2):  # with async scheduling the first step() only launches the prefill
             engine.step()
     assert err.value.request_ids == ["q1"] and sorted(o.request_id for o in err.value.outputs) == ["q0", "q2", "q3"]
-    monkeypatch.setattr(engine, "_append", real_append)
+    monkeypatch.setattr(engine.output_processor, "append", real_append)
     done, _ = _run(engine)
     assert sorted(done) == ["q0", "q2", "q3"]
     assert [done[f"q{i}"].outputs[0].token_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
