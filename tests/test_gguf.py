@@ -368,6 +368,14 @@ CASES = {  # name: (gguf arch, HF config class, overrides)
     "llama_tied": ("llama", "LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen2": ("qwen2", "Qwen2Config", dict(tie_word_embeddings=False, rope_theta=1e6)),
     "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3_yarn": (
+        "qwen3",
+        "Qwen3Config",
+        dict(
+            head_dim=32,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64),
+        ),
+    ),
     "gemma": ("gemma", "GemmaConfig", dict(head_dim=16, num_key_value_heads=1)),
     "gemma2": (
         "gemma2",
@@ -440,6 +448,10 @@ def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) 
     for key in ("bos_token_id", "eos_token_id"):
         if getattr(config, key, None) is not None:
             w.add_uint32("tokenizer.ggml." + key, getattr(config, key))
+    if rope.get("rope_type") == "yarn":
+        w.add_string(a + "rope.scaling.type", "yarn")
+        w.add_float32(a + "rope.scaling.factor", rope["factor"])
+        w.add_uint32(a + "rope.scaling.original_context_length", rope["original_max_position_embeddings"])
     if rope.get("rope_type") == "llama3":
         w.add_tensor(
             "rope_freqs.weight",

@@ -653,6 +653,17 @@ class GGUFCheckpoint:
         scaling_type = self._meta(a + "rope.scaling.type", "none")
         if scaling_type == "linear":
             rope_scaling = RopeScaling("linear", float(self._meta(a + "rope.scaling.factor")))
+        elif scaling_type == "yarn":  # Qwen2.5 / Qwen3 long context, as llama.cpp's converter writes it
+            for key in ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier"):
+                if self._meta(a + key, 1.0 if key.endswith("attn_factor") else 0.0) not in (1.0, 0.0):
+                    raise ValueError(f"{self.path.name}: yarn with {a + key} is not supported")
+            rope_scaling = RopeScaling(
+                "yarn",
+                float(self._meta(a + "rope.scaling.factor")),
+                original_max_position_embeddings=int(self._meta(a + "rope.scaling.original_context_length")),
+                beta_fast=float(self._meta(a + "rope.scaling.yarn_beta_fast", 32.0)),
+                beta_slow=float(self._meta(a + "rope.scaling.yarn_beta_slow", 1.0)),
+            )
         elif scaling_type != "none":
             raise ValueError(f"{self.path.name}: rope scaling type {scaling_type!r} is not supported")
         if "rope_freqs.weight" in self.tensors:
