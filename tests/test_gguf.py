@@ -368,6 +368,23 @@ CASES = {  # name: (gguf arch, HF config class, overrides)
     "llama_tied": ("llama", "LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen2": ("qwen2", "Qwen2Config", dict(tie_word_embeddings=False, rope_theta=1e6)),
     "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    # Fused qkv / gate_up tensors, longrope's factors as tensors, half of each head rotated.
+    "phi3": (
+        "phi3",
+        "Phi3Config",
+        dict(
+            pad_token_id=0,
+            original_max_position_embeddings=64,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                original_max_position_embeddings=64,
+                short_factor=[1.0, 1.5, 2.0, 3.0],
+                long_factor=[1.0, 4.0, 9.0, 16.0],
+            ),
+        ),
+    ),
     "qwen3_yarn": (
         "qwen3",
         "Qwen3Config",
@@ -395,7 +412,14 @@ CASES = {  # name: (gguf arch, HF config class, overrides)
         dict(num_hidden_layers=7, head_dim=24, sliding_window=5, query_pre_attn_scalar=24),
     ),
 }
-HF_READS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # GGUF architectures transformers' GGUF loader supports
+HF_READS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+)  # GGUF architectures transformers' GGUF loader supports
 
 
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -435,6 +459,8 @@ def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) 
     w.add_float32(a + "attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     if arch == "llama":
         w.add_uint32(a + "rope.dimension_count", head_dim)
+    elif arch == "phi3":
+        w.add_uint32(a + "rope.dimension_count", int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     else:
         w.add_uint32(a + "attention.key_length", head_dim)
         w.add_uint32(a + "attention.value_length", head_dim)
@@ -448,6 +474,10 @@ def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) 
     for key in ("bos_token_id", "eos_token_id"):
         if getattr(config, key, None) is not None:
             w.add_uint32("tokenizer.ggml." + key, getattr(config, key))
+    if rope.get("rope_type") == "longrope":  # the converter's tensors (it also writes an attn_factor: derived here)
+        w.add_uint32(a + "rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     if rope.get("rope_type") == "yarn":
         w.add_string(a + "rope.scaling.type", "yarn")
         w.add_float32(a + "rope.scaling.factor", rope["factor"])

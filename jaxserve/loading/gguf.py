@@ -498,7 +498,11 @@ def _parse(buf, size: int) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
 
 # ---------------------------------------------------------------------------------------------- architectures
 # Tensor names come from the parameter schema (``ParamSpec.gguf`` / ``.hf``); these are the file's other tensors.
-_CONSUMED = ("rope_freqs.weight",)  # folded into ModelConfig.rope_scaling, not a weight of the HF model
+_CONSUMED = (
+    "rope_freqs.weight",
+    "rope_factors_long.weight",
+    "rope_factors_short.weight",
+)  # folded into ModelConfig.rope_scaling, not a weight of the HF model
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -666,6 +670,19 @@ class GGUFCheckpoint:
             )
         elif scaling_type != "none":
             raise ValueError(f"{self.path.name}: rope scaling type {scaling_type!r} is not supported")
+        if "rope_factors_long.weight" in self.tensors:  # longrope (Phi-3): its factors as tensors
+            if rope_scaling is not None:
+                raise ValueError(f"{self.path.name}: both rope.scaling.type and rope_factors_long.weight are set")
+            original = int(self._meta(a + "rope.scaling.original_context_length"))
+            attn = self._meta(a + "rope.scaling.attn_factor", None)
+            rope_scaling = RopeScaling(
+                "longrope",
+                self._meta(a + "context_length", original) / original,
+                original_max_position_embeddings=original,
+                attention_factor=None if attn is None else float(attn),
+                short_factor=self.tensor("rope_factors_short.weight").reshape(-1).tolist(),
+                long_factor=self.tensor("rope_factors_long.weight").reshape(-1).tolist(),
+            )
         if "rope_freqs.weight" in self.tensors:
             if rope_scaling is not None:
                 raise ValueError(f"{self.path.name}: both rope.scaling.type and rope_freqs.weight are set")
@@ -694,6 +711,7 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+            partial_rotary_factor=self._meta(a + "rope.dimension_count", head_dim) / head_dim,
             sliding_window=self._meta(a + "attention.sliding_window", None) or None,
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(eos_ids),
@@ -708,7 +726,7 @@ class GGUFCheckpoint:
         specs = [s for s in param_schema(self.model_config()).values() if s.gguf and s.hf]
         return (
             {s.gguf: s.hf for s in specs if not s.per_layer},
-            {s.gguf: s.hf for s in specs if s.per_layer},
+            {s.gguf: s.hf for s in specs if s.per_layer} | dict(self._family().gguf_fused),
         )
 
     # ---------------------------------------------------------------- tensors in HF convention

@@ -44,6 +44,7 @@ class Family:
             model's tensors, skipped), e.g. a multimodal checkpoint's language model and vision tower.
         hf_fused: a fused checkpoint tensor (per-layer name) -> the schema's tensors it holds, stacked along its
             rows (its output channels) in this order; each takes its schema shape's share. Split on load.
+        gguf_fused: a per-layer GGUF tensor -> the fused HF tensor of ``hf_fused`` it is (llama.cpp keeps them).
     """
 
     name: str
@@ -56,12 +57,14 @@ class Family:
     gguf_permuted_qk: bool = False
     hf_tensor_prefixes: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     hf_fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    gguf_fused: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "flags", MappingProxyType(dict(self.flags)))
         object.__setattr__(self, "hf_defaults", MappingProxyType(dict(self.hf_defaults)))
         object.__setattr__(self, "hf_tensor_prefixes", MappingProxyType(dict(self.hf_tensor_prefixes)))
         object.__setattr__(self, "hf_fused", MappingProxyType(dict(self.hf_fused)))
+        object.__setattr__(self, "gguf_fused", MappingProxyType(dict(self.gguf_fused)))
 
     def hf_tensor_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as the schema knows it; None: a tensor of another model (skipped)."""
@@ -204,7 +207,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "phi3",
         ("phi3",),
+        "phi3",
         hf_fields=_phi3_hf,
+        gguf_fields=lambda meta, fields: {"sliding_window": meta("attention.sliding_window", None) or None},
+        gguf_fused={"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
         hf_fused={
             "self_attn.qkv_proj.weight": (
                 "self_attn.q_proj.weight",
