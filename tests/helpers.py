@@ -267,3 +267,16 @@ def hf_greedy_choices(model, ids: list[int], tokens: list[int]) -> list[int]:
     with torch.no_grad():
         logits = model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
     return logits.argmax(-1).tolist()
+
+
+def longrope(short_factor: list[float], long_factor: list[float], original: int = 64, **extra) -> dict:
+    """A transformers-5 ``rope_parameters`` dict for longrope (Phi-3): a factor per rotated frequency, the original
+    context above the tests' sequences (so that the short factors apply), base 10,000."""
+    return dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        original_max_position_embeddings=original,
+        short_factor=short_factor,
+        long_factor=long_factor,
+        **extra,
+    )

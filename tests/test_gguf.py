@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from helpers import longrope
 
 from jaxserve.config import ModelConfig
 from jaxserve.loading.gguf import _CHUNK_VALUES, SUPPORTED_TYPES, GGUFCheckpoint, dequantize, read_metadata
@@ -375,14 +376,7 @@ CASES = {  # name: (gguf arch, HF config class, overrides)
         dict(
             pad_token_id=0,
             original_max_position_embeddings=64,
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                partial_rotary_factor=0.5,
-                original_max_position_embeddings=64,
-                short_factor=[1.0, 1.5, 2.0, 3.0],
-                long_factor=[1.0, 4.0, 9.0, 16.0],
-            ),
+            rope_parameters=longrope([1.0, 1.5, 2.0, 3.0], [1.0, 4.0, 9.0, 16.0], partial_rotary_factor=0.5),
         ),
     ),
     "qwen3_yarn": (

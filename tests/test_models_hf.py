@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import longrope
 
 torch = pytest.importorskip("torch", reason="HF transformers' reference needs torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
@@ -51,13 +52,9 @@ CASES = {
         "LlamaConfig",
         "LlamaForCausalLM",
         dict(
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                original_max_position_embeddings=64,
-                short_factor=[1.0, 1.1, 1.3, 1.7, 2.2, 2.9, 3.5, 4.0],
-                long_factor=[1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
-            ),
+            rope_parameters=longrope(
+                [1.0, 1.1, 1.3, 1.7, 2.2, 2.9, 3.5, 4.0], [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]
+            )
         ),
     ),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1)),
@@ -108,12 +105,8 @@ CASES = {
         dict(
             pad_token_id=0,
             original_max_position_embeddings=64,
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                original_max_position_embeddings=64,
-                short_factor=[1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5],
-                long_factor=[1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+            rope_parameters=longrope(
+                [1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5], [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]
             ),
         ),
     ),
