@@ -112,6 +112,7 @@ def test_parse_topology():
         "gemma-3-1b-it",
         "gemma-3-27b-it",
         "phi-3-mini-4k-instruct",
+        "phi-4-mini-instruct",
     ],
 )
 def test_every_preset_plans_on_a_v5p_slice(preset):

@@ -209,6 +209,44 @@ def test_rope_frequencies_match_hf(rope_type):
     np.testing.assert_allclose(np.asarray(cos), expected, atol=1e-5)
 
 
+def test_phi4_mini_preset_is_its_hub_config():
+    """configs/phi-4-mini-instruct.json against transformers' Phi3Config of the hub's config.json: transformers
+    accepts its 48 long / short factors (one per frequency of the 96 rotated dims of 128), our HF reader gives the
+    preset back, and our rope (partial, longrope over a 4,096 original context) gives transformers' frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxserve.config import ModelConfig, load_preset
+    from jaxserve.layers.rope import Rope
+
+    cfg = load_preset("phi-4-mini-instruct")
+    rs = cfg.rope_scaling
+    hf_config = transformers.Phi3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        original_max_position_embeddings=rs.original_max_position_embeddings,
+        partial_rotary_factor=cfg.partial_rotary_factor,
+        rope_scaling=dict(type="longrope", short_factor=list(rs.short_factor), long_factor=list(rs.long_factor)),
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        sliding_window=cfg.sliding_window,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=list(cfg.eos_token_ids),
+    )
+    assert ModelConfig.from_hf(hf_config.to_dict()) == cfg
+    rope = Rope.of(cfg)
+    assert cfg.rotary_dim == 96 and len(rs.long_factor) == len(rope.inv_freq()) == 48
+    for seq_len, long in ((4096, False), (4097, True)):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=seq_len)
+        np.testing.assert_allclose(rope.inv_freq(long=long), inv_freq.double().numpy(), rtol=1e-6)
+        assert rope.attention_factor == pytest.approx(factor, rel=1e-9) and factor > 1.1
+
+
 def test_unknown_rope_type_is_a_clear_error(tmp_path):
     config = dict(COMMON, model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     (tmp_path / "config.json").write_text(__import__("json").dumps(config))
