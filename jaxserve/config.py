@@ -203,6 +203,7 @@ class ModelConfig:
         family = registry.for_hf(hf)
         if isinstance(hf.get("text_config"), dict):  # a multimodal config: its language model's, under the top's
             hf = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")} | hf["text_config"]
+        hf = dict(family.hf_defaults) | hf  # the family's values for the keys its configs may leave out
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         eos = hf.get("eos_token_id")

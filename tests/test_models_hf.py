@@ -289,6 +289,114 @@ def test_gemma3_bad_layer_types_are_a_clear_error(tmp_path):
         (tmp_path / "config.json").write_text(__import__("json").dumps(config | {"layer_types": layer_types}))
         with pytest.raises(ValueError, match=match):
             read_config(tmp_path)
+    # EmbeddingGemma: a gemma3_text encoder, which a causal decoder would serve wrongly.
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config | {"use_bidirectional_attention": True}))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        read_config(tmp_path)
+
+
+# The hub's config.json files as released (transformers 4.50): 1B text-only and complete; 4B / 12B / 27B multimodal,
+# their text_config listing only what differs from Gemma3TextConfig's defaults (4B: not even the heads).
+_GEMMA3_LINEAR8 = {"rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "model_type": "gemma3_text"}
+_GEMMA3_HUB = {
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "attention_bias": False,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "eos_token_id": [1, 106],
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "vocab_size": 262144,
+    },
+    "gemma-3-4b-it": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, sliding_window=1024),
+    "gemma-3-12b-it": dict(
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_attention_heads=16,
+        num_hidden_layers=48,
+        num_key_value_heads=8,
+        sliding_window=1024,
+    ),
+    "gemma-3-27b-it": dict(
+        head_dim=128,
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_attention_heads=32,
+        num_hidden_layers=62,
+        num_key_value_heads=16,
+        query_pre_attn_scalar=168,
+        sliding_window=1024,
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(_GEMMA3_HUB))
+def test_gemma3_hub_configs_read_as_transformers_does(preset, tmp_path):
+    """Each released Gemma 3 config.json, read by us and by transformers' AutoConfig (the independent reading):
+    the same sizes, layer pattern and both ropes, and exactly our preset of that model."""
+    import json
+
+    from jaxserve.config import ModelConfig, load_preset
+
+    hub = _GEMMA3_HUB[preset]
+    if "architectures" not in hub:  # multimodal: the text model under text_config, a vision tower beside it
+        vision = {
+            "hidden_size": 1152,
+            "image_size": 896,
+            "intermediate_size": 4304,
+            "model_type": "siglip_vision_model",
+        }
+        hub = {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "eos_token_id": [1, 106],
+            "model_type": "gemma3",
+            "text_config": hub | _GEMMA3_LINEAR8,
+            "vision_config": vision | {"num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14},
+        }
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    ours = ModelConfig.from_hf(hub)
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    theirs = getattr(theirs, "text_config", theirs)
+    assert (ours.vocab_size, ours.hidden_size, ours.intermediate_size, ours.num_layers) == (
+        theirs.vocab_size,
+        theirs.hidden_size,
+        theirs.intermediate_size,
+        theirs.num_hidden_layers,
+    )
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.query_pre_attn_scalar) == (
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+        theirs.head_dim,
+        theirs.query_pre_attn_scalar,
+    )
+    assert (ours.rms_norm_eps, ours.max_position_embeddings, ours.sliding_window) == (
+        theirs.rms_norm_eps,
+        theirs.max_position_embeddings,
+        theirs.sliding_window,
+    )
+    assert ours.sliding_window_layers == tuple(t == "sliding_attention" for t in theirs.layer_types)
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (ours.rope_theta, ours.local_rope_theta) == (full["rope_theta"], local["rope_theta"])
+    scaling = (ours.rope_scaling.rope_type, ours.rope_scaling.factor) if ours.rope_scaling else ("default", None)
+    assert scaling == (full["rope_type"], full.get("factor")) and local["rope_type"] == "default"
+    assert ours == load_preset(preset)
 
 
 def test_unknown_architecture_is_a_clear_error(tmp_path):

@@ -36,7 +36,7 @@ class Family:
         gguf_architecture: llama.cpp's ``general.architecture`` for it; None: not read from GGUF (llama.cpp
             converts Mistral to ``llama``, which loads as the llama family).
         flags: ``ModelConfig`` fields the family fixes, whatever the checkpoint's format.
-        hf_defaults: fields whose ``config.json`` key may be absent, and their value then.
+        hf_defaults: ``config.json`` keys that may be absent, and their value then (its config class's defaults).
         hf_fields, gguf_fields: the family's own fields from a ``config.json`` / the GGUF metadata.
         gguf_permuted_qk: llama.cpp's converter interleaved the halves of each q/k head (the rope convention of
             its "normal" rope); the loader undoes it.
@@ -127,11 +127,16 @@ def _gemma3_hf(hf, fields) -> dict[str, Any]:
         raise ValueError(
             f"gemma3: layer_types must list {n} of 'sliding_attention' / 'full_attention', got {hf['layer_types']}"
         )
-    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("gemma3: use_bidirectional_attention (EmbeddingGemma, an encoder) is not supported")
+    rope = hf.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"gemma3: a rope scaling on the local layers ({local['rope_type']!r}) is not supported")
     theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
-    return _gemma2_hf(hf, fields) | {"local_rope_theta": float(theta)}
+    # transformers' default global base is 1e6 (the hub's 4B / 12B / 27B configs leave it out), not 10,000.
+    global_theta = hf.get("rope_theta", (rope.get("full_attention") or {}).get("rope_theta", 1_000_000.0))
+    return _gemma2_hf(hf, fields) | {"rope_theta": float(global_theta), "local_rope_theta": float(theta)}
 
 
 def _gemma3_gguf(meta, fields) -> dict[str, Any]:
@@ -177,6 +182,25 @@ def _phi3_hf(hf, fields) -> dict[str, Any]:
     return {"sliding_window": hf.get("sliding_window") or None}
 
 
+# Gemma3TextConfig's defaults: the hub's multimodal configs list only what differs from them (4B: not even the
+# number of heads or the vocabulary).
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+
 _GEMMA = {"hidden_act": "gelu_pytorch_tanh", "norm_weight_offset": 1.0, "scale_embeddings": True}
 
 FAMILIES: tuple[Family, ...] = (
@@ -199,7 +223,7 @@ FAMILIES: tuple[Family, ...] = (
         ("gemma3_text", "gemma3"),  # gemma3: the multimodal 4B / 12B / 27B, served as their language model
         "gemma3",
         flags=_GEMMA | {"sandwich_norms": True, "qk_norm": True},
-        hf_defaults={"tie_word_embeddings": True},
+        hf_defaults=_GEMMA3_TEXT_DEFAULTS,
         hf_fields=_gemma3_hf,
         gguf_fields=_gemma3_gguf,
         hf_tensor_prefixes=_MULTIMODAL_PREFIXES,
