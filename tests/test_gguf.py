@@ -399,11 +399,21 @@ CASES = {  # name: (gguf arch, HF config class, overrides)
             query_pre_attn_scalar=24,
         ),
     ),  # llama.cpp scales Gemma-2 attention by head_dim ** -0.5 (but for 27B)
-    # llama.cpp: every 6th layer global, the local layers' rope base 10,000, attention scaled by head_dim ** -0.5.
+    # llama.cpp: every 6th layer global, the local layers' rope base 10,000, attention scaled by head_dim ** -0.5;
+    # the global layers' linear rope scaling of 4B / 12B / 27B in rope.scaling.*.
     "gemma3": (
         "gemma3",
         "Gemma3TextConfig",
-        dict(num_hidden_layers=7, head_dim=24, sliding_window=5, query_pre_attn_scalar=24),
+        dict(
+            num_hidden_layers=7,
+            head_dim=24,
+            sliding_window=5,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        ),
     ),
 }
 HF_READS = (
@@ -472,6 +482,9 @@ def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) 
         w.add_uint32(a + "rope.scaling.original_context_length", rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    if rope.get("rope_type") == "linear":
+        w.add_string(a + "rope.scaling.type", "linear")
+        w.add_float32(a + "rope.scaling.factor", rope["factor"])
     if rope.get("rope_type") == "yarn":
         w.add_string(a + "rope.scaling.type", "yarn")
         w.add_float32(a + "rope.scaling.factor", rope["factor"])
