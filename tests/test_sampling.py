@@ -251,21 +251,26 @@ def numpy_filter_set(x, top_k, top_p):
 
 def test_filters_on_large_vocab_every_path():
     # V > TOP_K_CAP. Rows covered by lax.top_k(cap): small top_k, and top-p whose nucleus fits in the cap.
-    # Rows that need the full sort: top_k > cap, and top-p on a flat distribution whose nucleus does not fit.
+    # Rows that need the whole vocabulary (a bisection for the threshold): top_k > cap, top-p on a flat
+    # distribution whose nucleus does not fit, and both at once (top-p on the renormalized top-k).
     rng = np.random.default_rng(1)
     cap = sampling.TOP_K_CAP
     v = 2 * cap + 37
-    logits = rng.normal(size=(5, v)).astype(np.float32) * np.float32([[3], [3], [3], [3], [0.1]])
+    scale = np.float32([[3], [3], [3], [3], [0.1], [0.1], [0.3]])
+    logits = rng.normal(size=(7, v)).astype(np.float32) * scale
     params = [
         SamplingParams(top_k=10),
         SamplingParams(top_p=0.8),
         SamplingParams(top_k=cap + 50),
         SamplingParams(temperature=0.9, top_k=40, top_p=0.5),
         SamplingParams(top_p=0.9),
+        SamplingParams(top_k=cap + 150, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=2 * cap, top_p=0.97),
     ]
     expected = [numpy_filter_set(logits[r] / p.temperature, p.top_k, p.top_p) for r, p in enumerate(params)]
-    assert len(expected[1]) < cap < len(expected[4])  # the two top-p rows really take different paths
-    for rows in ([0, 1, 2, 3, 4], [0, 3], [1], [4], [1, 4], [2]):
+    assert len(expected[1]) < cap < min(len(expected[4]), len(expected[5]), len(expected[6]))  # both paths
+    assert len(expected[5]) < cap + 150 and len(expected[6]) < 2 * cap  # top-p cut inside the top-k
+    for rows in ([0, 1, 2, 3, 4, 5, 6], [0, 3], [1], [4], [1, 4], [2], [5], [6, 0]):
         out = np.asarray(process_logits(jnp.asarray(logits[rows]), meta_for([params[r] for r in rows])))
         for i, r in enumerate(rows):
             assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == expected[r], (rows, params[r])
