@@ -158,8 +158,9 @@ class BlockManager:
             return
         table = self.page_tables[request.request_id]
         start = self._num_committed[request.request_id]
-        # Async scheduling: pending tokens (PENDING_TOKEN) are not hashed until their values are known.
-        known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
+        # Only known tokens are hashed: under async scheduling a page may hold the KV of a pending token (one a step
+        # in flight samples, counted in ``num_computed_tokens`` but not in ``num_tokens``).
+        known = min(request.num_computed_tokens, request.num_tokens)
         end = min(known // self.page_size, len(table))
         if end <= start:
             return

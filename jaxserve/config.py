@@ -345,8 +345,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
     speculative: SpeculativeConfig | None = None
-    # Steps scheduled while the previous one runs: each sampled token is a PENDING_TOKEN until its step's results
-    # are read (``Scheduler.update_from_output``), and the runner feeds it from the device.
+    # Steps scheduled while the previous one runs: each sampled token is counted pending until its step's results are
+    # read (``jaxserve.step_policy.AsyncPolicy``), and the runner feeds it to the next step on the device.
     async_scheduling: bool = False
 
     @property
@@ -357,6 +357,8 @@ class SchedulerConfig:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"SchedulerConfig.policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("SchedulerConfig: async scheduling does not schedule speculative proposals")
 
 
 @dataclasses.dataclass(frozen=True)

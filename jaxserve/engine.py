@@ -537,9 +537,9 @@ class LLMEngine:
             owner = self._seq_owner.get(rid)
             if owner is not None and owner[1].index == 0:  # the request's prompt logprobs are its first sequence's
                 owner[0].prompt_logprobs.update(entries)
-        # Confirmed tokens before and after the scheduler takes this step's (tokens of steps in flight are pending).
+        # Output tokens before and after the scheduler takes this step's (tokens of steps in flight are only counted).
         before = {
-            rid: len(owner[1].request.confirmed_output_token_ids)
+            rid: len(owner[1].request.output_token_ids)
             for rid in sampled
             if (owner := self._seq_owner.get(rid)) is not None
         }
@@ -556,7 +556,7 @@ class LLMEngine:
             tracked, seq = owner
             out_ids = seq.request.output_token_ids
             # The scheduler stops at the first stop token, and keeps none of a request finished before this step.
-            kept = toks[: len(seq.request.confirmed_output_token_ids) - before[rid]]
+            kept = toks[: len(out_ids) - before[rid]]
             if not kept:
                 continue
             try:

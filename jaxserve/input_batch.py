@@ -14,7 +14,6 @@ import numpy as np
 
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.models.dense import AttentionBatch
-from jaxserve.request import PENDING_TOKEN
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.utils import cdiv, next_pow2
@@ -118,42 +117,46 @@ class InputBatch:
 
     def pack(
         self, sched: SchedulerOutput, fed_rows: dict[str, int]
-    ) -> tuple[np.ndarray, AttentionBatch, np.ndarray, list[tuple[int, int]]]:
-        """SchedulerOutput -> (tokens [Tb], AttentionBatch, logits_indices [Rb], rows) as padded host arrays (after
-        ``update``: the page tables come from the standing table). ``logits_indices`` are the positions
-        sampled: each sequence's last, and the positions of its proposals' predecessors before it; ``rows`` says
-        whose (sequence index, index among its sampled positions) each is."""
+    ) -> tuple[np.ndarray, np.ndarray, AttentionBatch, np.ndarray, list[tuple[int, int]]]:
+        """SchedulerOutput -> (tokens [Tb], fed_index [Tb], AttentionBatch, logits_indices [Rb], rows) as padded
+        host arrays (after ``update``: the page tables come from the standing table).
+
+        ``fed_index`` says which positions take a token the previous step sampled, still on the device (async
+        scheduling: a chunk ``from_previous_step``): the row of that step's samples (``fed_rows``: request id ->
+        row), -1 elsewhere; ``tokens`` holds 0 there. ``logits_indices`` are the positions sampled: each sequence's
+        last, and the positions of its proposals' predecessors before it; ``rows`` says whose (sequence index, index
+        among its sampled positions) each is."""
         seqs = sched.scheduled
-        num_tokens = sum(len(s.token_ids) for s in seqs)
+        num_tokens = sum(s.num_tokens for s in seqs)
         tb = pick(self.token_buckets, num_tokens)
         sb = max(min(tb, self.max_seqs), len(seqs))
         kv_lens = np.zeros(sb, np.int32)
         for i, s in enumerate(seqs):
-            kv_lens[i] = s.start_pos + len(s.token_ids)
+            kv_lens[i] = s.start_pos + s.num_tokens
         pb = pick(self.page_buckets, cdiv(int(kv_lens.max()), self.page_size))
         rows = np.array([self.requests[s.req_id].row for s in seqs], np.int32)
         page_indices = np.full((sb, pb), NULL_PAGE, np.int32)
         page_indices[: len(seqs)] = self.page_table[rows, :pb]
         tokens = np.zeros(tb, np.int32)
+        fed_index = np.full(tb, -1, np.int32)
         positions = np.zeros(tb, np.int32)
         slots = np.full(tb, -1, np.int32)
         cu = np.zeros(sb + 1, np.int32)
-        t = fed = 0
+        t = 0
         for i, s in enumerate(seqs):
-            n = len(s.token_ids)
+            n = s.num_tokens
             pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-            tokens[t : t + n] = s.token_ids
-            if s.token_ids[0] == PENDING_TOKEN:  # sampled by the step in flight: read on the device (see step)
+            if s.from_previous_step:  # sampled by the step in flight: read on the device (see the step)
                 if s.req_id not in fed_rows:
-                    raise ValueError(f"request {s.req_id!r} has a pending token the previous step did not sample")
-                tokens[t] = -1 - fed_rows[s.req_id]
-                fed += 1
+                    raise ValueError(f"request {s.req_id!r} is fed a token the previous step did not sample")
+                fed_index[t] = fed_rows[s.req_id]
+            tokens[t + s.from_previous_step : t + n] = s.token_ids
             positions[t : t + n] = pos
             slots[t : t + n] = page_indices[i, pos // self.page_size] * self.page_size + pos % self.page_size
             t += n
             cu[i + 1] = t
         cu[len(seqs) + 1 :] = t
-        if (tokens < 0).sum() != fed:  # e.g. a draft model's PLACEHOLDER proposal left unfilled
+        if tokens.min() < 0:  # e.g. a draft model's PLACEHOLDER proposal left unfilled
             raise ValueError(f"a scheduled token id is negative: {sorted(set(tokens[tokens < 0].tolist()))}")
         logits_indices = np.zeros(max(self.sample_rows(tb), sb), np.int32)
         rows = []
@@ -170,7 +173,7 @@ class InputBatch:
             cu_q_lens=cu,
             num_seqs=np.int32(len(seqs)),
         )
-        return tokens, batch, logits_indices, rows
+        return tokens, fed_index, batch, logits_indices, rows
 
 
 def targets(sched: SchedulerOutput, reqs: list[CachedRequest], padded: int) -> np.ndarray:
@@ -178,7 +181,7 @@ def targets(sched: SchedulerOutput, reqs: list[CachedRequest], padded: int) -> n
     out = np.zeros(padded, np.int32)
     t = 0
     for s, r in zip(sched.scheduled, reqs):
-        n = len(s.token_ids)
+        n = s.num_tokens
         nxt = r.token_ids[s.start_pos + 1 : s.start_pos + n + 1]
         out[t : t + len(nxt)] = nxt
         t += n

@@ -112,7 +112,7 @@ class OutputProcessor:
                 CompletionOutput(
                     seq.index,
                     text,
-                    list(req.confirmed_output_token_ids),
+                    list(req.output_token_ids),
                     seq.cumulative_logprob if seq.logprobs is not None else None,
                     seq.logprobs,
                     req.finish_reason,

@@ -12,11 +12,6 @@ import itertools
 import time
 from typing import Any
 
-# Async scheduling: an output token an in-flight step samples, before the host knows its value. The scheduler
-# appends one per sampling chunk it schedules and replaces it when the step's result arrives; the runner feeds the
-# real token from the device into the next step.
-PENDING_TOKEN = -2
-
 # Tie-breaker for requests that arrive in the same clock tick.
 _ARRIVAL_SEQ = itertools.count()
 
@@ -73,8 +68,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_seq = next(_ARRIVAL_SEQ)
         self.priority = priority
-        self.output_token_ids: list[int] = []
-        # Async scheduling: the last ``num_pending`` output tokens are PENDING_TOKEN (sampled by steps in flight).
+        self.output_token_ids: list[int] = []  # sampled tokens whose values are known, and only those
+        # Async scheduling: tokens that steps in flight sample, after ``output_token_ids``, counted and never written
+        # there before their values are known (``jaxserve.step_policy.AsyncPolicy``).
         self.num_pending = 0
         # KV of positions [0, num_computed_tokens) is in the page pool.
         self.num_computed_tokens = 0
@@ -91,17 +87,23 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens whose values are known."""
         return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens whose values are known: the prompt and ``output_token_ids``."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def confirmed_output_token_ids(self) -> list[int]:
-        """The output tokens whose values are known (all but the pending ones of steps in flight)."""
-        out = self.output_token_ids
-        return out[: len(out) - self.num_pending] if self.num_pending else out
+    def num_tokens_with_pending(self) -> int:
+        """Where the sequence ends once the steps in flight are read: ``num_tokens`` and the pending tokens, which
+        take positions ``[num_tokens, num_tokens_with_pending)``."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens_with_pending(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens ``[start, stop)`` of prompt + output, without concatenating the two lists."""
@@ -122,13 +124,12 @@ class Request:
         """ "stop", "length", "abort", or None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 
-    def stop_reason(self, token: int, max_model_len: int, num_output_tokens: int | None = None) -> str | None:
-        """Why generation ends after ``token`` was appended: "stop" (a stop token, or EOS unless
-        ``ignore_eos``; neither before ``min_tokens`` outputs), "length" (``max_tokens`` or
-        ``max_model_len`` reached), or None to go on. ``num_output_tokens``: the outputs up to and including
-        ``token`` when later ones are pending (default: all of them)."""
+    def stop_reason(self, token: int, max_model_len: int) -> str | None:
+        """Why generation ends after ``token`` was appended to ``output_token_ids``: "stop" (a stop token, or EOS
+        unless ``ignore_eos``; neither before ``min_tokens`` outputs), "length" (``max_tokens`` or
+        ``max_model_len`` reached), or None to go on."""
         sp = self.sampling_params
-        n = self.num_output_tokens if num_output_tokens is None else num_output_tokens
+        n = self.num_output_tokens
         if n >= sp.min_tokens:
             if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
                 return "stop"
@@ -145,7 +146,8 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
-            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}"
+            + (f", pending={self.num_pending})" if self.num_pending else ")")
         )
 
 

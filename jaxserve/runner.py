@@ -3,15 +3,18 @@
 The runner receives a :class:`~jaxserve.scheduler.SchedulerOutput`, packs it into padded arrays of a
 bucketed shape (tokens in the step, sequences, pages per sequence) and calls
 
-    step(state, matmul_weights, k_cache, v_cache, tokens, batch, logits_indices, sampling, next_tokens)
-        -> (sampler_output, prompt_logprobs, k_cache, v_cache)
+    step(state, matmul_weights, k_cache, v_cache, tokens, fed_index, batch, logits_indices, sampling, next_tokens, fed)
+        -> (sampler_output, prompt_logprobs, fed, k_cache, v_cache)
 
 with both caches donated, so the pool is updated in place. ``state`` is the model's weights (flax NNX state),
 ``matmul_weights`` the optional bfloat16 copies for ``matmul_dtype``, ``tokens`` [T] and ``batch``
 (``AttentionBatch``: positions, slot mapping, kv lens, page table, cu_q_lens, num_seqs) the step's tokens,
 ``logits_indices`` [R] the positions sampled (each sequence's last; with speculative decoding also those
 of its proposals), ``sampling`` the sampler's fixed-width arrays
-(``SamplingMetadata``) and ``next_tokens`` [T] the targets of prompt logprobs (-1: none). Everything the step
+(``SamplingMetadata``) and ``next_tokens`` [T] the targets of prompt logprobs (-1: none). ``fed`` holds the previous
+step's sampled tokens, on the device, and ``fed_index`` [T] the row of ``fed`` whose token goes at each position
+instead of ``tokens``' (-1: none): async scheduling launches a step before the host has read the previous one's
+tokens. The step returns its own samples as the next step's ``fed``. Everything the step
 reads is an argument: no Python value is frozen into a trace except the static shapes (and the ``decode_only``
 variant), so one compilation serves every mix of requests of the same bucket.
 
@@ -292,11 +295,11 @@ class ModelRunner:
             )
             return jax.lax.with_sharding_constraint(per_shard, gathered)
 
-        def step(state, mm, k_cache, v_cache, tokens, batch, logits_indices, meta, next_tokens, fed):
+        def step(state, mm, k_cache, v_cache, tokens, fed_index, batch, logits_indices, meta, next_tokens, fed):
             self.num_compilations += 1  # runs once per trace
-            # Async scheduling: a token -(r + 1) is row r of the previous step's samples (``fed``), still on the
-            # device when this step was packed.
-            tokens = jnp.where(tokens < 0, fed[jnp.clip(-tokens - 1, 0, fed.shape[0] - 1)], tokens)
+            # Async scheduling: a position with fed_index r >= 0 takes row r of the previous step's samples (``fed``),
+            # still on the device when this step was packed.
+            tokens = jnp.where(fed_index >= 0, fed[jnp.clip(fed_index, 0, fed.shape[0] - 1)], tokens)
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
@@ -310,7 +313,7 @@ class ModelRunner:
             step,
             donate_argnums=(2, 3),
             out_shardings=(gathered, gathered, gathered, kv, kv),
-            in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 6,
+            in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 7,
         )
         self._steps[key] = fn
         return fn
@@ -340,7 +343,7 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, token_masks: dict[str, np.ndarray] | None = None) -> InFlight | None:
         """Hands one step to the device and returns without waiting for it (``collect`` reads its results).
 
-        A scheduled token ``PENDING_TOKEN`` is the one the previous launched step sampled for that request: the
+        A chunk ``from_previous_step`` starts with the token the previous launched step sampled for that request: the
         step reads it on the device (async scheduling), so this may run before the previous step's ``collect``.
         """
         self.inputs.update(sched)
@@ -350,7 +353,7 @@ class ModelRunner:
             self._launch(copy, None)
             return None
         t0 = time.perf_counter()
-        tokens, batch, logits_indices, rows = self.inputs.pack(sched, self._fed_rows)
+        tokens, fed_index, batch, logits_indices, rows = self.inputs.pack(sched, self._fed_rows)
         self.num_tokens_computed += sched.num_scheduled_tokens
         self.num_steps += 1
         reqs = [self.inputs.requests[s.req_id] for s in sched.scheduled]
@@ -384,9 +387,9 @@ class ModelRunner:
         # -1: no position has a target, and the step skips the prompt logprobs.
         next_tokens = targets(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
         t1 = time.perf_counter()
-        decode_only = all(len(s.token_ids) == 1 for s in sched.scheduled)
+        decode_only = all(s.num_tokens == 1 for s in sched.scheduled)
         self._publish(sched, token_masks)
-        out, plp = self._launch(copy, (decode_only, tokens, batch, logits_indices, meta, next_tokens))
+        out, plp = self._launch(copy, (decode_only, tokens, fed_index, batch, logits_indices, meta, next_tokens))
         self.pack_seconds += t1 - t0
         self._fed_rows = {}  # where each request's sample of this step is in the step's fed-forward tokens
         for k, (i, j) in enumerate(rows):
@@ -411,7 +414,7 @@ class ModelRunner:
         sched, reqs, next_tokens = flight.sched, flight.reqs, flight.next_tokens
         offset = k0 = 0  # k0: the sequence's first row (each has 1 + len(draft_token_ids) of them, in order)
         for i, (s, r) in enumerate(zip(sched.scheduled, reqs)):
-            n, offset = len(s.token_ids), offset + len(s.token_ids)
+            n, offset = s.num_tokens, offset + s.num_tokens
             if flight.want_plp[i]:  # positions of this chunk whose next token is still in the prompt
                 k = r.params.prompt_logprobs
                 last = min(s.start_pos + n, r.num_prompt_tokens - 1)
@@ -610,6 +613,7 @@ class ModelRunner:
             self.k_cache,
             self.v_cache,
             np.zeros(tokens, np.int32),
+            np.full(tokens, -1, np.int32),
             batch,
             np.zeros(rows, np.int32),
             meta,

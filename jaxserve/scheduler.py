@@ -6,7 +6,9 @@ a budget of ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences. Ru
 waiting ones (after a prefix-cache lookup) while budget, sequences and pages last. Prefill, decode and
 mixed batches all come out of that one rule. When a running request cannot get a page, the newest running
 request (lowest priority under "priority") is preempted: its pages are freed, its tokens kept, and it is
-recomputed later. Plain Python, no tensor library; ``SchedulerOutput`` is the one contract to the runner.
+recomputed later. How a step's results come back, after the step or while the next one runs (async scheduling),
+is a policy of its own (``jaxserve.step_policy``). Plain Python, no tensor library; ``SchedulerOutput`` is the one
+contract to the runner.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
 from jaxserve.request import (
     FINISH_STATUS,
-    PENDING_TOKEN,
     Request,
     RequestStatus,
     check_prompt_length,
     max_computed_tokens,
 )
 from jaxserve.speculative import PLACEHOLDER, propose_ngram, speculates
+from jaxserve.step_policy import step_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +45,11 @@ class ScheduledRequest:
     """One request's share of a step, and what changed in its page table since the runner last heard of it."""
 
     req_id: str
-    token_ids: list[int]  # tokens to compute this step, at positions start_pos, start_pos + 1, ...
+    # Tokens to compute this step, at positions start_pos, start_pos + 1, ... (after the previous step's token with
+    # ``from_previous_step``).
+    token_ids: list[int]
     start_pos: int  # == the request's num_computed_tokens before the step
-    sample: bool  # the chunk reaches the end of the known tokens: sample a token after its last one
+    sample: bool  # the chunk reaches the end of the request's tokens: sample a token after its last one
     # The page table from index ``pages_from`` on is ``new_page_ids`` (earlier entries are unchanged): the pages
     # added for this step, and the page holding ``start_pos`` when copy-on-write replaced it.
     pages_from: int
@@ -55,6 +59,15 @@ class ScheduledRequest:
     # The runner samples after each of the chunk's last 1 + len(draft_token_ids) positions and returns the
     # tokens they confirm (``jaxserve.speculative``).
     draft_token_ids: tuple[int, ...] = ()
+    # Async scheduling: the chunk's first token, at ``start_pos``, is the one the previous step samples for this
+    # request, whose value the scheduler does not know yet (``jaxserve.step_policy``): the runner reads it on the
+    # device. It is not in ``token_ids``.
+    from_previous_step: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the chunk computes: ``token_ids``, and the previous step's with ``from_previous_step``."""
+        return len(self.token_ids) + self.from_previous_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +131,7 @@ class Scheduler:
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding
         self._finished_ids: list[str] = []
         self._known: set[str] = set()  # requests the runner holds state for (sent since admission / resume)
+        self.step_policy = step_policy(self)  # steps one after the other, or async scheduling's pending tokens
 
     # ------------------------------------------------------------------ requests in and out
     def _validate(self, request: Request) -> None:
@@ -198,9 +212,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.num_pending:  # tokens of steps in flight: never confirmed now, never shown
-            del request.output_token_ids[-request.num_pending :]
-            request.num_pending = 0
+        request.num_pending = 0  # tokens of steps in flight (async scheduling): never confirmed now, never shown
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -252,10 +264,10 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if request.num_pending and self._at_limit(request):  # its pending token is its last
+            if self.step_policy.is_ending(request):
                 ending += 1
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if n <= 0:
                 continue
             proposed = self._propose(request, budget) if n == 1 else []
@@ -277,7 +289,7 @@ class Scheduler:
         # Admit waiting requests, unless memory was so tight that someone was just preempted.
         while not preempted and self.waiting and budget > 0 and len(self.running) - ending < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.num_pending:  # preempted with a token in flight: resumed once that token is known
+            if not self.step_policy.may_resume(request):
                 break
             # prompt_logprobs need every prompt position computed, so such requests skip the prefix cache.
             wants_prompt_logprobs = getattr(request.sampling_params, "prompt_logprobs", None) is not None
@@ -307,48 +319,32 @@ class Scheduler:
             # replaces pages this step writes); the rest is re-sent: new pages, and at most one replaced.
             pages_from = 0 if new else start // bm.page_size
             proposed = drafts.get(rid, ())
-            known = n - len(proposed)
+            end = start + n - len(proposed)
+            # Async scheduling: a chunk past the known tokens is the one token the step in flight samples.
+            fed = end > req.num_tokens
+            assert not fed or start == req.num_tokens == end - 1, (req, start, end)
             scheduled.append(
                 ScheduledRequest(
                     req_id=rid,
-                    token_ids=req.token_slice(start, start + known) + list(proposed),
+                    token_ids=req.token_slice(start, min(end, req.num_tokens)) + list(proposed),
                     start_pos=start,
-                    sample=start + known == req.num_tokens,
+                    sample=end == req.num_tokens_with_pending,
                     pages_from=pages_from,
                     new_page_ids=table[pages_from:],
                     new=new,
                     draft_token_ids=tuple(proposed),
+                    from_previous_step=fed,
                 )
             )
-        if self.config.async_scheduling:
-            self._advance(scheduled)
+        self.step_policy.scheduled(scheduled)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
             copy_ops=[op for (_, _, _, copies) in chunks.values() for op in copies],
             finished_req_ids=finished,
             preempted_req_ids=preempted,
-            num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
+            num_scheduled_tokens=sum(s.num_tokens for s in scheduled),
         )
-
-    def _at_limit(self, request: Request) -> bool:
-        """Its tokens (pending ones included) reach ``max_tokens`` or the model length: no step may follow."""
-        return (
-            request.num_output_tokens >= request.sampling_params.max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        )
-
-    def _advance(self, scheduled: list[ScheduledRequest]) -> None:
-        """Async scheduling: counts a step's chunks as computed as soon as they are scheduled, and gives each
-        sampling chunk a PENDING_TOKEN output, so the next step can be scheduled before this one's results."""
-        for s in scheduled:
-            request = self.requests[s.req_id]
-            if s.draft_token_ids:
-                raise ValueError("async scheduling does not schedule speculative proposals")
-            request.num_computed_tokens = s.start_pos + len(s.token_ids)
-            if s.sample:
-                request.output_token_ids.append(PENDING_TOKEN)
-                request.num_pending += 1
 
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Speculative decoding: n-gram proposals for a decoding request, as many as fit its budget, its
@@ -384,65 +380,7 @@ class Scheduler:
         Raises:
             ValueError: a request that was due a sample has none.
         """
-        if self.config.async_scheduling:
-            return self._confirm(scheduler_output, sampled_token_ids)
-        live = []
-        for s in scheduler_output.scheduled:
-            request = self.requests.get(s.req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # finished or aborted since schedule()
-            if s.sample and not sampled_token_ids.get(s.req_id):
-                raise ValueError(f"update_from_output: no sampled token for request {s.req_id!r}")
-            live.append((s, request))
-        finished = []
-        for s, request in live:
-            # With proposals, only the positions up to the next token are computed for sure; the accepted
-            # proposals' positions count once they are appended (their KV is already written).
-            request.num_computed_tokens = s.start_pos + len(s.token_ids) - len(s.draft_token_ids)
-            self.block_manager.commit(request)
-            if not s.sample:
-                continue
-            tokens = sampled_token_ids[s.req_id]
-            if s.draft_token_ids:
-                self.num_draft_tokens += len(s.draft_token_ids)
-                self.num_accepted_tokens += len(tokens) - 1
-            for token in tokens:
-                request.output_token_ids.append(token)
-                reason = request.stop_reason(token, self.config.max_model_len)
-                if reason is not None:
-                    finished.append(self.finish_request(request.request_id, reason))
-                    break
-            if s.draft_token_ids and request.status is RequestStatus.RUNNING:
-                request.num_computed_tokens += len(tokens) - 1  # the accepted proposals
-                self.block_manager.commit(request)
-        return finished
-
-    def _confirm(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
-        """Async scheduling's ``update_from_output``: each sampled token replaces its request's oldest pending
-        one; a stop finishes the request, and its tokens after the stop (a step in flight) are dropped."""
-        finished = []
-        for s in scheduler_output.scheduled:
-            request = self.requests.get(s.req_id)
-            if request is None:
-                continue  # finished or aborted since schedule(): its token is dropped
-            if s.sample:
-                tokens = sampled_token_ids.get(s.req_id)
-                if not tokens or not request.num_pending:
-                    raise ValueError(
-                        f"update_from_output: no sampled token for request {s.req_id!r}"
-                        if not tokens
-                        else f"request {s.req_id!r} has no pending token to confirm"
-                    )
-                i = request.num_output_tokens - request.num_pending
-                request.output_token_ids[i] = tokens[0]
-                request.num_pending -= 1
-                reason = request.stop_reason(tokens[0], self.config.max_model_len, i + 1)
-                if reason is not None:
-                    finished.append(self.finish_request(request.request_id, reason))
-                    continue
-            if request.status is RequestStatus.RUNNING:
-                self.block_manager.commit(request)
-        return finished
+        return self.step_policy.update_from_output(scheduler_output, sampled_token_ids)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> SchedulerStats:

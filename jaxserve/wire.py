@@ -17,8 +17,9 @@ import numpy as np
 
 from jaxserve.scheduler import ScheduledRequest, SchedulerOutput
 
-# Per scheduled request: handle, start_pos, tokens, sample, pages_from, new pages, proposals.
+# Per scheduled request: handle, start_pos, tokens, flags, pages_from, new pages, proposals.
 _COLUMNS = 7
+_SAMPLE, _FROM_PREVIOUS_STEP = 1, 2  # flags
 
 
 def has_changes(sched: SchedulerOutput) -> bool:
@@ -69,7 +70,7 @@ class StepEncoder:
                 h,
                 s.start_pos,
                 len(s.token_ids),
-                s.sample,
+                s.sample * _SAMPLE | s.from_previous_step * _FROM_PREVIOUS_STEP,
                 s.pages_from,
                 len(s.new_page_ids),
                 len(s.draft_token_ids),
@@ -114,7 +115,7 @@ class StepDecoder:
         d = p + int(cols[5].sum())
         scheduled = []
         for i in range(n):
-            h, start_pos, nt, sample, pages_from, npg, nd = (int(x) for x in cols[:, i])
+            h, start_pos, nt, flags, pages_from, npg, nd = (int(x) for x in cols[:, i])
             data = None
             if i in starts:
                 rid, data = starts[i]
@@ -124,11 +125,12 @@ class StepDecoder:
                     self._ids[h],
                     flat[t : t + nt],
                     start_pos,
-                    bool(sample),
+                    bool(flags & _SAMPLE),
                     pages_from,
                     flat[p : p + npg],
                     data,
                     tuple(flat[d : d + nd]),
+                    bool(flags & _FROM_PREVIOUS_STEP),
                 )
             )
             t, p, d = t + nt, p + npg, d + nd

@@ -17,7 +17,6 @@ import pytest
 from helpers import first_layers
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.request import PENDING_TOKEN
 
 WORDS = (
     "the river city light north stone garden music paper window seven quiet market winter bright "
@@ -144,7 +143,7 @@ def test_no_token_past_the_end_reaches_a_user(runs):
         end = final[rid]
         for out in outs:  # every streamed output is a prefix of the final one
             for part, last in zip(out.outputs, end.outputs):
-                assert PENDING_TOKEN not in part.token_ids
+                assert min(part.token_ids, default=0) >= 0
                 assert part.token_ids == last.token_ids[: len(part.token_ids)], rid
                 assert last.text.startswith(part.text), rid
         for last in end.outputs:
@@ -166,9 +165,10 @@ def test_async_scheduling_overlaps_and_switches_off(model):
     assert engine.step() == []  # the first step is launched; its token is read during the next step()
     assert engine.replicas[0].in_flight is not None
     request = engine.scheduler.requests["a#0"] if "a#0" in engine.scheduler.requests else engine.scheduler.requests["a"]
-    assert request.output_token_ids == [PENDING_TOKEN] and request.num_pending == 1
+    assert request.output_token_ids == [] and request.num_pending == 1  # counted, not written
     outs = engine.step()  # launches step 2 (its input token fed on the device), then reads step 1
     assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 1 and request.num_pending == 1
+    assert request.output_token_ids == outs[0].outputs[0].token_ids
     while engine.has_unfinished_requests():
         outs = engine.step()
     assert len(outs[0].outputs[0].token_ids) == 8 and engine.replicas[0].in_flight is None
@@ -186,3 +186,73 @@ def test_async_scheduling_overlaps_and_switches_off(model):
     assert EngineConfig().scheduler_config(256, "gpu").async_scheduling  # on by default on GPUs and TPUs
     assert EngineConfig().scheduler_config(256, "tpu").async_scheduling
     assert not EngineConfig(async_scheduling=False).scheduler_config(256, "gpu").async_scheduling
+
+
+def _fed_step(rids_fed, others=()):
+    """A SchedulerOutput over an InputBatch that holds requests a, b, c (prompts of 5): ``rids_fed`` decode the token
+    the previous step sampled for them; ``others`` are (request id, token ids, draft token ids) chunks at position
+    5."""
+    from jaxserve.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+
+    sched = []
+    for rid in rids_fed:
+        sched.append(ScheduledRequest(rid, [], 5, True, 1, [], from_previous_step=True))
+    for rid, tokens, drafts in others:
+        sched.append(ScheduledRequest(rid, list(tokens), 5, True, 1, [], None, tuple(drafts)))
+    start = [
+        ScheduledRequest(rid, list(range(5)), 0, True, 0, [k + 1, k + 4], NewRequestData(list(range(5)), [], None))
+        for k, rid in enumerate("abc")
+    ]
+    return SchedulerOutput(start, [], [], [], 15), SchedulerOutput(sched, [], [], [], sum(s.num_tokens for s in sched))
+
+
+def test_fed_rows_0_and_1_never_read_as_token_ids_or_placeholders():
+    """The tokens fed from the previous step's samples (rows 0 and 1 of them here) are named in an index array of
+    their own, apart from the token ids: a draft model's placeholder (-1) left unfilled is refused, never taken for
+    fed row 0, and no token id is ever negative."""
+    from jaxserve.input_batch import InputBatch
+    from jaxserve.speculative import PLACEHOLDER
+
+    batch = InputBatch(4, [8, 16], [4], max_seqs=4, num_speculative_tokens=2)
+    start, step = _fed_step("ab", [("c", [7, 8, 9], [8, 9])])
+    batch.update(start)
+    tokens, fed_index, attn, logits_indices, rows = batch.pack(step, {"a": 0, "b": 1})
+    assert fed_index.tolist()[:5] == [0, 1, -1, -1, -1] and set(fed_index.tolist()[5:]) == {-1}
+    assert tokens.tolist()[:5] == [0, 0, 7, 8, 9] and tokens.min() >= 0
+    assert attn.positions.tolist()[:5] == [5, 5, 5, 6, 7] and logits_indices.tolist()[:5] == [0, 1, 2, 3, 4]
+    assert rows == [(0, 0), (1, 0), (2, 0), (2, 1), (2, 2)]
+    _, step = _fed_step("ab", [("c", [7, PLACEHOLDER, PLACEHOLDER], [PLACEHOLDER, PLACEHOLDER])])
+    with pytest.raises(ValueError, match=r"negative: \[-1\]"):
+        batch.pack(step, {"a": 0, "b": 1})
+    _, step = _fed_step("ab")
+    with pytest.raises(ValueError, match="'b' is fed a token the previous step did not sample"):
+        batch.pack(step, {"a": 0})
+
+
+def test_rows_0_and_1_fed_on_the_device_decode_as_sync(model):
+    """Two greedy requests decoding together under async scheduling: every step after the first feeds rows 0 and 1
+    of the previous step's samples; the tokens are the synchronous engine's."""
+    prompts = ["Name a color.", "The river city light north stone"]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs, fed = {}, {}
+    for mode in (False, True):
+        llm = LLM(model, max_num_seqs=4, max_model_len=256, num_pages=32, async_scheduling=mode)
+        inputs, pack, seen = llm.engine.runner.inputs, llm.engine.runner.inputs.pack, fed.setdefault(mode, [])
+
+        def recording_pack(sched, fed_rows, pack=pack, seen=seen):
+            packed = pack(sched, fed_rows)
+            seen.append(sorted(packed[1][packed[1] >= 0].tolist()))
+            return packed
+
+        inputs.pack = recording_pack
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])
+    assert fed[True].count([0, 1]) == 11 and all(f == [] for f in fed[False])  # sync steps feed nothing
+
+
+def test_async_scheduling_refuses_speculative_proposals():
+    from jaxserve.config import SchedulerConfig, SpeculativeConfig
+
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="async scheduling does not schedule speculative proposals"):
+        SchedulerConfig(speculative=spec, async_scheduling=True)

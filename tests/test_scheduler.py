@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
-from jaxserve.request import PENDING_TOKEN, Request, RequestStatus
+from jaxserve.request import Request, RequestStatus
 from jaxserve.scheduler import Scheduler
 
 
@@ -385,17 +385,20 @@ def test_random_operations_never_leak_or_lose(ops, policy, caching, page_size, s
 
 
 class AsyncFakeRunner(FakeRunner):
-    """The fake runner under async scheduling: a scheduled PENDING_TOKEN is the token it sampled last for that
-    request (the real runner reads it on the device), which it knows and the scheduler does not yet."""
+    """The fake runner under async scheduling: a chunk ``from_previous_step`` starts with the token it sampled last
+    for that request (the real runner reads it on the device), which it knows and the scheduler does not yet."""
 
     def __call__(self, out):
         self._update(out)
         fed = []
         for s in out.scheduled:
-            if PENDING_TOKEN in s.token_ids:
-                assert s.token_ids == [PENDING_TOKEN], "only a decode's one token can be pending"
-                fed.append(dataclasses.replace(s, token_ids=[self.tokens[s.req_id][s.start_pos]]))
+            if s.from_previous_step:
+                assert s.token_ids == [] and s.num_tokens == 1, "only a decode's one token can be pending"
+                assert len(self.tokens[s.req_id]) == s.start_pos + 1, "the fed token is not the last one sampled"
+                token = self.tokens[s.req_id][s.start_pos]
+                fed.append(dataclasses.replace(s, token_ids=[token], from_previous_step=False))
             else:
+                assert all(t >= 0 for t in s.token_ids), s
                 fed.append(s)
         self._update = lambda _: None  # already applied
         try:
@@ -412,6 +415,8 @@ def run_async(sched, runner, max_steps=10_000):
             return finished
         out = sched.schedule()
         assert len(out.scheduled) <= sched.config.max_num_seqs
+        for r in sched.requests.values():  # pending tokens are counted, never written as token ids
+            assert all(t >= 0 for t in r.output_token_ids) and r.num_pending <= 2, r
         launched = (out, runner(out))  # the runner always hears of finished and preempted requests
         launched = launched if out.scheduled else None
         if in_flight is not None:
@@ -467,10 +472,13 @@ def test_async_scheduling_pending_token_then_stop():
     r = Request("a", prompt(6), SP(max_tokens=50, seed=1), eos_token_ids=())
     sched.add_request(r)
     first = sched.schedule()
-    assert r.output_token_ids == [PENDING_TOKEN] and r.num_computed_tokens == 6
+    assert r.output_token_ids == [] and r.num_pending == 1 and r.num_computed_tokens == 6
+    assert (r.num_tokens, r.num_tokens_with_pending) == (6, 7)
     first_tokens = runner(first)
     second = sched.schedule()  # before the first step's token is known
-    assert [s.token_ids for s in second.scheduled] == [[PENDING_TOKEN]] and r.num_pending == 2
+    [s] = second.scheduled
+    assert (s.token_ids, s.from_previous_step, s.start_pos, s.sample) == ([], True, 6, True)
+    assert r.output_token_ids == [] and r.num_pending == 2 and r.num_computed_tokens == 7
     second_tokens = runner(second)
     # The first token is a stop token for this request: it finishes, and the second step's token is dropped.
     r.sampling_params = SP(max_tokens=50, seed=1, stop_token_ids=first_tokens["a"])
@@ -478,3 +486,59 @@ def test_async_scheduling_pending_token_then_stop():
     assert r.output_token_ids == first_tokens["a"] and r.finish_reason == "stop" and r.num_pending == 0
     assert sched.update_from_output(second, second_tokens) == [] and r.output_token_ids == first_tokens["a"]
     assert sched.block_manager.num_free_pages == sched.block_manager.num_usable_pages
+
+
+def test_async_preemption_keeps_the_pending_token():
+    """A request preempted while a step in flight samples its token loses nothing: the token is confirmed into
+    its outputs when that step is read, and only then does it resume, its tokens all known."""
+    sched, _ = make(num_pages=1 + 4, page_size=2, caching=False, async_scheduling=True, max_num_seqs=2)
+    runner = AsyncFakeRunner(sched.block_manager)
+    a, b = (Request(rid, prompt(3, 10 * i), SP(max_tokens=6, seed=i), ()) for i, rid in enumerate("ab"))
+    sched.add_requests([a, b])
+    first = sched.schedule()  # both prefilled: 2 pages each, the pool is full
+    first_tokens = runner(first)
+    second = sched.schedule()  # both decode their pending token at position 3: still 2 pages each
+    assert [s.from_previous_step for s in second.scheduled] == [True, True]
+    second_tokens = runner(second)
+    sched.update_from_output(first, first_tokens)
+    third = sched.schedule()  # a needs a third page for position 4: b, the newest, is preempted
+    assert third.preempted_req_ids == ["b"] and b.status is RequestStatus.PREEMPTED
+    assert b.num_pending == 1 and b.num_computed_tokens == 0 and b.output_token_ids == first_tokens["b"]
+    third_tokens = runner(third)
+    sched.update_from_output(second, second_tokens)  # b's pending token is confirmed, kept
+    assert b.num_pending == 0 and b.output_token_ids == first_tokens["b"] + second_tokens["b"]
+    done = {r.request_id: r for r in sched.update_from_output(third, third_tokens)}
+    in_flight = None
+    while sched.has_unfinished_requests() or in_flight:
+        out = sched.schedule()
+        resumed = [s for s in out.scheduled if s.req_id == "b" and s.new is not None]
+        if resumed:  # resumed from all of its tokens, none pending
+            assert resumed[0].new.output_token_ids == b.output_token_ids[:2] and not resumed[0].from_previous_step
+        launched = (out, runner(out)) if out.scheduled else None
+        if in_flight:
+            done.update((r.request_id, r) for r in sched.update_from_output(*in_flight))
+        in_flight = launched
+    for r in (a, b):
+        assert done[r.request_id] is r
+        assert (r.output_token_ids, r.finish_reason) == reference(r, sched.config.max_model_len), r
+
+
+def test_async_prefix_cache_hashes_known_tokens_only():
+    """A page whose last position holds a pending token's KV is hashed once that token is confirmed."""
+    sched, _ = make(num_pages=16, page_size=2, async_scheduling=True)
+    runner = AsyncFakeRunner(sched.block_manager)
+    bm = sched.block_manager
+    r = Request("a", prompt(3), SP(max_tokens=8, seed=1), ())
+    sched.add_request(r)
+    first = sched.schedule()
+    first_tokens = runner(first)
+    second = sched.schedule()  # computes position 3 (the pending token): page 1 is full of KV, half of it unknown
+    second_tokens = runner(second)
+    assert r.num_computed_tokens == 4 and r.num_tokens == 3 and r.num_pending == 2
+    bm.commit(r)  # now: only page 0 is full of known tokens
+    assert len(r.page_hashes) == 1 and len(bm.hash_to_page) == 1
+    sched.update_from_output(first, first_tokens)  # position 3's token is known now: page 1 may be hashed
+    assert r.num_tokens == 4 and r.num_pending == 1 and len(r.page_hashes) == 2
+    assert len(bm.hash_to_page) == 2
+    sched.update_from_output(second, second_tokens)
+    assert r.num_pending == 0 and len(bm.hash_to_page) == 2  # position 4's page is not full

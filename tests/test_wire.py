@@ -53,11 +53,14 @@ def test_every_field_round_trips_and_handles_are_reused():
             5,
         ),
         SchedulerOutput(
-            [ScheduledRequest("d", [1, 2], 0, False, 0, [50], _new(9, 2))],  # takes a's handle, freed last
+            [
+                ScheduledRequest("d", [1, 2], 0, False, 0, [50], _new(9, 2)),  # takes a's handle, freed last
+                ScheduledRequest("c", [], 9, True, 2, [], from_previous_step=True),  # fed the previous step's token
+            ],
             [],
             [],
             ["a"],
-            2,
+            3,
         ),
         SchedulerOutput([], [(4, 5)], ["c"], [], 0),  # copy-only, with a finish
     ]
