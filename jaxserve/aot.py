@@ -305,7 +305,7 @@ def plan(
         )
     activations = 0
     if compile and not config.num_pages:  # the largest step's temporaries, to size the pool from what is left
-        largest = max((s for s in probe.warmup_shapes() if not s[2]), key=lambda s: s[:2])
+        largest = max((s for s in probe.compiler.buckets.shapes() if not s[2]), key=lambda s: s[:2])
         activations = _compile(probe, [largest])[0].temp_bytes
     budget = int(chip.hbm_bytes * config.kv_cache_memory_fraction) - weights - activations
     num_pages = config.num_pages or max(budget // page_bytes, 0)
@@ -335,7 +335,7 @@ def plan(
         )
     if compile:
         final = runner(num_pages)
-        shapes = final.warmup_shapes()
+        shapes = final.compiler.buckets.shapes()
         if variants in ("corners", "decode"):
             kinds = (True,) if variants == "decode" else (False, True)
             shapes = [
@@ -385,7 +385,7 @@ def _compile(runner, shapes) -> list[Variant]:
         for tokens, pages, decode_only in shapes:
             t0 = time.perf_counter()
             try:
-                exe = runner.lower_step(tokens, pages, decode_only).compile()
+                exe = runner.compiler.lower_step(tokens, pages, decode_only).compile()
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise

@@ -13,26 +13,11 @@ import dataclasses
 import numpy as np
 
 from jaxserve.block_manager import NULL_PAGE
+from jaxserve.compilation import pick
 from jaxserve.models.dense import AttentionBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
-from jaxserve.utils import cdiv, next_pow2
-
-
-def next_pow2_buckets(lo: int, hi: int) -> list[int]:
-    """Powers of two from ``lo`` up to the first that holds ``hi``."""
-    out, b = [], next_pow2(lo)
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return out + [next_pow2(hi)]
-
-
-def pick(buckets: list[int], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+from jaxserve.utils import cdiv
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The device side: weights, the KV page pool, and one jitted step per shape bucket.
+"""The device side: weights, the KV page pool, and the step that runs a batch.
 
 The runner receives a :class:`~jaxserve.scheduler.SchedulerOutput`, packs it into padded arrays of a
 bucketed shape (tokens in the step, sequences, pages per sequence) and calls
@@ -16,7 +16,8 @@ step's sampled tokens, on the device, and ``fed_index`` [T] the row of ``fed`` w
 instead of ``tokens``' (-1: none): async scheduling launches a step before the host has read the previous one's
 tokens. The step returns its own samples as the next step's ``fed``. Everything the step
 reads is an argument: no Python value is frozen into a trace except the static shapes (and the ``decode_only``
-variant), so one compilation serves every mix of requests of the same bucket.
+variant), so one compilation serves every mix of requests of the same bucket. The buckets, the jitted step of each
+variant, warm-up and ahead-of-time lowering are ``jaxserve.compilation``'s (``ModelRunner.compiler``).
 
 The step is one SPMD program over the runner's mesh (``jaxserve.sharding``): weights placed shard by shard by
 their logical axes, the pool split over KV heads, the kernels under ``shard_map``, the logits gathered once
@@ -26,11 +27,9 @@ before sampling. With one device the mesh has one device and nothing else change
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import logging
-import os
 import time
 
 import jax
@@ -41,13 +40,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import kernels, quant
-from jaxserve.block_manager import NULL_PAGE
+from jaxserve.compilation import StepBuckets, StepCompiler
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
-from jaxserve.input_batch import CachedRequest, InputBatch, next_pow2_buckets, targets
+from jaxserve.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.kernels import cpu_ffi
 from jaxserve.kv_pool import KVPool
 from jaxserve.layers.linear import MatmulPolicy
-from jaxserve.models.dense import OUTPUT_AXES, AttentionBatch, model_from_params
+from jaxserve.models.dense import OUTPUT_AXES, model_from_params
 from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams
@@ -63,7 +62,6 @@ from jaxserve.sharding import (
 )
 from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
-from jaxserve.utils import cdiv, next_pow2
 from jaxserve.wire import StepDecoder, StepEncoder, has_changes
 
 logger = logging.getLogger(__name__)
@@ -110,7 +108,8 @@ def default_dtype() -> str:
 
 
 class ModelRunner:
-    """Owns the parameters, the page pool and the compiled steps.
+    """Owns the parameters, the page pool, the live requests' state, and the running of steps (``launch`` /
+    ``collect``); its ``compiler`` (``jaxserve.compilation.StepCompiler``) owns the compiled steps.
 
     Args:
         model_cfg: the model.
@@ -202,36 +201,28 @@ class ModelRunner:
         self.pool = KVPool(model_cfg, cache_cfg, sched_cfg, self.mesh, dtype, platform, cpp, attention_impl)
         self.num_pages = self.pool.num_pages
         self.k_cache, self.v_cache = self.pool.allocate(self.abstract)
-        # From 1 row on one CPU device (a one-request decode step costs its rows there: SmolLM2's dense part 15.3 ms
-        # at 1 row against 19.4 at 8, so one request decodes ~1.45x faster), else from 8: matrix units pad rows to 8
-        # anyway, and data-parallel replicas, which compile every variant once per replica.
-        # Only 1, not 2 and 4: each compiled step holds ~350 memory mappings on XLA:CPU (one object per kernel),
-        # and a process may have 65,530 (vm.max_map_count).
-        if one_token_buckets is None:
-            one_token_buckets = on_cpu and self.mesh.size == 1
-        buckets = set(next_pow2_buckets(8, sched_cfg.max_num_batched_tokens))
-        self.token_buckets = sorted(buckets | {1} if one_token_buckets else buckets)
-        self.max_seqs = next_pow2(sched_cfg.max_num_seqs)
+        buckets = StepBuckets.choose(
+            sched_cfg.max_num_batched_tokens,
+            sched_cfg.max_num_seqs,
+            sched_cfg.max_model_len,
+            self.page_size,
+            one_token_bucket=on_cpu and self.mesh.size == 1 if one_token_buckets is None else one_token_buckets,
+            one_page_bucket=on_cpu and cpp,
+        )
+        self.token_buckets, self.page_buckets = buckets.token_buckets, buckets.page_buckets
+        self.max_seqs = buckets.max_seqs
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
         # The last step's sampled tokens, kept on the device at a fixed width (every bucket samples at most this
         # many rows): async scheduling feeds them into the next step before the host has read them.
         fed = jax.ShapeDtypeStruct(
             (self.max_seqs * (1 + self.num_speculative_tokens),), jnp.int32, sharding=self.replicated
         )
-        self._fed = fed if self.abstract else jax.device_put(np.zeros(fed.shape, np.int32), self.replicated)
-        self._fed_rows: dict[str, int] = {}  # request id -> its row in ``_fed``
+        self.fed = fed if self.abstract else jax.device_put(np.zeros(fed.shape, np.int32), self.replicated)
+        self._fed_rows: dict[str, int] = {}  # request id -> its row in ``fed``
         self._constants: dict[tuple, jax.Array] = {}  # ``_on_device``'s copies of constant sampler arrays
-        # Page tables padded to a power-of-two width. The C++ attention walks each sequence's own pages (its
-        # kv_lens), never the padding, so on the CPU the widest table serves every step: one page bucket, and a
-        # third to a fifth of the variants to compile (a 2,048-token max_model_len: 5 widths).
-        max_pages = cdiv(sched_cfg.max_model_len, self.page_size)
-        self.page_buckets = (
-            [next_pow2(max_pages)] if on_cpu and cpp else next_pow2_buckets(min(8, max_pages), max_pages)
-        )
         self.attention_impl = attention_impl
-        self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
         self.reset_timers()
-        self._steps: dict[tuple, object] = {}
+        self.compiler = StepCompiler(self, buckets)  # the jitted step of each variant; warm-up, AOT lowering
         # What the runner holds of each live request (started by the scheduler's NewRequestData), and the
         # standing page table: one row per live request, updated by each step's page-table changes.
         self.inputs = InputBatch(
@@ -274,17 +265,15 @@ class ModelRunner:
         self.decode_steps = 0  # steps where every sequence computes one token, and their device seconds
         self.decode_device_seconds = 0.0
 
-    # ------------------------------------------------------------------ compiled functions
-    def _step_fn(self, decode_only: bool):
-        """The step for every batch; ``decode_only`` is the one variant besides the shape buckets.
+    @property
+    def num_compilations(self) -> int:
+        """Traces of the step (``StepCompiler``); a test asserts it stays flat in steady state."""
+        return self.compiler.num_compilations
 
-        Request parameters change no shape (fixed-width sampler arrays, top logprobs always [B, K]) and the
-        optional work (top logprobs, prompt logprobs) runs under ``lax.cond``, so nothing a request asks
-        for can trigger a compile after warm-up.
-        """
-        key = (decode_only,)
-        if key in self._steps:
-            return self._steps[key]
+    # ------------------------------------------------------------------ the step
+    def step_function(self, decode_only: bool):
+        """What one step computes (the module docstring's ``step``): a pure function of its arguments, which
+        ``self.compiler`` jits; ``decode_only`` (every sequence computes one token) picks the attention's variant."""
         attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only, self.platform), self.mesh)
         graphdef, gathered = self.graphdef, self.replicated
         policy = MatmulPolicy(rows=self._rows_fn())
@@ -296,7 +285,6 @@ class ModelRunner:
             return jax.lax.with_sharding_constraint(per_shard, gathered)
 
         def step(state, mm, k_cache, v_cache, tokens, fed_index, batch, logits_indices, meta, next_tokens, fed):
-            self.num_compilations += 1  # runs once per trace
             # Async scheduling: a position with fed_index r >= 0 takes row r of the previous step's samples (``fed``),
             # still on the device when this step was packed.
             tokens = jnp.where(fed_index >= 0, fed[jnp.clip(fed_index, 0, fed.shape[0] - 1)], tokens)
@@ -308,15 +296,7 @@ class ModelRunner:
             feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
             return out, plp, feed, k_cache, v_cache
 
-        kv, placed = self.pool.format, lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-        fn = jax.jit(
-            step,
-            donate_argnums=(2, 3),
-            out_shardings=(gathered, gathered, gathered, kv, kv),
-            in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 7,
-        )
-        self._steps[key] = fn
-        return fn
+        return step
 
     def _rows_fn(self):
         """The C++ products for steps of fewer than 8 rows on bfloat16 matmul weights (XLA:CPU's own is ~15x slower
@@ -347,7 +327,7 @@ class ModelRunner:
         step reads it on the device (async scheduling), so this may run before the previous step's ``collect``.
         """
         self.inputs.update(sched)
-        copy = self._copy_chunks(sched.copy_ops)
+        copy = self.compiler.buckets.copy_chunks(sched.copy_ops)
         if not sched.scheduled:
             self._publish(sched, token_masks)
             self._launch(copy, None)
@@ -372,7 +352,7 @@ class ModelRunner:
                     "on the host: it cannot be scheduled before the previous step's results are read"
                 )
         # A proposal's row samples as plain decoding would at that output index (its own draw, its min_tokens).
-        meta = self._sampling_metadata(
+        meta = self.sampling_metadata(
             [params[i] for i, _ in rows],
             steps=[reqs[i].num_output_tokens + reqs[i].pending + j for i, j in rows],
             prompt_ids=[reqs[i].prompt_token_ids for i, _ in rows],
@@ -452,8 +432,8 @@ class ModelRunner:
             self.channel.send(("step", self._encoder.encode(sched, token_masks), self._uncollected))
 
     def _launch(self, copy: list[tuple] | None, step: tuple | None):
-        """Runs a step's page copies (``[(src, dst), ...]``, see ``_copy_chunks``) and its step (``(decode_only,
-        *packed inputs)``); returns the step's (sampler output, prompt logprobs) as device arrays."""
+        """Runs a step's page copies (``[(src, dst), ...]``, see ``StepBuckets.copy_chunks``) and its step
+        (``(decode_only, *packed inputs)``); returns the step's (sampler output, prompt logprobs) as device arrays."""
         if copy is None and step is None:
             return None
         for src, dst in copy or ():
@@ -461,8 +441,8 @@ class ModelRunner:
         if step is None:
             return None
         decode_only, *inputs = step
-        out, plp, self._fed, self.k_cache, self.v_cache = self._step_fn(decode_only)(
-            self.state, self.matmul_weights, self.k_cache, self.v_cache, *inputs, self._fed
+        out, plp, self.fed, self.k_cache, self.v_cache = self.compiler.step(decode_only)(
+            self.state, self.matmul_weights, self.k_cache, self.v_cache, *inputs, self.fed
         )
         return out, plp
 
@@ -493,20 +473,7 @@ class ModelRunner:
         """Whether the KV pool was donated to a step that failed (then nothing can run on this replica)."""
         return self.k_cache.is_deleted()
 
-    def _copy_chunks(self, ops: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]] | None:
-        """Copy-on-write ops as (src, dst) arrays of power-of-two lengths up to max_seqs, padded with copies of
-        the null page onto itself: every length is compiled at warm-up, however many pages a step copies."""
-        if not ops:
-            return None
-        chunks = []
-        for i in range(0, len(ops), self.max_seqs):
-            part = ops[i : i + self.max_seqs]
-            src, dst = np.full((2, next_pow2(len(part))), NULL_PAGE, np.int32)
-            src[: len(part)], dst[: len(part)] = zip(*part)
-            chunks.append((src, dst))
-        return chunks
-
-    def _sampling_metadata(self, params: list[SamplingParams], **kwargs) -> SamplingMetadata:
+    def sampling_metadata(self, params: list[SamplingParams], **kwargs) -> SamplingMetadata:
         """The batch's sampler arrays at the fixed widths every step uses (bias entries, token history).
 
         The wide ones (``_WIDE_SAMPLER_ARRAYS``) are device arrays. Those no row of the batch uses (the history
@@ -552,85 +519,10 @@ class ModelRunner:
         """Words of a packed allowed-token row: every step carries [rows, this] (all ones when unconstrained)."""
         return bitmask_width(self.cfg.vocab_size)
 
-    def warmup_shapes(self) -> list[tuple[int, int, bool]]:
-        """(token bucket, page bucket, decode_only) of every step variant traffic can need."""
-        return [
-            (tb, pb, decode)
-            for tb in self.token_buckets
-            for pb in self.page_buckets
-            for decode in ((False, True) if tb <= self.max_seqs else (False,))
-        ]
-
     def warmup(self, workers: int | None = None) -> int:
-        """Compiles every step variant ahead of traffic, without running any; logs how many and how long.
-
-        Variants are traced and lowered one by one (Python), then compiled by ``workers`` threads at once
-        (XLA compiles outside the GIL, but each compile is itself multi-threaded, so parallel compiles compete for
-        the same cores: the default is a quarter of the CPUs, at least one). The jitted step finds them in JAX's
-        caches on first use (no trace, no compile), and a second process in the persistent compilation
-        cache. Returns the number of compilations (traces: a variant found in the persistent cache still
-        counts).
-        """
-        t0, before = time.perf_counter(), self.num_compilations
-        lowered = [
-            self._step_fn(decode).trace(*self._example_args(tb, pb)).lower() for tb, pb, decode in self.warmup_shapes()
-        ]
-        copies = [self._copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in next_pow2_buckets(1, self.max_seqs)]
-        lowered += [self.pool.copy.lower(self.k_cache, self.v_cache, src, dst) for src, dst in copies]  # every length
-        t1 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(workers or max(1, (os.cpu_count() or 1) // 4)) as pool:
-            list(pool.map(lambda x: x.compile(), lowered))
-        n = self.num_compilations - before
-        logger.info(
-            "warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d) and %d "
-            "page-copy lengths in %.1fs (%.1fs tracing and lowering)",
-            n,
-            len(self.token_buckets),
-            len(self.page_buckets),
-            self.max_seqs,
-            len(copies),
-            time.perf_counter() - t0,
-            t1 - t0,
-        )
-        return n
-
-    def _example_args(self, tokens: int, pages: int) -> tuple:
-        """Arguments of a step of an empty batch in the (tokens, pages) bucket (every token is padding)."""
-        sb = min(tokens, self.max_seqs)
-        batch = AttentionBatch(
-            positions=np.zeros(tokens, np.int32),
-            slot_mapping=np.full(tokens, -1, np.int32),
-            kv_lens=np.zeros(sb, np.int32),
-            page_indices=np.zeros((sb, pages), np.int32),
-            cu_q_lens=np.zeros(sb + 1, np.int32),
-            num_seqs=np.int32(0),
-        )
-        rows = max(self.inputs.sample_rows(tokens), sb)
-        meta = self._sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
-        return (
-            self.state,
-            self.matmul_weights,
-            self.k_cache,
-            self.v_cache,
-            np.zeros(tokens, np.int32),
-            np.full(tokens, -1, np.int32),
-            batch,
-            np.zeros(rows, np.int32),
-            meta,
-            _no_targets(tokens),
-            self._fed,
-        )
-
-    def lower_step(self, tokens: int, pages: int, decode_only: bool = False):
-        """The step of one bucket lowered on abstract arguments (``.compile()`` then gives the partitioned HLO and
-        what a device needs); runs nothing, and works for a topology's devices too (jaxserve.aot)."""
-
-        def abstract(x):
-            if isinstance(x, np.ndarray | np.generic):
-                return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self.replicated)
-            return x
-
-        return self._step_fn(decode_only).lower(*jax.tree.map(abstract, self._example_args(tokens, pages)))
+        """Compiles every step variant ahead of traffic, without running any (``StepCompiler.warmup``); returns the
+        number of compilations."""
+        return self.compiler.warmup(workers)
 
 
 def _no_targets(tokens: int) -> np.ndarray:

@@ -142,7 +142,7 @@ def test_no_recompilation_after_warmup(default_loaded):
     compiled = runner.warmup()
     assert (
         compiled
-        == len(runner.warmup_shapes())
+        == len(runner.compiler.buckets.shapes())
         == len(runner.token_buckets) + len([b for b in runner.token_buckets if b <= runner.max_seqs])
     )
     rng = random.Random(5)

@@ -56,9 +56,9 @@ def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog)
     # Step shapes, not depth, decide what compiles: two layers (tests/test_engine.py's warm-up test builds the same).
     llm = LLM(first_layers(default_loaded), **WARMUP_ENGINE)
     runner = llm.engine.runner
-    with caplog.at_level("INFO", logger="jaxserve.runner"):
-        assert runner.warmup() == len(runner.warmup_shapes())
-    assert f"warm-up: {len(runner.warmup_shapes())} step variants" in caplog.text
+    with caplog.at_level("INFO", logger="jaxserve.compilation"):
+        assert runner.warmup() == len(runner.compiler.buckets.shapes())
+    assert f"warm-up: {len(runner.compiler.buckets.shapes())} step variants" in caplog.text
     before = runner.num_compilations
     rng = random.Random(3)
     prompts, params = [], []
@@ -107,15 +107,15 @@ def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog)
 
 def test_page_copies_in_padded_chunks(llm):
     runner = llm.engine.runner
-    chunks = runner._copy_chunks([(p, p + 100) for p in range(1, 80)])
+    chunks = runner.compiler.buckets.copy_chunks([(p, p + 100) for p in range(1, 80)])
     assert [len(src) for src, _ in chunks] == [32, 32, 16]  # max_seqs 32, then the power of two >= 15
     assert (chunks[-1][0][15:] == 0).all() and (chunks[-1][1][15:] == 0).all()  # null page onto itself
-    assert runner._copy_chunks([]) is None
+    assert runner.compiler.buckets.copy_chunks([]) is None
     k = np.asarray(runner.k_cache)
     marked = k.copy()
     marked[:, 1:4] = np.arange(1, 4, dtype=k.dtype)[None, :, None, None, None]
     runner.k_cache = jax.device_put(marked, runner.k_cache.sharding)
-    runner._launch(runner._copy_chunks([(1, 204), (2, 205), (3, 206)]), None)
+    runner._launch(runner.compiler.buckets.copy_chunks([(1, 204), (2, 205), (3, 206)]), None)
     got = np.asarray(runner.k_cache)
     np.testing.assert_array_equal(got[:, 204:207], marked[:, 1:4])
     np.testing.assert_array_equal(np.delete(got, [204, 205, 206], axis=1), np.delete(marked, [204, 205, 206], axis=1))

@@ -100,7 +100,7 @@ def test_default_model_tp3_equals_one_device(default_loaded, default_llm):
     # The compiled step: per layer one all-reduce after attention and one after the MLP (both [T, D], inside the
     # layer loop) and one for the vocabulary-parallel embedding lookup; all-gathers only of [rows, V] logits
     # (the sampled rows, and every row under the prompt-logprobs branch). Nothing moves the KV pool.
-    hlo = runner.lower_step(16, 8).compile().as_text()
+    hlo = runner.compiler.lower_step(16, 8).compile().as_text()
     collectives = re.findall(
         r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
         r"(?:-start)?\(",

@@ -218,14 +218,14 @@ def test_sampler_arrays_no_row_uses_stay_on_the_device(default_model_path):
 
     runner = LLM(tiny_model(default_model_path), max_num_seqs=32, max_model_len=256).engine.runner
     greedy = [SamplingParams(temperature=0.0)] * 32
-    first = runner._sampling_metadata(greedy, pad_to=32)
-    second = runner._sampling_metadata(greedy[:5], pad_to=32)
+    first = runner.sampling_metadata(greedy, pad_to=32)
+    second = runner.sampling_metadata(greedy[:5], pad_to=32)
     for name in ("history", "bias_ids", "bias_values", "token_mask"):
         assert isinstance(getattr(first, name), jax.Array), name
         assert getattr(first, name) is getattr(second, name), name
     host = sum(x.nbytes for x in jax.tree.leaves(first) if isinstance(x, np.ndarray))
     assert host <= 2048, host  # the per-row scalars: 32 rows x 12 words, 1,536 B
-    penalized = runner._sampling_metadata(
+    penalized = runner.sampling_metadata(
         [SamplingParams(repetition_penalty=1.2)], prompt_ids=[[5, 6]], output_ids=[[7]], pad_to=32
     )
     assert penalized.history is not first.history and np.asarray(penalized.history)[0, :3].tolist() == [5, 6, 7]
