@@ -9,7 +9,9 @@ Faults end the group, always, and fast. A process that fails (an uncaught except
 signal) calls ``fatal``: it posts "process N: what went wrong" under one key of the coordination service and
 leaves at once with ``os._exit`` (a normal exit would wait in ``jax.distributed``'s shutdown barrier for processes
 that never come). Every process runs a watchdog thread blocked on that key; when it appears, the process prints
-the message and exits non-zero too, wherever its main thread is stuck (a collective, a key-value wait). A process
+the message and exits non-zero too, wherever its main thread is stuck (a collective, a key-value wait). Process 0,
+which hosts the coordination service, leaves last: it waits (a few seconds at most) until the others have read
+the message, so that every log names the cause. A process
 killed outright (SIGKILL, a lost host) posts nothing: the coordination service's heartbeat check ends the others
 within ``heartbeat_timeout``, and a follower that loses process 0 exits non-zero (``FollowerLost``).
 SIGTERM and SIGINT end the group the same way, except on process 0 while it serves HTTP: there the server drains
@@ -229,8 +231,35 @@ def fatal(message: str, code: int = 1) -> None:
     poster = threading.Thread(target=post, daemon=True)
     poster.start()
     poster.join(5.0)  # the service may be unreachable: never wait long for it
+    _linger_for_the_others(text)
     logging.shutdown()
     os._exit(code)
+
+
+_SEEN_KEY = "jaxserve/fatal_seen/"
+_LINGER_S = 5.0
+
+
+def _linger_for_the_others(text: str) -> None:
+    """On process 0, which hosts the coordination service: waits (at most ``_LINGER_S``) until every other live
+    process has read the fatal message, so that each of them names the cause instead of a lost service (their
+    own clients may also abort the process when the service goes first). A no-op on the other processes."""
+    if jax.process_index() != 0 or jax.process_count() < 2:
+        return
+    culprit = text.split(":", 1)[0].removeprefix("process ")
+
+    def wait():
+        client = _client()
+        for i in range(1, jax.process_count()):
+            if str(i) != culprit:
+                try:
+                    client.blocking_key_value_get(f"{_SEEN_KEY}{i}", int(_LINGER_S * 1000))
+                except Exception:  # noqa: BLE001 - timed out (a dead or hung process): leave anyway
+                    return
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(_LINGER_S)
 
 
 def _watch() -> None:
@@ -255,6 +284,12 @@ def _watch() -> None:
     if _state["ending"]:
         return
     print(f"jaxserve: process {jax.process_index()} ends: {text}", file=sys.stderr, flush=True)
+    if not text.startswith("lost the coordination service"):
+        try:  # tell process 0 this one has read the cause (it waits for that before taking the service down)
+            client.key_value_set(f"{_SEEN_KEY}{jax.process_index()}", "1")
+        except Exception:  # noqa: BLE001 - the service is gone: nothing to tell
+            pass
+        _linger_for_the_others(text)
     os._exit(1)
 
 
