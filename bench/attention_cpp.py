@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jaxserve.kernels import Int8Pages, cpu_ffi, reference  # noqa: E402
+from jaxserve.kernels import AttentionBatch, Int8Pages, cpu_ffi, reference  # noqa: E402
 from jaxserve.kernels._common import quantize_rows  # noqa: E402
 
 LAYERS, PAGE, HK, HQ, D = 30, 16, 3, 9, 64
@@ -61,6 +61,9 @@ def main() -> None:
     table, pages = pool(rng, lens)
     cu = np.arange(args.seqs + 1, dtype=np.int32)
     q = jnp.asarray(rng.standard_normal((args.seqs, HQ, D), np.float32))
+    batch = AttentionBatch(
+        kv_lens=jnp.asarray(lens), page_indices=jnp.asarray(table), cu_q_lens=jnp.asarray(cu), num_seqs=args.seqs
+    )
     print(
         f"{args.seqs} sequences, contexts {lens.min()}-{lens.max()} (mean {lens.mean():.0f}), {pages} pages a "
         f"layer, {args.layers} distinct layer(s) a call\n"
@@ -70,9 +73,7 @@ def main() -> None:
         kc, vc = caches(rng, pages, dtype)
 
         def attend(layer, qi=q, kc=kc, vc=vc):
-            return cpu_ffi.paged_attention(
-                qi, kc, vc, layer, lens, table, cu, args.seqs, 0, sm_scale=D**-0.5, soft_cap=None
-            )
+            return cpu_ffi.paged_attention(qi, kc, vc, layer, batch, sm_scale=D**-0.5, soft_cap=None)
 
         # each call its own queries: XLA would merge identical calls (same layer, same inputs) into one
         step = jax.jit(lambda: sum(attend(i % args.layers, q * (1 + i / 1024)) for i in range(LAYERS)))
@@ -85,9 +86,7 @@ def main() -> None:
         ms = statistics.median(times) * 1e3
         row_bytes = HK * D * (1 if dtype == "int8" else jnp.dtype(dtype).itemsize) + (HK * 4 if dtype == "int8" else 0)
         gbs = 2 * float(lens.sum()) * row_bytes / (ms / 1e3) / 1e9
-        ref = reference.ragged_paged_attention_ref(
-            q, kc, vc, 0, jnp.asarray(lens), jnp.asarray(table), jnp.asarray(cu), args.seqs, sm_scale=D**-0.5
-        )
+        ref = reference.ragged_paged_attention_ref(q, kc, vc, 0, batch, sm_scale=D**-0.5)
         diff = float(jnp.abs(ref - attend(0)).max())
         print(f"| {dtype} | {ms:.3f} | {gbs:.1f} | {diff:.1e} |", flush=True)
 

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jaxserve.kernels import AttentionBatch
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from jaxserve.kernels.reference import ragged_paged_attention_ref
 
@@ -74,10 +75,12 @@ def make_inputs(t, s, p, q_lens, *, pool, layers=2, seed=0):
         jnp.asarray(k_cache),
         jnp.asarray(v_cache),
         jnp.int32(1),
-        jnp.asarray(kv),
-        jnp.asarray(table, jnp.int32),
-        jnp.asarray(cu, jnp.int32),
-        jnp.int32(n),
+        AttentionBatch(
+            kv_lens=jnp.asarray(kv),
+            page_indices=jnp.asarray(table, jnp.int32),
+            cu_q_lens=jnp.asarray(cu, jnp.int32),
+            num_seqs=jnp.int32(n),
+        ),
     )
     kv_bytes = 2 * n * p * PAGE * HK * D * 4
     return args, kv_bytes
@@ -88,9 +91,9 @@ def per_layer(fn, mode, layers):
     if mode == "call":
         return jax.jit(fn), 1
 
-    def looped(q, k_cache, v_cache, layer, *rest):
+    def looped(q, k_cache, v_cache, layer, batch):
         def body(i, acc):  # alternate layers so nothing is loop-invariant
-            return acc + fn(q, k_cache, v_cache, i % k_cache.shape[0], *rest)
+            return acc + fn(q, k_cache, v_cache, i % k_cache.shape[0], batch)
 
         return lax.fori_loop(0, layers, body, jnp.zeros_like(q))
 

@@ -100,17 +100,13 @@ def edge_batch(q_lens, kv_lens, *, hq, hk, d, page=16, dtype=jnp.float32, seed=0
 
 
 def attend(impl, b, layer, **kw):
-    return kernels.ragged_paged_attention(
-        b["q"],
-        b["k_cache"],
-        b["v_cache"],
-        layer,
-        b["kv_lens"],
-        b["page_indices"],
-        b["cu_q_lens"],
-        b["num_seqs"],
-        impl=impl,
-        **kw,
+    return kernels.ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], layer, meta(b), impl=impl, **kw)
+
+
+def meta(b: dict) -> kernels.AttentionBatch:
+    """The batch's attention metadata."""
+    return kernels.AttentionBatch(
+        kv_lens=b["kv_lens"], page_indices=b["page_indices"], cu_q_lens=b["cu_q_lens"], num_seqs=b["num_seqs"]
     )
 
 
@@ -167,7 +163,7 @@ def check_write(label, backend, pools) -> bool:
         b = edge_batch([1] * 4, [5, 16, 17, 33], hq=8, hk=2, d=128, dtype=jnp.bfloat16)
         new = jax.random.normal(jax.random.key(3), (6, 2, 128), jnp.float32).astype(jnp.bfloat16)
         slots = jnp.array([3, -1, 40, 17, 63, -1], jnp.int32)
-        args = (*pools(b), jnp.int32(1), new, -new, slots)
+        args = (*pools(b), jnp.int32(1), new, -new, kernels.AttentionBatch(slot_mapping=slots))
         exp = reference.write_kv_ref(*args)
         got = jax.jit(functools.partial(kernels.write_kv, impl="pallas", backend=backend))(*args)
         ok = all(
@@ -279,12 +275,12 @@ def bench_case(impl, batch, context, a, copy_bw):
             step, args = jax_paged_step(b, sm_scale)
         else:
 
-            def step(i, q, kc, vc, kv_lens, table, cu, n):  # alternate layers, as lax.scan over layers would
+            def step(i, q, kc, vc, batch):  # alternate layers, as lax.scan over layers would
                 return kernels.ragged_paged_attention(
-                    q, kc, vc, i % 2, kv_lens, table, cu, n, sm_scale=sm_scale, impl=impl, backend=a.backend
+                    q, kc, vc, i % 2, batch, sm_scale=sm_scale, impl=impl, backend=a.backend
                 )
 
-            args = (b["q"], b["k_cache"], b["v_cache"], b["kv_lens"], b["page_indices"], b["cu_q_lens"], b["num_seqs"])
+            args = (b["q"], b["k_cache"], b["v_cache"], meta(b))
         sec = time_steps(step, args, a.iters)
         bw = kv_bytes / sec
         row = dict(

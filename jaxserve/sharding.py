@@ -208,49 +208,40 @@ def shard_kernels(attention, write_kv, mesh: Mesh):
     """
     rep = P()
 
-    def sharded_attention(
-        q,
-        k_cache,
-        v_cache,
-        layer,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        *,
-        sm_scale,
-        sliding_window=0,
-        soft_cap=None,
-    ):
+    def batch_specs(batch):  # the step's AttentionBatch, every array replicated
+        return jax.tree.map(lambda _: rep, batch)
+
+    def sharded_attention(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window=0, soft_cap=None):
         kv = pool_spec(k_cache)
 
-        def local(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window):
+        def local(q, k_cache, v_cache, layer, batch, sliding_window):
             return attention(
                 q,
                 k_cache,
                 v_cache,
                 layer,
-                kv_lens,
-                page_indices,
-                cu_q_lens,
-                num_seqs,
+                batch,
                 sm_scale=sm_scale,
                 sliding_window=sliding_window,
                 soft_cap=soft_cap,
             )
 
         return jax.shard_map(
-            local, mesh=mesh, in_specs=(HEADS_SPEC, kv, kv) + (rep,) * 6, out_specs=HEADS_SPEC, check_vma=False
-        )(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window)
+            local,
+            mesh=mesh,
+            in_specs=(HEADS_SPEC, kv, kv, rep, batch_specs(batch), rep),
+            out_specs=HEADS_SPEC,
+            check_vma=False,
+        )(q, k_cache, v_cache, layer, batch, sliding_window)
 
-    def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping):
+    def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, batch):
         kv = pool_spec(k_cache)
         return jax.shard_map(
             write_kv,
             mesh=mesh,
-            in_specs=(kv, kv, rep, HEADS_SPEC, HEADS_SPEC, rep),
+            in_specs=(kv, kv, rep, HEADS_SPEC, HEADS_SPEC, batch_specs(batch)),
             out_specs=(kv, kv),
             check_vma=False,
-        )(k_cache, v_cache, layer, new_k, new_v, slot_mapping)
+        )(k_cache, v_cache, layer, new_k, new_v, batch)
 
     return sharded_attention, sharded_write_kv

@@ -2,11 +2,12 @@
 
 Imported as ``jaxserve.kernels``. The two entry points the model uses:
 
-    ragged_paged_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=0, soft_cap=None, sinks=None, impl="auto", max_q_len=None)
-        -> [T, num_q_heads, head_dim]
-    write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, impl="auto") -> (k_cache, v_cache)
+    ragged_paged_attention(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window=0, soft_cap=None,
+                           sinks=None, impl="auto", max_q_len=None) -> [T, num_q_heads, head_dim]
+    write_kv(k_cache, v_cache, layer, new_k, new_v, batch, *, impl="auto") -> (k_cache, v_cache)
 
+``batch`` is the step's ``AttentionBatch`` (positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+attention reads its kv_lens, page_indices, cu_q_lens and num_seqs, the K/V write its slot_mapping.
 Layouts and semantics are defined once, in ``reference.py``. A pool is an array, or an ``Int8Pages`` (int8 values
 and one float32 scale per token and KV head) that every implementation below reads and writes.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jaxserve.kernels import cpu_ffi
-from jaxserve.kernels._common import Int8Pages, is_fp8, is_int8_pages, validate_attention_inputs
+from jaxserve.kernels._common import AttentionBatch, Int8Pages, is_fp8, is_int8_pages, validate_attention_inputs
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
@@ -34,6 +35,7 @@ from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
 from jaxserve.kernels.write_kv import write_kv_gpu, write_kv_tpu
 
 __all__ = [
+    "AttentionBatch",
     "Int8Pages",
     "ragged_paged_attention",
     "write_kv",
@@ -74,10 +76,7 @@ def ragged_paged_attention(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array | int,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array | int,
+    batch: AttentionBatch,
     *,
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
@@ -95,10 +94,11 @@ def ragged_paged_attention(
       q: [T, num_q_heads, head_dim], the step's query tokens, sequences back to back.
       k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool (or ``Int8Pages``).
       layer: int32 scalar (may be traced), which layer of the pool to read.
-      kv_lens: [S] context length of each sequence including this step's tokens.
-      page_indices: [S, pages_per_seq] page table.
-      cu_q_lens: [S + 1] sequence i owns tokens cu_q_lens[i]:cu_q_lens[i + 1].
-      num_seqs: int32 scalar; sequences past it (and their tokens) are padding.
+      batch: the step's ``AttentionBatch``; attention reads
+        kv_lens: [S] context length of each sequence including this step's tokens,
+        page_indices: [S, pages_per_seq] page table,
+        cu_q_lens: [S + 1] sequence i owns tokens cu_q_lens[i]:cu_q_lens[i + 1],
+        num_seqs: int32 scalar; sequences past it (and their tokens) are padding.
       sm_scale: softmax scale (a Python float).
       sliding_window: 0 = off, else attend to the last ``sliding_window`` positions; may be traced.
       soft_cap: None or ``cap`` for ``cap * tanh(s / cap)`` on the scores.
@@ -113,18 +113,16 @@ def ragged_paged_attention(
       [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
 
     Raises:
-      ValueError: bad impl/backend, inconsistent shapes, head counts that do not divide, or (when kv_lens
+      ValueError: bad impl/backend, inconsistent shapes, head counts that do not divide, or (when batch.kv_lens
         is concrete) a page table too short for the longest context.
     """
     kernel, interp = _choose(impl, backend, interpret)
     if sinks is not None and jnp.shape(sinks) != (q.shape[1],):
         raise ValueError(f"sinks must be [num_q_heads] = [{q.shape[1]}], got shape {jnp.shape(sinks)}")
-    args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
+    args = (q, k_cache, v_cache, layer, batch)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     if kernel == "reference":
-        validate_attention_inputs(
-            q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap
-        )
+        validate_attention_inputs(q, k_cache, v_cache, batch, sm_scale=sm_scale, soft_cap=soft_cap)
         return ragged_paged_attention_ref(*args, **kw)
     if kernel == "xla":
         return ragged_paged_attention_xla(*args, **kw, max_q_len=max_q_len, **kernel_options)
@@ -143,7 +141,7 @@ def write_kv(
     layer: jax.Array | int,
     new_k: jax.Array,
     new_v: jax.Array,
-    slot_mapping: jax.Array,
+    batch: AttentionBatch,
     *,
     impl: str = "auto",
     interpret: bool | None = None,
@@ -155,7 +153,8 @@ def write_kv(
       k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool (or ``Int8Pages``).
       layer: int32 scalar (may be traced), the layer to write.
       new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype (``Int8Pages``: quantized per row).
-      slot_mapping: [T] int32, ``page * page_size + offset`` of token t; negative slots (padding) write nothing.
+      batch: the step's ``AttentionBatch``; the write reads its slot_mapping: [T] int32, ``page * page_size +
+        offset`` of token t; negative slots (padding) write nothing.
       impl, backend, interpret: see the module docstring ("xla" on the CPU: the C++ in-place write when it is
         available, else the reference scatter).
 
@@ -168,8 +167,8 @@ def write_kv(
     """
     kernel, interp = _choose(impl, backend, interpret)
     if kernel == "xla" and jax.default_backend() == "cpu" and cpu_ffi.available():
-        return cpu_ffi.write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping)  # in place, in C++
+        return cpu_ffi.write_kv(k_cache, v_cache, layer, new_k, new_v, batch)  # in place, in C++
     if kernel in ("reference", "xla"):
-        return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, slot_mapping)
+        return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, batch)
     fn = write_kv_gpu if kernel == "gpu" else write_kv_tpu
-    return fn(k_cache, v_cache, layer, new_k, new_v, slot_mapping, interpret=interp)
+    return fn(k_cache, v_cache, layer, new_k, new_v, batch, interpret=interp)

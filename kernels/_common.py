@@ -1,4 +1,4 @@
-"""Input validation and ragged-batch bookkeeping shared by the attention kernels.
+"""The step's batch metadata, input validation and ragged-batch bookkeeping shared by the kernels.
 
 Everything here runs at trace time on shapes (validation) or as a few tiny XLA ops on the [S]-sized
 metadata arrays (block maps); none of it touches the K/V cache.
@@ -15,11 +15,45 @@ import numpy as np
 from jaxserve.utils import cdiv
 
 
-def validate_attention_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *, sm_scale, soft_cap) -> None:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionBatch:
+    """Arrays that describe one step's ragged batch (layouts in ``reference.py``), passed whole to every attention
+    kernel, which reads kv_lens, page_indices, cu_q_lens and num_seqs, and to every K/V write, which reads
+    slot_mapping. The model fills all six; a direct caller of one kernel may leave what it does not read as None.
+    A pytree: it crosses jit, scan and shard_map as its arrays."""
+
+    positions: jax.Array | None = None  # [T] int32 absolute position of each token
+    slot_mapping: jax.Array | None = None  # [T] int32 page * page_size + offset, -1 for padding tokens
+    kv_lens: jax.Array | None = None  # [S] int32 context length after this step
+    page_indices: jax.Array | None = None  # [S, P] int32
+    cu_q_lens: jax.Array | None = None  # [S + 1] int32
+    num_seqs: jax.Array | None = None  # [] int32
+
+
+def write_slots(batch: AttentionBatch) -> jax.Array:
+    """``batch.slot_mapping`` (what the K/V writes read); ValueError when it is missing."""
+    if batch.slot_mapping is None:
+        raise ValueError("write_kv needs batch.slot_mapping ([T] int32), got None")
+    return batch.slot_mapping
+
+
+def int32_metadata(batch: AttentionBatch) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(kv_lens, page_indices, cu_q_lens, num_seqs) of ``batch`` as int32 arrays: what the attention kernels read."""
+    return tuple(
+        jnp.asarray(a, jnp.int32) for a in (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
+    )
+
+
+def validate_attention_inputs(q, k_cache, v_cache, batch: AttentionBatch, *, sm_scale, soft_cap) -> None:
     """Checks shapes, dtypes and head counts at trace time. Raises ValueError with the offending values.
 
-    When ``kv_lens`` is concrete (not traced) it also checks that the page table is long enough.
+    When ``batch.kv_lens`` is concrete (not traced) it also checks that the page table is long enough.
     """
+    for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs"):
+        if getattr(batch, name) is None:
+            raise ValueError(f"attention needs batch.{name}, got None")
+    kv_lens, page_indices, cu_q_lens = batch.kv_lens, batch.page_indices, batch.cu_q_lens
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 5:

@@ -37,7 +37,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxserve.kernels._common import FP8_DTYPES, Int8Pages, is_int8_pages, quantize_rows
+from jaxserve.kernels._common import (
+    FP8_DTYPES,
+    AttentionBatch,
+    Int8Pages,
+    int32_metadata,
+    is_int8_pages,
+    quantize_rows,
+    write_slots,
+)
 
 TARGET = "jaxserve_paged_attention"
 INT8_TARGET = "jaxserve_paged_attention_int8"
@@ -197,20 +205,17 @@ def paged_attention(
     k_cache,
     v_cache,
     layer,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    window,
+    batch: AttentionBatch,
     *,
     sm_scale: float,
+    sliding_window=0,
     soft_cap: float | None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
     """[T, Nq, H] float32 ragged paged attention (``reference.ragged_paged_attention_ref``'s contract): every
     sequence's query tokens, zeros for padding tokens. float32, bfloat16 or fp8 caches (one dtype for both), or two
-    ``Int8Pages`` (each row widened times its scale); products and softmax in float32; ``window`` <= 0 means no
-    window; ``sinks`` [Nq] the attention sinks' logits (None: none)."""
+    ``Int8Pages`` (each row widened times its scale); products and softmax in float32; ``sliding_window`` <= 0 means
+    no window; ``sinks`` [Nq] the attention sinks' logits (None: none)."""
     if not _load():
         raise RuntimeError(f"the C++ paged attention is unavailable: {_error}")
     int8 = _pool_kind(k_cache, v_cache, "the C++ paged attention")
@@ -229,18 +234,15 @@ def paged_attention(
         q.astype(jnp.float32),
         *caches,
         i32(layer),
-        i32(kv_lens),
-        i32(page_indices),
-        i32(cu_q_lens),
-        i32(num_seqs),
-        i32(window),
+        *int32_metadata(batch),
+        i32(sliding_window),
         jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(q.shape[1]),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
     )
 
 
-def write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple:
+def write_kv(k_cache, v_cache, layer, new_k, new_v, batch: AttentionBatch) -> tuple:
     """``reference.write_kv_ref`` in place: the caches are aliased to the outputs, so inside a jit that donates
     them only the new rows are written (without donation XLA copies the pool first, as for any aliased call).
 
@@ -251,6 +253,7 @@ def write_kv(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> tuple:
         raise RuntimeError(f"the C++ K/V write is unavailable: {_error}")
     if new_k.shape != new_v.shape or new_k.shape[1:] != k_cache.shape[3:] or k_cache.shape != v_cache.shape:
         raise ValueError(f"write_kv: new rows {new_k.shape}/{new_v.shape} do not fit caches {k_cache.shape}")
+    slot_mapping = write_slots(batch)
     if _pool_kind(k_cache, v_cache, "write_kv"):
         kq, ks = quantize_rows(new_k)
         vq, vs = quantize_rows(new_v)

@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxserve.kernels._common import (
+    AttentionBatch,
+    int32_metadata,
     is_fp8,
     num_seq_q_blocks,
     seq_q_blocks,
@@ -192,10 +194,7 @@ def ragged_paged_attention_gpu(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array | int,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array | int,
+    batch: AttentionBatch,
     *,
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
@@ -211,7 +210,8 @@ def ragged_paged_attention_gpu(
     """Ragged paged attention on a GPU (Pallas Triton); same contract as ``ragged_paged_attention_ref``.
 
     Args:
-      q .. num_seqs, sm_scale, sliding_window, soft_cap, sinks: as in ``reference.ragged_paged_attention_ref``.
+      q, k_cache, v_cache, layer, batch, sm_scale, sliding_window, soft_cap, sinks: as in
+        ``reference.ragged_paged_attention_ref``.
         Sinks are applied to the kernel's output: a row's softmax without the sink, times
         sigmoid(lse - sink), lse its scores' log-sum-exp, is the softmax with it.
       block_q: query tokens per program (power of two); block_q * next_pow2(group) rows per tile.
@@ -226,12 +226,10 @@ def ragged_paged_attention_gpu(
     Raises:
       ValueError: inconsistent shapes or head counts, or a page table too short for a concrete kv_lens.
     """
-    validate_attention_inputs(
-        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap
-    )
+    validate_attention_inputs(q, k_cache, v_cache, batch, sm_scale=sm_scale, soft_cap=soft_cap)
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page_size, kv_heads, _ = k_cache.shape
-    num_seqs_padded, pages_per_seq = page_indices.shape
+    num_seqs_padded, pages_per_seq = batch.page_indices.shape
     group = num_q_heads // kv_heads
     dq, dkv, dsplit = default_block_sizes(
         num_tokens, num_seqs_padded, group, head_dim, kv_heads, pages_per_seq * page_size
@@ -252,10 +250,7 @@ def ragged_paged_attention_gpu(
         k_cache,
         v_cache,
         jnp.asarray(layer, jnp.int32),
-        kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32),
-        cu_q_lens.astype(jnp.int32),
-        jnp.asarray(num_seqs, jnp.int32),
+        *int32_metadata(batch),
         jnp.asarray(sliding_window, jnp.int32),
         None if sinks is None else jnp.asarray(sinks, jnp.float32),
         sm_scale=float(sm_scale),

@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxserve.kernels._common import (
+    AttentionBatch,
+    int32_metadata,
     is_fp8,
     is_int8_pages,
     settle_tpu_interpret,
@@ -278,10 +280,7 @@ def ragged_paged_attention_tpu(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array | int,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array | int,
+    batch: AttentionBatch,
     *,
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
@@ -296,7 +295,8 @@ def ragged_paged_attention_tpu(
     """Ragged paged attention on a TPU (Pallas Mosaic); same contract as ``ragged_paged_attention_ref``.
 
     Args:
-      q .. num_seqs, sm_scale, sliding_window, soft_cap, sinks: as in ``reference.ragged_paged_attention_ref``.
+      q, k_cache, v_cache, layer, batch, sm_scale, sliding_window, soft_cap, sinks: as in
+        ``reference.ragged_paged_attention_ref``.
       block_q: query tokens per program; block_q * group should be a multiple of 8 (f32) / 16 (bf16).
       pages_per_block: pages fetched per DMA step (the double buffer holds two such blocks of K and of V).
       kv_heads_per_block: KV heads per program (a grid axis); None = as many as fit the VMEM budget.
@@ -309,12 +309,10 @@ def ragged_paged_attention_tpu(
     Raises:
       ValueError: inconsistent shapes or head counts, or a page table too short for a concrete kv_lens.
     """
-    validate_attention_inputs(
-        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap
-    )
+    validate_attention_inputs(q, k_cache, v_cache, batch, sm_scale=sm_scale, soft_cap=soft_cap)
     num_tokens, num_q_heads, _ = q.shape
     _, _, page_size, num_kv_heads, _ = k_cache.shape
-    num_seqs_padded, pages_per_seq = page_indices.shape
+    num_seqs_padded, pages_per_seq = batch.page_indices.shape
     group = num_q_heads // num_kv_heads
     dq, dp = default_block_sizes(num_tokens, num_seqs_padded, group, page_size, pages_per_seq, k_cache.dtype)
     block_q, pages_per_block = block_q or dq, pages_per_block or dp
@@ -336,10 +334,7 @@ def ragged_paged_attention_tpu(
         k_cache,
         v_cache,
         jnp.asarray(layer, jnp.int32),
-        kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32),
-        cu_q_lens.astype(jnp.int32),
-        jnp.asarray(num_seqs, jnp.int32),
+        *int32_metadata(batch),
         jnp.asarray(sliding_window, jnp.int32),
         None if sinks is None else jnp.asarray(sinks, jnp.float32),
         sm_scale=float(sm_scale),

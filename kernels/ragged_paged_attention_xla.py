@@ -40,7 +40,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxserve.kernels import cpu_ffi
-from jaxserve.kernels._common import is_int8_pages, valid_token_mask, validate_attention_inputs
+from jaxserve.kernels._common import (
+    AttentionBatch,
+    int32_metadata,
+    is_int8_pages,
+    valid_token_mask,
+    validate_attention_inputs,
+)
 
 from jaxserve.utils import cdiv, next_pow2
 
@@ -68,10 +74,7 @@ def ragged_paged_attention_xla(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array | int,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array | int,
+    batch: AttentionBatch,
     *,
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
@@ -86,7 +89,8 @@ def ragged_paged_attention_xla(
     """Ragged paged attention in jnp/lax for the CPU; same contract as ``ragged_paged_attention_ref``.
 
     Args:
-      q .. num_seqs, sm_scale, sliding_window, soft_cap, sinks: as in ``reference.ragged_paged_attention_ref``
+      q, k_cache, v_cache, layer, batch, sm_scale, sliding_window, soft_cap, sinks: as in
+        ``reference.ragged_paged_attention_ref``
         (``layer``, ``sliding_window`` and ``sinks`` may be traced).
       max_q_len: optional static hint, the longest query chunk of any sequence in this step (1 for pure decode),
         bucketed. It only picks block sizes; every value gives the same result.
@@ -107,12 +111,10 @@ def ragged_paged_attention_xla(
         too short for a concrete kv_lens.
       RuntimeError: ``impl="ffi"`` and the C++ kernel could not be built (naming why).
     """
-    validate_attention_inputs(
-        q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale, soft_cap=soft_cap
-    )
+    validate_attention_inputs(q, k_cache, v_cache, batch, sm_scale=sm_scale, soft_cap=soft_cap)
     if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 0):
         raise ValueError(f"max_q_len must be None or a static int >= 0, got {max_q_len!r}")
-    max_ctx = page_indices.shape[1] * k_cache.shape[2]
+    max_ctx = batch.page_indices.shape[1] * k_cache.shape[2]
     d_block_q, d_chunk, d_decode_chunk = default_blocking(q.shape[0], max_ctx, max_q_len)
     sizes = dict(
         block_q=block_q or d_block_q,
@@ -140,11 +142,8 @@ def ragged_paged_attention_xla(
             k_cache,
             v_cache,
             layer,
-            kv_lens,
-            page_indices,
-            cu_q_lens,
-            num_seqs,
-            0 if no_window else sliding_window,
+            batch,
+            sliding_window=0 if no_window else sliding_window,
             sm_scale=sm_scale,
             soft_cap=soft_cap,
             sinks=sinks,
@@ -155,10 +154,7 @@ def ragged_paged_attention_xla(
         k_cache,
         v_cache,
         jnp.asarray(layer, jnp.int32),
-        kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32),
-        cu_q_lens.astype(jnp.int32),
-        jnp.asarray(num_seqs, jnp.int32),
+        *int32_metadata(batch),
         jnp.asarray(sliding_window, jnp.int32),
         None if sinks is None else jnp.asarray(sinks, jnp.float32),
         sm_scale=float(sm_scale),

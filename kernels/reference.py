@@ -9,10 +9,12 @@ Layout conventions shared by every implementation:
     k_cache      [L, num_pages, page_size, num_kv_heads, head_dim]   (v_cache the same), or an ``Int8Pages``:
                  int8 values of that shape and float32 scales [L, num_pages, page_size, num_kv_heads]
     layer        int32 scalar                       which layer of the cache to read
+    batch        an ``AttentionBatch`` (``_common.py``) of the step's metadata; the kernels read:
     kv_lens      [S] int32   context length of each sequence INCLUDING this step's tokens
     page_indices [S, pages_per_seq] int32           page table of each sequence
     cu_q_lens    [S + 1] int32                      sequence i owns tokens cu_q_lens[i]:cu_q_lens[i+1]
     num_seqs     int32 scalar                       sequences past it are padding
+    slot_mapping [T] int32   ``page * page_size + offset`` each token's K/V is written to (-1: padding)
 
 The query tokens of sequence i sit at the last q_len_i positions of its context, so token j of the
 chunk (0-based) has absolute position kv_lens[i] - q_len_i + j and attends causally to positions
@@ -25,7 +27,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxserve.kernels._common import Int8Pages, dequantize_rows, is_int8_pages, quantize_rows
+from jaxserve.kernels._common import (
+    AttentionBatch,
+    Int8Pages,
+    dequantize_rows,
+    is_int8_pages,
+    quantize_rows,
+    write_slots,
+)
 
 # Below this many sequences in a step, attend densely over every sequence's gathered context and mask;
 # above it, gather each token's own context. Both are exact; the switch is only about cost on the CPU.
@@ -42,10 +51,7 @@ def ragged_paged_attention_ref(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array | int,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array | int,
+    batch: AttentionBatch,
     *,
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
@@ -55,7 +61,7 @@ def ragged_paged_attention_ref(
     """Attention of a ragged batch of query chunks over paged K/V, as the module docstring defines it.
 
     Args:
-      q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs: the layouts above.
+      q, k_cache, v_cache, layer, batch: the layouts above.
       sm_scale: softmax scale applied to q (a Python float).
       sliding_window: 0 = off, else attend to the last ``sliding_window`` positions; may be traced.
       soft_cap: None or ``cap`` for ``cap * tanh(s / cap)`` on the scores.
@@ -68,6 +74,7 @@ def ragged_paged_attention_ref(
 
     It validates nothing (``jaxserve.kernels.ragged_paged_attention`` does before calling it).
     """
+    kv_lens, page_indices, cu_q_lens, num_seqs = batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs_padded, pages_per_seq = page_indices.shape
@@ -147,7 +154,7 @@ def write_kv_ref(
     layer: jax.Array | int,
     new_k: jax.Array,
     new_v: jax.Array,
-    slot_mapping: jax.Array,
+    batch: AttentionBatch,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatters the step's new K/V into the pages of one layer (out of place: XLA's scatter).
 
@@ -156,11 +163,13 @@ def write_kv_ref(
         quantized with ``quantize_rows``: its own scale per token and KV head).
       layer: int32 scalar (may be traced).
       new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype.
-      slot_mapping: [T], ``page * page_size + offset`` for token t; a negative slot (padding) writes nothing.
+      batch: its ``slot_mapping`` [T], ``page * page_size + offset`` for token t; a negative slot (padding) writes
+        nothing.
 
     Returns:
       The updated (k_cache, v_cache).
     """
+    slot_mapping = write_slots(batch)
     num_pages, page_size = k_cache.shape[1:3]
     page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
     offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)

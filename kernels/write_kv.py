@@ -2,7 +2,7 @@
 
 Both kernels alias the caches to their outputs (``input_output_aliases``), so with a donated cache XLA
 updates it in place and only the T new rows move. Contract: ``reference.write_kv_ref`` -- token t goes
-to ``slot_mapping[t] = page * page_size + offset`` of layer ``layer``; a negative slot writes nothing.
+to ``batch.slot_mapping[t] = page * page_size + offset`` of layer ``layer``; a negative slot writes nothing.
 Two tokens with the same slot is undefined (as in the reference, where the scatter order is unspecified).
 An ``Int8Pages`` pool gets its new rows quantized as the reference quantizes them (``quantize_rows``, in XLA: T
 rows), and the same kernel writes the values and the scales.
@@ -17,7 +17,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
-from jaxserve.kernels._common import Int8Pages, is_int8_pages, quantize_rows, settle_tpu_interpret
+from jaxserve.kernels._common import (
+    AttentionBatch,
+    Int8Pages,
+    is_int8_pages,
+    quantize_rows,
+    settle_tpu_interpret,
+    write_slots,
+)
 
 from jaxserve.utils import cdiv, next_pow2
 
@@ -94,11 +101,13 @@ def _write_rows_gpu(pools, layer, rows, slot_mapping, *, block_t, interpret):
     )(slot_mapping, layer.reshape(1), *rows, *pools)
 
 
-def write_kv_gpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t: int = 16, interpret: bool = False):
+def write_kv_gpu(
+    k_cache, v_cache, layer, new_k, new_v, batch: AttentionBatch, *, block_t: int = 16, interpret: bool = False
+):
     """In-place scatter of new K/V rows into one layer of the page pool (Pallas Triton); ``write_kv_ref``'s contract.
 
     Args:
-      k_cache, v_cache, layer, new_k, new_v, slot_mapping: as in ``reference.write_kv_ref``.
+      k_cache, v_cache, layer, new_k, new_v, batch: as in ``reference.write_kv_ref`` (its ``slot_mapping``).
       block_t: tokens per program (rounded to a power of two, at most the step's).
       interpret: run in the Pallas interpreter (any backend, slow).
 
@@ -109,6 +118,7 @@ def write_kv_gpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t
     Raises:
       ValueError: shapes that do not fit the caches.
     """
+    slot_mapping = write_slots(batch)
     _validate(k_cache, v_cache, new_k, new_v, slot_mapping)
     if new_k.shape[0] == 0:
         return k_cache, v_cache
@@ -183,12 +193,14 @@ def _write_rows_tpu(pools, layer, rows, slot_mapping, *, block_t, interpret):
     )(layer.reshape(1), slots, *rows, *pools)
 
 
-def write_kv_tpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t: int = 16, interpret: bool = False):
+def write_kv_tpu(
+    k_cache, v_cache, layer, new_k, new_v, batch: AttentionBatch, *, block_t: int = 16, interpret: bool = False
+):
     """In-place scatter of new K/V rows into one layer of the page pool (Pallas Mosaic, row DMAs into HBM);
     ``write_kv_ref``'s contract.
 
     Args:
-      k_cache, v_cache, layer, new_k, new_v, slot_mapping: as in ``reference.write_kv_ref``.
+      k_cache, v_cache, layer, new_k, new_v, batch: as in ``reference.write_kv_ref`` (its ``slot_mapping``).
       block_t: tokens per program (at most the step's).
       interpret: run in Pallas' TPU interpret mode (on the CPU).
 
@@ -198,6 +210,7 @@ def write_kv_tpu(k_cache, v_cache, layer, new_k, new_v, slot_mapping, *, block_t
     Raises:
       ValueError: shapes that do not fit the caches.
     """
+    slot_mapping = write_slots(batch)
     _validate(k_cache, v_cache, new_k, new_v, slot_mapping)
     if new_k.shape[0] == 0:
         return k_cache, v_cache

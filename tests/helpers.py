@@ -158,7 +158,8 @@ def tiny_model(tokenizer_path, num_heads: int = 8, num_kv_heads: int = 2, interm
 # ---------------------------------------------------------------------------------------------------- kernels
 @dataclasses.dataclass
 class Batch:
-    """The inputs of ``ragged_paged_attention`` for one ragged batch (jax arrays), built by :func:`make_batch`."""
+    """The inputs of ``ragged_paged_attention`` for one ragged batch (jax arrays), built by :func:`make_batch`; the
+    metadata is that of a ``jaxserve.kernels.AttentionBatch`` (``meta``)."""
 
     q: Any
     k_cache: Any
@@ -168,17 +169,17 @@ class Batch:
     cu_q_lens: Any
     num_seqs: Any
 
-    def args(self, layer=1) -> tuple:
-        return (
-            self.q,
-            self.k_cache,
-            self.v_cache,
-            layer,
-            self.kv_lens,
-            self.page_indices,
-            self.cu_q_lens,
-            self.num_seqs,
+    @property
+    def meta(self):
+        """The batch's ``AttentionBatch`` (what attention reads)."""
+        from jaxserve.kernels import AttentionBatch
+
+        return AttentionBatch(
+            kv_lens=self.kv_lens, page_indices=self.page_indices, cu_q_lens=self.cu_q_lens, num_seqs=self.num_seqs
         )
+
+    def args(self, layer=1) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, layer, self.meta)
 
     @property
     def num_real_tokens(self) -> int:

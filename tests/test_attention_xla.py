@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import Batch, make_batch
+from jaxserve.kernels import AttentionBatch
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from jaxserve.kernels.reference import ragged_paged_attention_ref
 
@@ -105,7 +106,6 @@ def test_head_layouts(hq, hk, d):
 def test_window_and_soft_cap_traced_under_jit(sizes, soft_cap):
     """Layer and sliding_window are traced (arguments of the jitted function); soft_cap is static."""
     b = make_batch(MIXED_Q, MIXED_KV, seed=2)
-    q, kc, vc, _, *rest = b.args()
     fn = jax.jit(
         functools.partial(
             ragged_paged_attention_xla, sm_scale=SM_SCALE, soft_cap=soft_cap, max_q_len=32, **SIZES[sizes]
@@ -113,7 +113,7 @@ def test_window_and_soft_cap_traced_under_jit(sizes, soft_cap):
     )
     for window in (0, 1, 7, 20):
         for layer in (0, 1):
-            out = fn(q, kc, vc, jnp.int32(layer), *rest, sliding_window=jnp.int32(window))
+            out = fn(b.q, b.k_cache, b.v_cache, jnp.int32(layer), b.meta, sliding_window=jnp.int32(window))
             check(out, b, reference(b, layer, sliding_window=jnp.int32(window), soft_cap=soft_cap))
 
 
@@ -188,7 +188,7 @@ def test_dispatch_auto_is_xla_on_cpu():
     # write_kv under "auto" on the CPU still works (the C++ in-place write)
     slots = jnp.array([0, 17, -1], jnp.int32)
     new = jnp.ones((3, 3, 64), jnp.float32)
-    kc, vc = kernels.write_kv(b.k_cache, b.v_cache, 1, new, new * 2, slots)
+    kc, vc = kernels.write_kv(b.k_cache, b.v_cache, 1, new, new * 2, AttentionBatch(slot_mapping=slots))
     assert float(kc[1, 1, 1, 0, 0]) == 1.0 and float(vc[1, 0, 0, 2, 5]) == 2.0
 
 
@@ -322,9 +322,9 @@ def test_ffi_write_kv_matches_reference():
         vc = jnp.asarray(rng.standard_normal(shape), dtype)
         new_k = jnp.asarray(rng.standard_normal((6, 3, 64)), dtype)
         new_v = jnp.asarray(rng.standard_normal((6, 3, 64)), dtype)
-        exp_k, exp_v = write_kv_ref(kc, vc, 2, new_k, new_v, slots)
+        exp_k, exp_v = write_kv_ref(kc, vc, 2, new_k, new_v, AttentionBatch(slot_mapping=slots))
         fn = jax.jit(cpu_ffi.write_kv, donate_argnums=(0, 1))
-        out_k, out_v = fn(kc, vc, jnp.int32(2), new_k, new_v, slots)
+        out_k, out_v = fn(kc, vc, jnp.int32(2), new_k, new_v, AttentionBatch(slot_mapping=slots))
         np.testing.assert_array_equal(np.asarray(out_k.astype(jnp.float32)), np.asarray(exp_k.astype(jnp.float32)))
         np.testing.assert_array_equal(np.asarray(out_v.astype(jnp.float32)), np.asarray(exp_v.astype(jnp.float32)))
 

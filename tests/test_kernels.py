@@ -16,6 +16,7 @@ bfloat16 atol = rtol = 1e-2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,7 +27,7 @@ from helpers import Batch, make_batch
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxserve.kernels import reference
+from jaxserve.kernels import AttentionBatch, reference
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
@@ -125,8 +126,7 @@ def test_reference_matches_naive(path, hq, hk, window, soft_cap, sinks):
 def test_reference_traced_window_and_layer():
     b = make_batch(MIXED_Q, MIXED_KV)
     fn = jax.jit(functools.partial(reference.ragged_paged_attention_ref, sm_scale=SM_SCALE))
-    q, kc, vc, _, *rest = b.args(0)
-    out = fn(q, kc, vc, jnp.int32(1), *rest, sliding_window=jnp.int32(9))
+    out = fn(b.q, b.k_cache, b.v_cache, jnp.int32(1), b.meta, sliding_window=jnp.int32(9))
     assert_close(out, naive_attention(b, 1, sm_scale=SM_SCALE, window=9))
 
 
@@ -139,7 +139,7 @@ def test_write_kv_ref_matches_numpy():
     slots = rng.choice(6 * PAGE, 9, replace=False).astype(np.int32)
     slots[[2, 5]] = -1
     out_k, out_v = reference.write_kv_ref(
-        jnp.asarray(kc), jnp.asarray(vc), 1, jnp.asarray(new_k), jnp.asarray(new_v), jnp.asarray(slots)
+        jnp.asarray(kc), jnp.asarray(vc), 1, jnp.asarray(new_k), jnp.asarray(new_v), AttentionBatch(slot_mapping=slots)
     )
     for t, slot in enumerate(slots):
         if slot >= 0:
@@ -230,7 +230,7 @@ def test_kernel_in_layer_scan_with_traced_layer_and_window(backend):
     windows = jnp.array([0, 7], jnp.int32)
 
     @jax.jit
-    def all_layers(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def all_layers(q, k_cache, v_cache, batch):
         def body(carry, xs):
             layer, window = xs
             out = kernels.ragged_paged_attention(
@@ -238,10 +238,7 @@ def test_kernel_in_layer_scan_with_traced_layer_and_window(backend):
                 k_cache,
                 v_cache,
                 layer,
-                kv_lens,
-                page_indices,
-                cu_q_lens,
-                num_seqs,
+                batch,
                 sm_scale=SM_SCALE,
                 sliding_window=window,
                 impl="pallas",
@@ -251,8 +248,9 @@ def test_kernel_in_layer_scan_with_traced_layer_and_window(backend):
 
         return lax.scan(body, 0, (jnp.arange(2, dtype=jnp.int32), windows))[1]
 
-    q, kc, vc, _, *rest = b.args(0)
-    outs = jax.block_until_ready(all_layers(q, kc, vc, *rest))  # see kernels._common.settle_tpu_interpret
+    outs = jax.block_until_ready(
+        all_layers(b.q, b.k_cache, b.v_cache, b.meta)
+    )  # see kernels._common.settle_tpu_interpret
     for layer in (0, 1):
         expected = reference.ragged_paged_attention_ref(
             *b.args(layer), sm_scale=SM_SCALE, sliding_window=int(windows[layer])
@@ -278,7 +276,7 @@ def test_write_kv_kernel_matches_reference(backend, dtype):
         jnp.int32(1),
         jnp.asarray(new_k, dtype),
         jnp.asarray(new_v, dtype),
-        jnp.asarray(slots),
+        AttentionBatch(slot_mapping=slots),
     )
     exp_k, exp_v = reference.write_kv_ref(*args)
     out_k, out_v = kernels.write_kv(*args, impl="pallas", backend=backend)
@@ -325,19 +323,19 @@ def test_dispatch_rejects_unknown_impl_and_backend():
 def test_validation_errors_are_clear(impl):
     b = make_batch(DECODE_Q, DECODE_KV, hq=8, hk=2)
     call = functools.partial(kernels.ragged_paged_attention, sm_scale=SM_SCALE, impl=impl)
-    q, kc, vc, layer, kv_lens, table, cu, n = b.args(0)
+    q, kc, vc, layer, meta = b.args(0)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        call(q[:, :7], kc, vc, layer, kv_lens, table, cu, n)
+        call(q[:, :7], kc, vc, layer, meta)
     with pytest.raises(ValueError, match="head_dim"):
-        call(q[..., :32], kc, vc, layer, kv_lens, table, cu, n)
+        call(q[..., :32], kc, vc, layer, meta)
     with pytest.raises(ValueError, match="page table too short"):
-        call(q, kc, vc, layer, kv_lens, table[:, :2], cu, n)
+        call(q, kc, vc, layer, dataclasses.replace(meta, page_indices=meta.page_indices[:, :2]))
     with pytest.raises(ValueError, match="kv_lens must have shape"):
-        call(q, kc, vc, layer, kv_lens[:-1], table, cu, n)
+        call(q, kc, vc, layer, dataclasses.replace(meta, kv_lens=meta.kv_lens[:-1]))
     with pytest.raises(ValueError, match="cu_q_lens must have shape"):
-        call(q, kc, vc, layer, kv_lens, table, cu[:-1], n)
+        call(q, kc, vc, layer, dataclasses.replace(meta, cu_q_lens=meta.cu_q_lens[:-1]))
     with pytest.raises(ValueError, match="k_cache and v_cache differ"):
-        call(q, kc, vc[:1], layer, kv_lens, table, cu, n)
+        call(q, kc, vc[:1], layer, meta)
 
 
 # ------------------------------------------------------------------------------------------ lowering
@@ -365,19 +363,16 @@ def test_kernels_lower_for_their_platform(backend, monkeypatch):
         cache = jax.ShapeDtypeStruct((4, 256, PAGE, 8, 128), cache_dtype)
         q = jax.ShapeDtypeStruct((num_tokens, 32, 128), jnp.bfloat16)
 
-        def step(q, kc, vc, layer, kv_lens, table, cu, n, window, new_kv, slots, soft_cap=soft_cap):
+        def step(q, kc, vc, layer, batch, window, new_kv, soft_cap=soft_cap):
             kc, vc = kernels.write_kv(
-                kc, vc, layer, new_kv, new_kv, slots, impl="pallas", backend=backend, interpret=False
+                kc, vc, layer, new_kv, new_kv, batch, impl="pallas", backend=backend, interpret=False
             )
             return kernels.ragged_paged_attention(
                 q,
                 kc,
                 vc,
                 layer,
-                kv_lens,
-                table,
-                cu,
-                n,
+                batch,
                 sm_scale=SM_SCALE,
                 sliding_window=window,
                 soft_cap=soft_cap,
@@ -393,13 +388,16 @@ def test_kernels_lower_for_their_platform(backend, monkeypatch):
                 cache,
                 cache,
                 i32(()),
-                i32((8,)),
-                i32((8, 32)),
-                i32((9,)),
-                i32(()),
+                kernels.AttentionBatch(
+                    positions=i32((num_tokens,)),
+                    slot_mapping=i32((num_tokens,)),
+                    kv_lens=i32((8,)),
+                    page_indices=i32((8, 32)),
+                    cu_q_lens=i32((9,)),
+                    num_seqs=i32(()),
+                ),
                 i32(()),
                 jax.ShapeDtypeStruct((num_tokens, 8, 128), jnp.bfloat16),
-                i32((num_tokens,)),
             )
             .lower(lowering_platforms=(platform,))
         )

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import make_batch
-from jaxserve.kernels import cpu_ffi, reference
+from jaxserve.kernels import AttentionBatch, cpu_ffi, reference
 from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
@@ -75,11 +75,12 @@ def test_cpp_decodes_every_fp8_byte_as_ml_dtypes(kv):
         jnp.asarray(k),
         jnp.asarray(v),
         0,
-        jnp.array([1], jnp.int32),
-        jnp.zeros((1, 1), jnp.int32),
-        jnp.array([0, 1], jnp.int32),
-        1,
-        0,
+        AttentionBatch(
+            kv_lens=jnp.array([1], jnp.int32),
+            page_indices=jnp.zeros((1, 1), jnp.int32),
+            cu_q_lens=jnp.array([0, 1], jnp.int32),
+            num_seqs=1,
+        ),
         sm_scale=1.0,
         soft_cap=None,
     )
@@ -98,7 +99,14 @@ def test_writes_round_like_xla(kv, impl, backend):
     new = (rng.standard_normal((2, 7, 2, 64)) * 3).astype(np.float32)
     slots = np.array([3, 17, -1, 40, 41, 79, 0], np.int32)
     out_k, out_v = kernels.write_kv(
-        kc, vc, 1, jnp.asarray(new[0]), jnp.asarray(new[1]), jnp.asarray(slots), impl=impl, backend=backend
+        kc,
+        vc,
+        1,
+        jnp.asarray(new[0]),
+        jnp.asarray(new[1]),
+        AttentionBatch(slot_mapping=slots),
+        impl=impl,
+        backend=backend,
     )
     assert out_k.dtype == dtype
     want = np.zeros(shape, dtype)

@@ -13,6 +13,7 @@ checked once, loosely (``test_int8_is_close_to_float32_attention``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import Batch, make_batch
-from jaxserve.kernels import cpu_ffi
+from jaxserve.kernels import AttentionBatch, cpu_ffi
 from jaxserve.kernels._common import Int8Pages, quantize_rows
 from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
@@ -44,7 +45,12 @@ def int8_pool(cache, rng) -> Int8Pages:
         rows = np.where(written[:, None, None], rows, 0.0) * np.exp(rng.uniform(-2, 2, (pages * page, heads, 1)))
         slots = np.where(written, np.arange(pages * page), -1).astype(np.int32)
         pool, _ = write_kv_ref(
-            pool, pool, layer, jnp.asarray(rows, jnp.float32), jnp.asarray(rows, jnp.float32), jnp.asarray(slots)
+            pool,
+            pool,
+            layer,
+            jnp.asarray(rows, jnp.float32),
+            jnp.asarray(rows, jnp.float32),
+            AttentionBatch(slot_mapping=slots),
         )
     return pool
 
@@ -53,9 +59,7 @@ def int8_batch(q_lens, kv_lens, *, seed, **kw) -> Batch:
     """make_batch's ragged batch (float32 q) over ``Int8Pages`` K and V pools built from its caches."""
     b = make_batch(list(q_lens), list(kv_lens), seed=seed, **kw)
     rng = np.random.default_rng(seed + 1000)
-    return Batch(
-        b.q, int8_pool(b.k_cache, rng), int8_pool(b.v_cache, rng), b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs
-    )
+    return dataclasses.replace(b, k_cache=int8_pool(b.k_cache, rng), v_cache=int8_pool(b.v_cache, rng))
 
 
 _reference = jax.jit(ragged_paged_attention_ref, static_argnames=("sm_scale", "soft_cap"))
@@ -142,11 +146,12 @@ def test_cpp_reads_each_row_with_its_scale():
         k,
         v,
         1,
-        jnp.array([kv_len], jnp.int32),
-        table,
-        jnp.array([0, 1], jnp.int32),
-        1,
-        0,
+        AttentionBatch(
+            kv_lens=jnp.array([kv_len], jnp.int32),
+            page_indices=table,
+            cu_q_lens=jnp.array([0, 1], jnp.int32),
+            num_seqs=1,
+        ),
         sm_scale=1.0,
         soft_cap=None,
     )
@@ -162,11 +167,7 @@ def test_int8_is_close_to_float32_attention():
     want = np.asarray(_reference(*b.args(1), sm_scale=SM_SCALE, sliding_window=0, soft_cap=None))
     n = b.num_real_tokens
     for impl in IMPLS:
-        out = np.asarray(
-            ragged_paged_attention_xla(
-                b.q, k8, v8, 1, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, sm_scale=SM_SCALE, **IMPLS[impl]
-            )
-        )
+        out = np.asarray(ragged_paged_attention_xla(b.q, k8, v8, 1, b.meta, sm_scale=SM_SCALE, **IMPLS[impl]))
         err = np.linalg.norm(out[:n] - want[:n]) / np.linalg.norm(want[:n])
         assert 0 < err < 0.02, (impl, err)  # not zero: the int8 pool really was read
 
@@ -185,7 +186,7 @@ def _write_case(seed):
     new[0, 1, 2] = 0.0  # an all-zero row: scale 1
     new[1, 3, 0, 5] = 1e4  # one element dominates the row
     slots = jnp.array([0, 17, -1, 7 * 16 - 1, 5000, 40, -7], jnp.int32)  # padding (< 0) and past the pool: nothing
-    return pools, jnp.asarray(new[0], jnp.float32), jnp.asarray(new[1], jnp.float32), slots
+    return pools, jnp.asarray(new[0], jnp.float32), jnp.asarray(new[1], jnp.float32), AttentionBatch(slot_mapping=slots)
 
 
 def _assert_same_pool(got, want):
@@ -226,26 +227,14 @@ def test_cpp_write_kv_int8_in_place_under_jit_with_donation():
 def test_int8_pools_refused_without_scales():
     b = int8_batch([1, 3], [9, 20], seed=3, hq=8, hk=2, d=64)
     plain = b.k_cache.values
-    args = (b.q, plain, plain, 1, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)
+    args = (b.q, plain, plain, 1, b.meta)
     with pytest.raises(ValueError, match="scales"):
-        cpu_ffi.paged_attention(*args, 0, sm_scale=SM_SCALE, soft_cap=None)
+        cpu_ffi.paged_attention(*args, sm_scale=SM_SCALE, soft_cap=None)
     with pytest.raises(ValueError, match="Int8Pages"):
-        cpu_ffi.paged_attention(
-            b.q,
-            b.k_cache,
-            plain,
-            1,
-            b.kv_lens,
-            b.page_indices,
-            b.cu_q_lens,
-            b.num_seqs,
-            0,
-            sm_scale=SM_SCALE,
-            soft_cap=None,
-        )
+        cpu_ffi.paged_attention(b.q, b.k_cache, plain, 1, b.meta, sm_scale=SM_SCALE, soft_cap=None)
     for impl in ("ffi", "xla", "auto"):
         with pytest.raises(ValueError, match="Int8Pages"):
             ragged_paged_attention_xla(*args, sm_scale=SM_SCALE, impl=impl)
     new = jnp.zeros((2, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="scales"):
-        cpu_ffi.write_kv(plain, plain, 0, new, new, jnp.array([0, 1], jnp.int32))
+        cpu_ffi.write_kv(plain, plain, 0, new, new, AttentionBatch(slot_mapping=jnp.array([0, 1], jnp.int32)))

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxserve.kernels import Int8Pages, ragged_paged_attention_tpu, write_kv_tpu
+from jaxserve.kernels import AttentionBatch, Int8Pages, ragged_paged_attention_tpu, write_kv_tpu
 from jaxserve.kernels.ragged_paged_attention_tpu import (
     _VMEM_BUDGET,
     default_block_sizes,
@@ -103,23 +103,24 @@ def compile_attention(
         cache,
         cache,
         i32(),
-        i32(num_seqs),
-        i32(num_seqs, MAX_CTX // page_size),
-        i32(num_seqs + 1),
-        i32(),
+        AttentionBatch(
+            positions=i32(num_tokens),
+            slot_mapping=i32(num_tokens),
+            kv_lens=i32(num_seqs),
+            page_indices=i32(num_seqs, MAX_CTX // page_size),
+            cu_q_lens=i32(num_seqs + 1),
+            num_seqs=i32(),
+        ),
         i32(),
     ) + ((a((num_q_heads,), jnp.float32),) if sinks else ())
 
-    def step(q, k, v, layer, kv_lens, page_indices, cu_q_lens, n, window, sinks=None):
+    def step(q, k, v, layer, batch, window, sinks=None):
         return ragged_paged_attention_tpu(
             q,
             k,
             v,
             layer,
-            kv_lens,
-            page_indices,
-            cu_q_lens,
-            n,
+            batch,
             sm_scale=head_dim**-0.5,
             sliding_window=window,
             soft_cap=soft_cap,
@@ -140,10 +141,12 @@ def compile_write_kv(topology, dtype, num_kv_heads, head_dim, page_size, num_tok
     a = functools.partial(_abstract, mesh)
     cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
     new = a((num_tokens, num_kv_heads, head_dim), dtype)
+    i32 = lambda *shape: a(shape, jnp.int32)  # noqa: E731
+    batch = AttentionBatch(i32(num_tokens), i32(num_tokens), i32(1), i32(1, 1), i32(2), i32())
     with jax.set_mesh(mesh):
         compiled = (
             jax.jit(write_kv_tpu, donate_argnums=(0, 1))
-            .lower(cache, cache, a((), jnp.int32), new, new, a((num_tokens,), jnp.int32))
+            .lower(cache, cache, a((), jnp.int32), new, new, batch)
             .compile()
         )
     _check_tpu_kernel(compiled, "write_kv_tpu")

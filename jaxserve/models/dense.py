@@ -14,7 +14,6 @@ V vocabulary, L layers, S sequences.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -24,29 +23,15 @@ from flax import nnx
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
+from jaxserve.kernels import AttentionBatch
 from jaxserve.layers.linear import PLAIN, MatmulPolicy, pack_bf16
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import Rope, apply_rope
 from jaxserve.models.schema import layer_names, matmul_names, param_schema
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AttentionBatch:
-    """Device arrays that describe one step's ragged batch (see ``jaxserve.kernels.reference``)."""
-
-    positions: jax.Array  # [T] int32 absolute position of each token
-    slot_mapping: jax.Array  # [T] int32 page * page_size + offset, -1 for padding tokens
-    kv_lens: jax.Array  # [S] int32 context length after this step
-    page_indices: jax.Array  # [S, P] int32
-    cu_q_lens: jax.Array  # [S + 1] int32
-    num_seqs: jax.Array  # [] int32
-
-
-# attention_fn(q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-#              sliding_window, soft_cap) -> [T, N, H]
+# attention_fn(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window, soft_cap) -> [T, N, H]
 AttentionFn = Callable[..., jax.Array]
-# write_kv_fn(k_cache, v_cache, layer, new_k, new_v, slot_mapping) -> (k_cache, v_cache)
+# write_kv_fn(k_cache, v_cache, layer, new_k, new_v, batch) -> (k_cache, v_cache)
 WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -145,16 +130,13 @@ class DenseDecoder(nnx.Module):
             else:
                 c, s = jnp.where(window > 0, local[0], cos), jnp.where(window > 0, local[1], sin)
                 q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-            k_cache, v_cache = write_kv_fn(k_cache, v_cache, layer_idx, k, v, batch.slot_mapping)
+            k_cache, v_cache = write_kv_fn(k_cache, v_cache, layer_idx, k, v, batch)
             attn = attention_fn(
                 q,
                 k_cache,
                 v_cache,
                 layer_idx,
-                batch.kv_lens,
-                batch.page_indices,
-                batch.cu_q_lens,
-                batch.num_seqs,
+                batch,
                 sm_scale=cfg.attn_scale,
                 sliding_window=window,
                 soft_cap=cfg.attn_logit_softcap,
