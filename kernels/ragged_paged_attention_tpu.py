@@ -248,9 +248,10 @@ def _padded(n: int, m: int) -> int:
     return cdiv(n, m) * m
 
 
-def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized=False) -> int:
-    """Estimated VMEM of one program: q/out blocks (double-buffered), K/V double buffers, softmax state, and for
-    int8 pools the scale buffers.
+def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized=False, sinks=False) -> int:
+    """Estimated VMEM of one program: q/out blocks (double-buffered), K/V double buffers, softmax state, for
+    int8 pools the scale buffers, and with attention sinks their input block (double-buffered, lane-replicated
+    float32 rows like the running max).
 
     Arrays are tiled (sublanes, 128) on their last two dims; the K/V buffers' are (heads, head_dim), so
     their heads round up to 8 (f32) / 16 (bf16) / 32 (8-bit) sublanes; the scale buffers' (tokens, heads).
@@ -262,15 +263,17 @@ def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype
     kv = 2 * 2 * blk_tokens * _padded(kv_heads_per_block, 8 * (4 // kb)) * d * kb
     state = kv_heads_per_block * _padded(rows, 8) * (2 * _LANES + d) * 4
     scales = 2 * 2 * _padded(blk_tokens, 8) * _padded(kv_heads_per_block, _LANES) * 4 if quantized else 0
-    return q_out + kv + state + scales
+    sink_rows = 2 * kv_heads_per_block * _padded(rows, 8) * _LANES * 4 if sinks else 0
+    return q_out + kv + state + scales + sink_rows
 
 
 def default_kv_heads_per_block(
-    num_kv_heads, rows, head_dim, blk_tokens, q_dtype, kv_dtype, budget=_VMEM_BUDGET, quantized=False
+    num_kv_heads, rows, head_dim, blk_tokens, q_dtype, kv_dtype, budget=_VMEM_BUDGET, quantized=False, sinks=False
 ):
     """The most KV heads per program (a divisor of num_kv_heads) whose estimated VMEM fits ``budget``."""
     for h in range(num_kv_heads, 0, -1):
-        if num_kv_heads % h == 0 and vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized) <= budget:
+        need = vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized, sinks)
+        if num_kv_heads % h == 0 and need <= budget:
             return h
     return 1
 
@@ -326,6 +329,7 @@ def ragged_paged_attention_tpu(
         k_cache.dtype,
         budget,
         is_int8_pages(k_cache),
+        sinks is not None,
     )
     if num_kv_heads % kv_heads_per_block:
         raise ValueError(f"kv_heads_per_block ({kv_heads_per_block}) must divide num_kv_heads ({num_kv_heads})")

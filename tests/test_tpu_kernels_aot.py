@@ -234,6 +234,20 @@ def test_raised_vmem_limit_keeps_heads_together_and_compiles():
     compile_attention("v5e:2x2", F32, 64, 8, 256, 16, *MIXED, vmem_limit_bytes=32 << 20)
 
 
+def test_vmem_estimate_counts_the_sinks_block():
+    """With sinks the kernel takes one more input block, [heads, rows, 128] float32 and double-buffered (0.5 MiB
+    for 8 heads of 64 rows): the estimate grows by it, and the head blocking that fits the budget may shrink."""
+    rows = default_block_sizes(*MIXED, 8, 16, MAX_CTX // 16, F32)[0] * 8
+    args = (rows, 256, 256, F32, F32)
+    for h in (1, 4, 8):
+        assert vmem_bytes(h, *args, sinks=True) - vmem_bytes(h, *args) == 2 * h * rows * 128 * 4
+    with_sinks = default_kv_heads_per_block(8, *args, sinks=True)
+    assert with_sinks <= default_kv_heads_per_block(8, *args)
+    assert vmem_bytes(with_sinks, *args, sinks=True) <= _VMEM_BUDGET
+    # the float32 head_dim 256 corner with sinks: the head blocking chosen with the sinks' block counted compiles
+    compile_attention("v5e:2x2", F32, 64, 8, 256, 16, *MIXED, soft_cap=30.0, sinks=True)
+
+
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", range(1, 9))
