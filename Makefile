@@ -17,7 +17,7 @@ $(VENV)/.base: pyproject.toml
 # torch first, pinned, so that pip settles on that one build before it resolves the rest of the dev extras. The C++
 # kernels (about a minute of g++) build meanwhile on the other core; a test that needs them first waits for that build.
 $(VENV)/.dev: $(VENV)/.base
-	($(PY) -c 'from jaxserve.kernels import cpu_ffi; print(cpu_ffi.unavailable_reason())' >$(VENV)/ffi.log 2>&1 &)
+	($(PY) -c 'from jaxserve.kernels.cpu import ffi; print(ffi.unavailable_reason())' >$(VENV)/ffi.log 2>&1 &)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'
 	touch $@

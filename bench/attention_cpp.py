@@ -1,4 +1,4 @@
-"""The C++ paged attention (``cpu_ffi.paged_attention``) in a 64-sequence decode step, per layer, per KV dtype.
+"""The C++ paged attention (``attention_cpu.paged_attention``) in a 64-sequence decode step, per layer, per KV dtype.
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, 30 layers, pages of 16), one query token per
 sequence, contexts drawn from 128-575 tokens (the offline workload's mid-decode lengths), every sequence on its own
@@ -23,8 +23,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jaxserve.kernels import AttentionBatch, Int8Pages, cpu_ffi, reference  # noqa: E402
+from jaxserve.kernels import AttentionBatch, Int8Pages  # noqa: E402
 from jaxserve.kernels._common import quantize_rows  # noqa: E402
+from jaxserve.kernels.attention import cpu as attention_cpu  # noqa: E402
+from jaxserve.kernels.attention import reference  # noqa: E402
+from jaxserve.kernels.cpu import ffi as cpu_ffi  # noqa: E402
 
 LAYERS, PAGE, HK, HQ, D = 30, 16, 3, 9, 64
 
@@ -73,7 +76,7 @@ def main() -> None:
         kc, vc = caches(rng, pages, dtype)
 
         def attend(layer, qi=q, kc=kc, vc=vc):
-            return cpu_ffi.paged_attention(qi, kc, vc, layer, batch, sm_scale=D**-0.5, soft_cap=None)
+            return attention_cpu.paged_attention(qi, kc, vc, layer, batch, sm_scale=D**-0.5, soft_cap=None)
 
         # each call its own queries: XLA would merge identical calls (same layer, same inputs) into one
         step = jax.jit(lambda: sum(attend(i % args.layers, q * (1 + i / 1024)) for i in range(LAYERS)))

@@ -30,9 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxserve.kernels import AttentionBatch
-from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
-from jaxserve.kernels.reference import ragged_paged_attention_ref
+from jaxserve.kernels import AttentionBatch, ragged_paged_attention_ref
+from jaxserve.kernels.attention.xla import ragged_paged_attention_xla
 
 from jaxserve.utils import next_pow2
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxserve.kernels import reference
+from jaxserve.kernels import write_kv_ref
 from jaxserve.kernels._common import quantize_rows
 
 from jaxserve import kernels
@@ -164,7 +164,7 @@ def check_write(label, backend, pools) -> bool:
         new = jax.random.normal(jax.random.key(3), (6, 2, 128), jnp.float32).astype(jnp.bfloat16)
         slots = jnp.array([3, -1, 40, 17, 63, -1], jnp.int32)
         args = (*pools(b), jnp.int32(1), new, -new, kernels.AttentionBatch(slot_mapping=slots))
-        exp = reference.write_kv_ref(*args)
+        exp = write_kv_ref(*args)
         got = jax.jit(functools.partial(kernels.write_kv, impl="pallas", backend=backend))(*args)
         ok = all(
             np.array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32), equal_nan=True)

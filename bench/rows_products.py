@@ -5,10 +5,10 @@ weights, one float32 row, as one request's decode step runs them on one CPU devi
 weight bytes read per second, per mode:
 
 - ``float32``: XLA's own products on float32 weights (the scan's slices), and its output projection;
-- ``float32-cpp``: ``cpu_ffi.matmul_rows`` on the float32 stacks, each layer's matrix read in place (what one
+- ``float32-cpp``: ``matmul_cpu.matmul_rows`` on the float32 stacks, each layer's matrix read in place (what one
   request's steps run on one CPU device), XLA's output projection;
-- ``bf16``: ``cpu_ffi.matmul_rows`` on bfloat16 weights;
-- ``int8`` / ``int4``: ``cpu_ffi.matmul_quant_rows`` on quantized weights (int4 in groups of 32, as the default
+- ``bf16``: ``matmul_cpu.matmul_rows`` on bfloat16 weights;
+- ``int8`` / ``int4``: ``matmul_cpu.matmul_quant_rows`` on quantized weights (int4 in groups of 32, as the default
   model's Q4_1 file).
 
     python bench/rows_products.py [--modes float32 float32-cpp bf16 int8 int4] [--rows 1] [--repeats 20]
@@ -60,7 +60,7 @@ def weights(mode: str) -> dict:
 def step_fn(mode: str):
     import jax
     import jax.numpy as jnp
-    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.matmul import cpu as matmul_cpu
 
     def layer(h, mul):
         a = mul(h, "wq") + mul(h, "wo")
@@ -75,8 +75,8 @@ def step_fn(mode: str):
             h = jax.lax.scan(lambda h, p: (layer(h, lambda x, n: x @ p[n]), None), x, layers)[0]
             return h @ ws["output"].T
         ids = jnp.arange(LAYERS, dtype=jnp.int32)
-        h = jax.lax.scan(lambda h, i: (layer(h, lambda x, n: cpu_ffi.ROWS(x, ws[n], i)), None), x, ids)[0]
-        return h @ ws["output"].T if mode == "float32-cpp" else cpu_ffi.ROWS(h, ws["output"])
+        h = jax.lax.scan(lambda h, i: (layer(h, lambda x, n: matmul_cpu.ROWS(x, ws[n], i)), None), x, ids)[0]
+        return h @ ws["output"].T if mode == "float32-cpp" else matmul_cpu.ROWS(h, ws["output"])
 
     return step
 

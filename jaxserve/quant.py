@@ -32,7 +32,7 @@ and the scale up, so every group's values stay within 15 steps.
 4-bit values are packed two per byte along ``axis`` (element 2i in the low nibble, 2i + 1 in the high one) and
 stay packed in device memory; the product unpacks and scales them inside the jitted step (XLA fuses it into the
 dot's operand on GPU and TPU; on one CPU device, steps of up to 8 tokens go to a C++ product that widens the values
-in registers, ``jaxserve.kernels.cpu_ffi.matmul_quant_rows``). The dequantized values are computed exactly as the
+in registers, ``jaxserve.kernels.matmul.cpu.matmul_quant_rows``). The dequantized values are computed exactly as the
 checkpoint's own reference dequantizer does (one product, one sum, in float32), so a model served from its
 pre-quantized file computes with the very weights HF transformers dequantizes from it.
 

@@ -43,7 +43,9 @@ from jaxserve import kernels, quant
 from jaxserve.compilation import StepBuckets, StepCompiler
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.input_batch import CachedRequest, InputBatch, targets
-from jaxserve.kernels import cpu_ffi
+from jaxserve.kernels.attention import cpu as attention_cpu
+from jaxserve.kernels.cpu import ffi as cpu_ffi
+from jaxserve.kernels.matmul import cpu as matmul_cpu
 from jaxserve.kv_pool import KVPool
 from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.models.dense import OUTPUT_AXES, model_from_params
@@ -194,7 +196,7 @@ class ModelRunner:
             )
         cpp = (
             attention_impl in ("auto", "xla")
-            and cpu_ffi.serves(kv_dtype(cache_cfg.dtype, dtype))
+            and attention_cpu.serves(kv_dtype(cache_cfg.dtype, dtype))
             and cpu_ffi.available()
         )
         on_cpu = (platform or jax.default_backend()) == "cpu"
@@ -302,10 +304,10 @@ class ModelRunner:
         """The C++ products for steps of fewer than 8 rows on bfloat16 matmul weights (XLA:CPU's own is ~15x slower
         than float32 there, so without it such steps keep the float32 weights) and float32 layer stacks (read in
         place, where XLA copies the scan's slices), and of up to 8 on quantized weights (read packed, never
-        dequantized to a float copy): on one CPU device, when built (``cpu_ffi.RowsProduct`` says which weights it
+        dequantized to a float copy): on one CPU device, when built (``matmul_cpu.RowsProduct`` says which weights it
         takes)."""
         ok = (self.platform or jax.default_backend()) == "cpu" and self.mesh.size == 1 and cpu_ffi.available()
-        return cpu_ffi.ROWS if ok else None
+        return matmul_cpu.ROWS if ok else None
 
     # ------------------------------------------------------------------ packing
     # ------------------------------------------------------------------ execution

@@ -8,17 +8,22 @@ Imported as ``jaxserve.kernels``. The two entry points the model uses:
 
 ``batch`` is the step's ``AttentionBatch`` (positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
 attention reads its kv_lens, page_indices, cu_q_lens and num_seqs, the K/V write its slot_mapping.
-Layouts and semantics are defined once, in ``reference.py``. A pool is an array, or an ``Int8Pages`` (int8 values
-and one float32 scale per token and KV head) that every implementation below reads and writes.
+Layouts and semantics are defined once, in ``attention/reference.py``. A pool is an array, or an ``Int8Pages`` (int8
+values and one float32 scale per token and KV head) that every implementation below reads and writes.
+
+The package is organised by kernel family: ``attention/`` (reference, CPU jnp/lax blocks and C++ wrapper, Pallas
+GPU and TPU, the ``AttentionBatch`` metadata), ``kv_write/`` (reference, Pallas, C++ wrapper), ``matmul/`` (the
+CPU's C++ rows products) and ``cpu/`` (the C++ sources, built into one shared
+library and registered with XLA FFI by ``cpu/ffi.py``).
 
 ``impl``:
   "auto"       Pallas kernel compiled for the platform on GPU / TPU; "xla" on anything else (the CPU).
   "pallas"     the Pallas kernel; on a platform it was not written for (the CPU) it runs in interpret
                mode. ``backend="gpu"|"tpu"`` picks which kernel (default: the platform's, GPU-style on CPU).
   "xla"        the CPU path. Attention and the K/V write go to C++ kernels called through XLA FFI
-               (``cpu_paged_attention.cc``, built on first use by ``cpu_ffi.py``) when a C++ compiler is there
-               (attention: for float32, bfloat16, fp8 or int8 caches); else attention runs in jnp/lax blocks
-               (``ragged_paged_attention_xla.py``) and K/V is written with the reference scatter.
+               (``cpu/*.cc``, built on first use by ``cpu/ffi.py``) when a C++ compiler is there (attention: for
+               float32, bfloat16, fp8 or int8 caches); else attention runs in jnp/lax blocks
+               (``attention/xla.py``) and K/V is written with the reference scatter.
   "reference"  the jnp reference, anywhere.
 """
 
@@ -26,13 +31,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxserve.kernels import cpu_ffi
-from jaxserve.kernels._common import AttentionBatch, Int8Pages, is_fp8, is_int8_pages, validate_attention_inputs
-from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
-from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
-from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
-from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
-from jaxserve.kernels.write_kv import write_kv_gpu, write_kv_tpu
+from jaxserve.kernels._common import Int8Pages, is_fp8, is_int8_pages
+from jaxserve.kernels.attention import (
+    AttentionBatch,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_ref,
+    ragged_paged_attention_tpu,
+    ragged_paged_attention_xla,
+)
+from jaxserve.kernels.attention.batch import validate_attention_inputs
+from jaxserve.kernels.cpu import ffi
+from jaxserve.kernels.kv_write import cpu as kv_write_cpu
+from jaxserve.kernels.kv_write import write_kv_gpu, write_kv_ref, write_kv_tpu
 
 __all__ = [
     "AttentionBatch",
@@ -166,8 +176,8 @@ def write_kv(
       ValueError: bad impl/backend; the Pallas and C++ writes also refuse new rows that do not fit the caches.
     """
     kernel, interp = _choose(impl, backend, interpret)
-    if kernel == "xla" and jax.default_backend() == "cpu" and cpu_ffi.available():
-        return cpu_ffi.write_kv(k_cache, v_cache, layer, new_k, new_v, batch)  # in place, in C++
+    if kernel == "xla" and jax.default_backend() == "cpu" and ffi.available():
+        return kv_write_cpu.write_kv(k_cache, v_cache, layer, new_k, new_v, batch)  # in place, in C++
     if kernel in ("reference", "xla"):
         return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, batch)
     fn = write_kv_gpu if kernel == "gpu" else write_kv_tpu

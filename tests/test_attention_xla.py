@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import Batch, make_batch
-from jaxserve.kernels import AttentionBatch
-from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
-from jaxserve.kernels.reference import ragged_paged_attention_ref
+from jaxserve.kernels import AttentionBatch, ragged_paged_attention_ref
+from jaxserve.kernels.attention.xla import ragged_paged_attention_xla
 
 from jaxserve import kernels
 
@@ -196,7 +195,7 @@ def test_dispatch_auto_is_xla_on_cpu():
 def test_cpp_kernel_builds_here():
     """The C++ paged attention must build on a machine like CI's (g++ and jaxlib's FFI headers); without it
     impl="auto" silently loses its fast path, so a build failure fails here with the compiler's message."""
-    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.cpu import ffi as cpu_ffi
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
 
@@ -212,7 +211,7 @@ def test_processes_that_start_together_build_the_library_once(tmp_path):
     cxx = tmp_path / "fake-cxx"
     cxx.write_text(f'#!/bin/sh\necho run >> {runs}\nsleep 1\nfor a; do out=$a; done\necho lib > "$out"\n')
     cxx.chmod(0o755)
-    code = "from jaxserve.kernels import cpu_ffi; print(cpu_ffi._build())"
+    code = "from jaxserve.kernels.cpu import ffi; print(ffi._build())"
     env = {**os.environ, "CXX": str(cxx), "JAXSERVE_CACHE_DIR": str(tmp_path / "cache")}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in "abc"]
     paths = {p.communicate(timeout=120)[0].strip() for p in procs}
@@ -311,8 +310,8 @@ def test_ffi_reads_bf16_caches(case):
 def test_ffi_write_kv_matches_reference():
     """The in-place C++ write, inside a jit that donates the pool: same pool as the reference scatter (float32
     and bfloat16 bits), negative and out-of-pool slots write nothing."""
-    from jaxserve.kernels import cpu_ffi
-    from jaxserve.kernels.reference import write_kv_ref
+    from jaxserve.kernels import write_kv_ref
+    from jaxserve.kernels.kv_write import cpu as kv_write_cpu
 
     rng = np.random.default_rng(22)
     shape = (3, 7, 16, 3, 64)
@@ -323,7 +322,7 @@ def test_ffi_write_kv_matches_reference():
         new_k = jnp.asarray(rng.standard_normal((6, 3, 64)), dtype)
         new_v = jnp.asarray(rng.standard_normal((6, 3, 64)), dtype)
         exp_k, exp_v = write_kv_ref(kc, vc, 2, new_k, new_v, AttentionBatch(slot_mapping=slots))
-        fn = jax.jit(cpu_ffi.write_kv, donate_argnums=(0, 1))
+        fn = jax.jit(kv_write_cpu.write_kv, donate_argnums=(0, 1))
         out_k, out_v = fn(kc, vc, jnp.int32(2), new_k, new_v, AttentionBatch(slot_mapping=slots))
         np.testing.assert_array_equal(np.asarray(out_k.astype(jnp.float32)), np.asarray(exp_k.astype(jnp.float32)))
         np.testing.assert_array_equal(np.asarray(out_v.astype(jnp.float32)), np.asarray(exp_v.astype(jnp.float32)))

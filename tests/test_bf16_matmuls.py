@@ -110,7 +110,8 @@ def test_cpp_rows_product_equals_float64(m, n):
     """The C++ product of a few float32 rows by bfloat16 weights (matmul_dtype="bfloat16" steps of fewer than 8
     rows), alone and reading one matrix of a stack in place, and by float32 stacks: numpy's float64 product of the
     same values, within float32 accumulation error."""
-    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.cpu import ffi as cpu_ffi
+    from jaxserve.kernels.matmul import cpu as matmul_cpu
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()  # the CPU default: it must build here
     rng = np.random.default_rng(m * n)
@@ -119,27 +120,27 @@ def test_cpp_rows_product_equals_float64(m, n):
     packed = pack_bf16(stack)
     assert packed.dtype == (jnp.uint32 if n % 2 == 0 else jnp.bfloat16)
     for layer in (0, 2):
-        got = np.asarray(cpu_ffi.matmul_rows(jnp.asarray(x), packed, jnp.int32(layer)))
+        got = np.asarray(matmul_cpu.matmul_rows(jnp.asarray(x), packed, jnp.int32(layer)))
         want = x.astype(np.float64) @ np.asarray(stack[layer], np.float64)
         assert got.shape == (m, n) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    alone = np.asarray(cpu_ffi.matmul_rows(jnp.asarray(x), packed[2]))
+    alone = np.asarray(matmul_cpu.matmul_rows(jnp.asarray(x), packed[2]))
     np.testing.assert_array_equal(alone, got)
     # float32 weights (one request's steps on the default float32 engine), a stack read in place
     stack32 = rng.standard_normal((3, 96, n)).astype(np.float32)
-    got32 = np.asarray(cpu_ffi.matmul_rows(jnp.asarray(x), jnp.asarray(stack32), jnp.int32(1)))
+    got32 = np.asarray(matmul_cpu.matmul_rows(jnp.asarray(x), jnp.asarray(stack32), jnp.int32(1)))
     want32 = x.astype(np.float64) @ stack32[1].astype(np.float64)
     np.testing.assert_allclose(got32, want32, rtol=1e-5, atol=1e-5 * np.abs(want32).max())
-    assert cpu_ffi.ROWS.serves(jnp.asarray(stack32), m) == (m < 8)
-    assert not cpu_ffi.ROWS.serves(jnp.asarray(stack32[1]), 1)  # a lone float32 matrix stays with XLA
+    assert matmul_cpu.ROWS.serves(jnp.asarray(stack32), m) == (m < 8)
+    assert not matmul_cpu.ROWS.serves(jnp.asarray(stack32[1]), 1)  # a lone float32 matrix stays with XLA
     # matmul() sends fewer than 8 rows on packed weights there when given the C++ product; 8 rows go to XLA's
     # product on bfloat16 inputs
-    routed = np.asarray(matmul(jnp.asarray(x), packed[2], cpu_ffi.ROWS))
+    routed = np.asarray(matmul(jnp.asarray(x), packed[2], matmul_cpu.ROWS))
     assert np.array_equal(routed, got) == (m < 8)
     with pytest.raises(ValueError, match="M <= 8"):
-        cpu_ffi.matmul_rows(jnp.zeros((9, 96), jnp.float32), packed)
+        matmul_cpu.matmul_rows(jnp.zeros((9, 96), jnp.float32), packed)
     with pytest.raises(Exception, match="layer < L"):  # the C++ check: XLA raises it as a runtime error
-        np.asarray(cpu_ffi.matmul_rows(jnp.asarray(x), packed, jnp.int32(3)))
+        np.asarray(matmul_cpu.matmul_rows(jnp.asarray(x), packed, jnp.int32(3)))
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from compressed_tensors.compressors.base import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
 from flax import nnx  # noqa: E402
-from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref  # noqa: E402
+from jaxserve.kernels import ragged_paged_attention_ref, write_kv_ref  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from jaxserve import quant  # noqa: E402

@@ -27,9 +27,10 @@ from helpers import Batch, make_batch
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxserve.kernels import AttentionBatch, reference
-from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
-from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+from jaxserve.kernels import AttentionBatch, write_kv_ref
+from jaxserve.kernels.attention import reference
+from jaxserve.kernels.attention.gpu import ragged_paged_attention_gpu
+from jaxserve.kernels.attention.tpu import ragged_paged_attention_tpu
 
 from jaxserve import kernels
 
@@ -138,7 +139,7 @@ def test_write_kv_ref_matches_numpy():
     new_v = rng.standard_normal((9, 2, 64)).astype(np.float32)
     slots = rng.choice(6 * PAGE, 9, replace=False).astype(np.int32)
     slots[[2, 5]] = -1
-    out_k, out_v = reference.write_kv_ref(
+    out_k, out_v = write_kv_ref(
         jnp.asarray(kc), jnp.asarray(vc), 1, jnp.asarray(new_k), jnp.asarray(new_v), AttentionBatch(slot_mapping=slots)
     )
     for t, slot in enumerate(slots):
@@ -278,7 +279,7 @@ def test_write_kv_kernel_matches_reference(backend, dtype):
         jnp.asarray(new_v, dtype),
         AttentionBatch(slot_mapping=slots),
     )
-    exp_k, exp_v = reference.write_kv_ref(*args)
+    exp_k, exp_v = write_kv_ref(*args)
     out_k, out_v = kernels.write_kv(*args, impl="pallas", backend=backend)
     assert out_k.dtype == dtype
     np.testing.assert_array_equal(np.asarray(out_k, np.float32), np.asarray(exp_k, np.float32))

@@ -15,10 +15,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import make_batch
-from jaxserve.kernels import AttentionBatch, cpu_ffi, reference
-from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
-from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
-from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+from jaxserve.kernels import AttentionBatch
+from jaxserve.kernels.attention import cpu as attention_cpu
+from jaxserve.kernels.attention import reference
+from jaxserve.kernels.attention.gpu import ragged_paged_attention_gpu
+from jaxserve.kernels.attention.tpu import ragged_paged_attention_tpu
+from jaxserve.kernels.attention.xla import ragged_paged_attention_xla
+from jaxserve.kernels.cpu import ffi as cpu_ffi
 
 from jaxserve import kernels
 
@@ -70,7 +73,7 @@ def test_cpp_decodes_every_fp8_byte_as_ml_dtypes(kv):
     v[0, 0, 0, 0] = codes
     k = np.zeros_like(v)
     q = jnp.zeros((1, 1, 256), jnp.float32)
-    out = cpu_ffi.paged_attention(
+    out = attention_cpu.paged_attention(
         q,
         jnp.asarray(k),
         jnp.asarray(v),

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import make_batch
-from jaxserve.kernels import AttentionBatch, Int8Pages, reference
+from jaxserve.kernels import AttentionBatch, Int8Pages, write_kv_ref
 from jaxserve.kernels._common import quantize_rows
-from jaxserve.kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
-from jaxserve.kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+from jaxserve.kernels.attention import reference
+from jaxserve.kernels.attention.gpu import ragged_paged_attention_gpu
+from jaxserve.kernels.attention.tpu import ragged_paged_attention_tpu
 
 from jaxserve import LLM, SamplingParams, kernels
 
@@ -110,7 +111,7 @@ def test_pallas_writes_equal_the_reference(impl, backend):
     new = (rng.standard_normal((2, 7, 2, 64)) * 3).astype(np.float32)
     slots = jnp.asarray(np.array([3, 17, -1, 40, 41, 79, 0], np.int32))
     args = (1, jnp.asarray(new[0]), jnp.asarray(new[1]), AttentionBatch(slot_mapping=slots))
-    want = reference.write_kv_ref(*pools, *args)
+    want = write_kv_ref(*pools, *args)
     got = kernels.write_kv(*pools, *args, impl=impl, backend=backend)
     for g, w, before in zip(got, want, pools, strict=True):
         assert isinstance(g, Int8Pages)

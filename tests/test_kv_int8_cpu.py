@@ -1,5 +1,5 @@
 """int8 KV pages (``Int8Pages``: int8 values, one float32 scale per token and KV head) on the CPU paths: the C++
-kernel (``cpu_ffi``), the jnp/lax blocks of ``ragged_paged_attention_xla`` and the C++ in-place write.
+kernel (``attention/cpu.py``), the jnp/lax blocks of ``ragged_paged_attention_xla`` and the C++ in-place write.
 
 Truth: the jnp reference reading the same ``Int8Pages`` pool. Pools are built by writing random K/V with
 ``write_kv_ref`` (so values and scales are the reference's rounding), the rows scaled by random magnitudes so that
@@ -21,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import Batch, make_batch
-from jaxserve.kernels import AttentionBatch, cpu_ffi
+from jaxserve.kernels import AttentionBatch, ragged_paged_attention_ref, write_kv_ref
 from jaxserve.kernels._common import Int8Pages, quantize_rows
-from jaxserve.kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
-from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref
+from jaxserve.kernels.attention import cpu as attention_cpu
+from jaxserve.kernels.attention.xla import ragged_paged_attention_xla
+from jaxserve.kernels.cpu import ffi as cpu_ffi
+from jaxserve.kernels.kv_write import cpu as kv_write_cpu
 
 SM_SCALE = 0.125
 TOL = 1e-5  # relative to the largest |output|: float32 products over the same dequantized rows
@@ -108,7 +110,7 @@ IMPLS = {
 def test_cpp_kernel_is_on_this_machine():
     """The C++ path is what the CPU runs for int8 pools: if it cannot be built here, fail (CI has g++)."""
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
-    assert cpu_ffi.serves(jnp.int8) and cpu_ffi.serves(jnp.dtype(jnp.int8))
+    assert attention_cpu.serves(jnp.int8) and attention_cpu.serves(jnp.dtype(jnp.int8))
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -141,7 +143,7 @@ def test_cpp_reads_each_row_with_its_scale():
     k = Int8Pages(jnp.asarray(values), jnp.asarray(scales))
     kv_len = 40  # pages 2, 0, then 8 slots of page 1
     table = jnp.array([[2, 0, 1]], jnp.int32)
-    out = cpu_ffi.paged_attention(
+    out = attention_cpu.paged_attention(
         jnp.zeros((1, 4, 48), jnp.float32),
         k,
         v,
@@ -199,7 +201,7 @@ def _assert_same_pool(got, want):
 def test_cpp_write_kv_int8_is_bit_identical_to_the_reference():
     (kc, vc), new_k, new_v, slots = _write_case(22)
     want_k, want_v = write_kv_ref(kc, vc, 2, new_k, new_v, slots)
-    got_k, got_v = cpu_ffi.write_kv(kc, vc, 2, new_k, new_v, slots)
+    got_k, got_v = kv_write_cpu.write_kv(kc, vc, 2, new_k, new_v, slots)
     _assert_same_pool(got_k, want_k)
     _assert_same_pool(got_v, want_v)
     # the write did something, and only at the written slots of layer 2
@@ -213,7 +215,7 @@ def test_cpp_write_kv_int8_in_place_under_jit_with_donation():
     buffers are consumed (in place), not copied."""
     (kc, vc), new_k, new_v, slots = _write_case(23)
     want_k, want_v = kc, vc
-    fn = jax.jit(cpu_ffi.write_kv, donate_argnums=(0, 1))
+    fn = jax.jit(kv_write_cpu.write_kv, donate_argnums=(0, 1))
     hlo = fn.lower(kc, vc, jnp.int32(0), new_k, new_v, slots).compile().as_text()
     assert " copy(" not in hlo, "the donated pool (or its scales) is copied"
     for step, layer in enumerate((0, 2, 2)):
@@ -229,12 +231,12 @@ def test_int8_pools_refused_without_scales():
     plain = b.k_cache.values
     args = (b.q, plain, plain, 1, b.meta)
     with pytest.raises(ValueError, match="scales"):
-        cpu_ffi.paged_attention(*args, sm_scale=SM_SCALE, soft_cap=None)
+        attention_cpu.paged_attention(*args, sm_scale=SM_SCALE, soft_cap=None)
     with pytest.raises(ValueError, match="Int8Pages"):
-        cpu_ffi.paged_attention(b.q, b.k_cache, plain, 1, b.meta, sm_scale=SM_SCALE, soft_cap=None)
+        attention_cpu.paged_attention(b.q, b.k_cache, plain, 1, b.meta, sm_scale=SM_SCALE, soft_cap=None)
     for impl in ("ffi", "xla", "auto"):
         with pytest.raises(ValueError, match="Int8Pages"):
             ragged_paged_attention_xla(*args, sm_scale=SM_SCALE, impl=impl)
     new = jnp.zeros((2, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="scales"):
-        cpu_ffi.write_kv(plain, plain, 0, new, new, AttentionBatch(slot_mapping=jnp.array([0, 1], jnp.int32)))
+        kv_write_cpu.write_kv(plain, plain, 0, new, new, AttentionBatch(slot_mapping=jnp.array([0, 1], jnp.int32)))

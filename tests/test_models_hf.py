@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="the reference impleme
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from jaxserve.kernels.reference import ragged_paged_attention_ref, write_kv_ref  # noqa: E402
+from jaxserve.kernels import ragged_paged_attention_ref, write_kv_ref  # noqa: E402
 
 from jaxserve.loading.safetensors_dir import iter_hf_dir, read_config  # noqa: E402
 from jaxserve.loading.weights import params_from_hf_tensors  # noqa: E402

@@ -86,7 +86,8 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
     strips nor of 16 (the scalar tails); 4-bit products of up to 4 rows sum ranges of groups apart (12 groups in 4);
     the [V, D] embedding's ``x @ E.T`` too (int4 in groups of 64, and of 16: two groups in each 16 bytes); scales
     float32 (int8) and 8-bit codes times a multiplier per output channel (int4)."""
-    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.cpu import ffi as cpu_ffi
+    from jaxserve.kernels.matmul import cpu as matmul_cpu
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
     rng = np.random.default_rng(m)
@@ -96,31 +97,31 @@ def test_cpp_rows_product_equals_the_dequantized_product(mode, m):
     if mode == "int4":  # groups of 6: 3 bytes a column, an odd count (up to 4 rows stream two byte rows at a time)
         cases.append((quant.quantize(rng.normal(size=(2, 384, 200)).astype(np.float32), mode, group=6), 1))
     for w, layer in cases:
-        got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), w, jnp.int32(layer)))
+        got = np.asarray(matmul_cpu.matmul_quant_rows(jnp.asarray(x), w, jnp.int32(layer)))
         want = x.astype(np.float64) @ np.asarray(quant.dequantize(w)[layer], np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     for group in (64, 16) if mode == "int4" else (64,):
         embed = quant.quantize(rng.normal(size=(300, 384)).astype(np.float32), mode, axis=-1, group=group)
-        got = np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), embed))
+        got = np.asarray(matmul_cpu.matmul_quant_rows(jnp.asarray(x), embed))
         want = x.astype(np.float64) @ np.asarray(quant.dequantize(embed), np.float64).T
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # the model's matmul routes up to 8 rows there (int8 per output channel: fewer than 8); W8A8 (activations
     # quantized too) has its own product
     from jaxserve.layers.linear import matmul
 
-    routed = np.asarray(matmul(jnp.asarray(x), embed, cpu_ffi.ROWS))
+    routed = np.asarray(matmul(jnp.asarray(x), embed, matmul_cpu.ROWS))
     np.testing.assert_array_equal(routed, got)
-    assert cpu_ffi.ROWS.serves(stack, 8) == (mode == "int4") and cpu_ffi.ROWS.serves(stack, 7)
-    assert cpu_ffi.ROWS.serves(stack, 9) == (mode == "int4")  # from 9 rows: dequantized in C++, XLA's product
-    assert not cpu_ffi.quant_rows_serves(quant.quantize(rng.normal(size=(384, 64)).astype(np.float32), "w8a8"))
+    assert matmul_cpu.ROWS.serves(stack, 8) == (mode == "int4") and matmul_cpu.ROWS.serves(stack, 7)
+    assert matmul_cpu.ROWS.serves(stack, 9) == (mode == "int4")  # from 9 rows: dequantized in C++, XLA's product
+    assert not matmul_cpu.quant_rows_serves(quant.quantize(rng.normal(size=(384, 64)).astype(np.float32), "w8a8"))
     with pytest.raises(ValueError, match="M <= 8"):
-        cpu_ffi.matmul_quant_rows(jnp.zeros((9, 384), jnp.float32), stack, jnp.int32(0))
+        matmul_cpu.matmul_quant_rows(jnp.zeros((9, 384), jnp.float32), stack, jnp.int32(0))
     with pytest.raises(Exception, match="matmul_quant_rows"):  # the C++ check of the layer index
-        np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), stack, jnp.int32(3)))
+        np.asarray(matmul_cpu.matmul_quant_rows(jnp.asarray(x), stack, jnp.int32(3)))
     if mode == "int4":  # coded scales whose multipliers do not match their output channels
         bad = dataclasses.replace(stack, scale_mul=stack.scale_mul[..., :100])
         with pytest.raises(Exception, match="multipliers"):
-            np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), bad, jnp.int32(0)))
+            np.asarray(matmul_cpu.matmul_quant_rows(jnp.asarray(x), bad, jnp.int32(0)))
 
 
 def _int8_rows(x):
@@ -138,7 +139,8 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
     K = 387 and N = 200 leave tails of every block (VNNI's 4 rows of K, 64 columns, the transposed rows' 64 values;
     K odd); a stack's layers and the transposed [V, D] embedding; 5 rows split in blocks of 4 and 1; and a [384, 192]
     stack (K a multiple of 4, N of 64), which up to 4 rows stream in ranges of rows."""
-    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.cpu import ffi as cpu_ffi
+    from jaxserve.kernels.matmul import cpu as matmul_cpu
 
     from jaxserve.layers.linear import matmul
 
@@ -157,26 +159,28 @@ def test_cpp_w8a8_rows_equal_numpy_integer_sums(m):
 
     stack = quant.quantize(rng.normal(size=(3, 387, 200)).astype(np.float32), "w8a8")
     embed = quant.quantize(rng.normal(size=(300, 387)).astype(np.float32), "w8a8", axis=-1)
-    assert cpu_ffi.ROWS.serves(stack, m) and cpu_ffi.ROWS.serves(embed, m) and not cpu_ffi.ROWS.serves(stack, 9)
+    assert (
+        matmul_cpu.ROWS.serves(stack, m) and matmul_cpu.ROWS.serves(embed, m) and not matmul_cpu.ROWS.serves(stack, 9)
+    )
     for layer in (0, 2):
-        got = np.asarray(matmul(jnp.asarray(x), stack, cpu_ffi.ROWS, jnp.int32(layer)))
+        got = np.asarray(matmul(jnp.asarray(x), stack, matmul_cpu.ROWS, jnp.int32(layer)))
         np.testing.assert_array_equal(got, want(stack.q[layer], np.asarray(stack.scale[layer]).reshape(-1)))
-    got = np.asarray(matmul(jnp.asarray(x), embed, cpu_ffi.ROWS))
+    got = np.asarray(matmul(jnp.asarray(x), embed, matmul_cpu.ROWS))
     np.testing.assert_array_equal(got, want(np.asarray(embed.q).T, np.asarray(embed.scale).reshape(-1)))
     # and XLA's product (quant.matmul) gives the same
     np.testing.assert_array_equal(got, np.asarray(quant.matmul(jnp.asarray(x), embed)))
     np.testing.assert_array_equal(
-        np.asarray(cpu_ffi.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(1))),
+        np.asarray(matmul_cpu.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(1))),
         np.asarray(quant.matmul(jnp.asarray(x), jax.tree.map(lambda a: a[1], stack))),
     )
     with pytest.raises(Exception, match="matmul_w8a8_rows"):  # the C++ check of the layer index
-        np.asarray(cpu_ffi.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(3)))
+        np.asarray(matmul_cpu.matmul_w8a8_rows(jnp.asarray(x), stack, jnp.int32(3)))
     # K a multiple of 4 and N of 64: up to 4 rows stream ranges of rows, their int32 sums added after
     x = x[:, :384]
     xq, xs = _int8_rows(x)
     aligned = quant.quantize(rng.normal(size=(2, 384, 192)).astype(np.float32), "w8a8")
     for layer in (0, 1):
-        got = np.asarray(matmul(jnp.asarray(x), aligned, cpu_ffi.ROWS, jnp.int32(layer)))
+        got = np.asarray(matmul(jnp.asarray(x), aligned, matmul_cpu.ROWS, jnp.int32(layer)))
         np.testing.assert_array_equal(got, want(aligned.q[layer], np.asarray(aligned.scale[layer]).reshape(-1)))
 
 
@@ -218,7 +222,8 @@ def test_cpp_dequantize_equals_the_jnp_reference(bits):
     and float32 scales and coded ones (int4's: uint8 / int8 codes times float32 multipliers per output channel),
     with and without zero and offset, a stack's layers, 200 columns (not a multiple of 16); transposed groups of 8
     bytes (two in each 16-byte chunk)."""
-    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.cpu import ffi as cpu_ffi
+    from jaxserve.kernels.matmul import cpu as matmul_cpu
 
     assert cpu_ffi.available(), cpu_ffi.unavailable_reason()
     rng = np.random.default_rng(bits)
@@ -236,11 +241,11 @@ def test_cpp_dequantize_equals_the_jnp_reference(bits):
         for layer in range(shape[0]):
             ref = quant.dequantize(jax.tree.map(lambda a, i=layer: a[i], w))
             for dtype in (jnp.float32, jnp.bfloat16):
-                got = cpu_ffi.dequantize(w, jnp.int32(layer), dtype)
+                got = matmul_cpu.dequantize(w, jnp.int32(layer), dtype)
                 assert got.dtype == dtype and got.shape == ref.shape
                 np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref.astype(dtype), np.float32))
     with pytest.raises(Exception, match="dequantize"):  # the C++ check of the layer index
-        np.asarray(cpu_ffi.dequantize(w, jnp.int32(2)))
+        np.asarray(matmul_cpu.dequantize(w, jnp.int32(2)))
 
 
 @pytest.mark.parametrize("dot_dtype", [None, "bfloat16"])
@@ -249,7 +254,7 @@ def test_rows_product_of_many_rows_dequantizes_in_cpp(dot_dtype):
     layer (in ``dot_dtype``): against numpy's float64 product by the jnp reference's weights (float32: within its
     accumulation error; bfloat16: within the rounding of both operands, 2**-8 relative each). The tied output
     projection by the [V, D] embedding dequantizes 4,096 rows at a time (three blocks here)."""
-    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.matmul import cpu as matmul_cpu
 
     from jaxserve.layers.linear import matmul
 
@@ -259,23 +264,23 @@ def test_rows_product_of_many_rows_dequantizes_in_cpp(dot_dtype):
     embed = dataclasses.replace(_grouped(rng, (12288, 64), 8, 32, -1, np.float16, zero=False), dot_dtype=dot_dtype)
     if dot_dtype:  # int4's coded scales, the vocabulary's groups of 16 (each block takes its multipliers)
         embed = _grouped(rng, (12288, 64), 4, 16, -1, "coded")
-    assert cpu_ffi._vocab_blocks(12288) == 3
+    assert matmul_cpu._vocab_blocks(12288) == 3
     for rows in (9, 40):
-        assert cpu_ffi.ROWS.serves(stack, rows) and cpu_ffi.ROWS.serves(embed, rows)
+        assert matmul_cpu.ROWS.serves(stack, rows) and matmul_cpu.ROWS.serves(embed, rows)
         x = rng.normal(size=(rows, 128)).astype(np.float32)
-        got = np.asarray(matmul(jnp.asarray(x), stack, cpu_ffi.ROWS, jnp.int32(1)))
+        got = np.asarray(matmul(jnp.asarray(x), stack, matmul_cpu.ROWS, jnp.int32(1)))
         want = x.astype(np.float64) @ np.asarray(quant.dequantize(stack)[1], np.float64)
         err = np.abs(got - want).max() / np.abs(want).max()
         print(f"{dot_dtype} {rows} rows: worst error {err:.2e} of the largest output")
         np.testing.assert_allclose(got / np.abs(want).max(), want / np.abs(want).max(), **tol)
         assert (err > 1e-4) == (dot_dtype is not None)  # the bfloat16 product really ran (or really did not)
         xe = x[:, :64]
-        got = np.asarray(matmul(jnp.asarray(xe), embed, cpu_ffi.ROWS))
+        got = np.asarray(matmul(jnp.asarray(xe), embed, matmul_cpu.ROWS))
         want = xe.astype(np.float64) @ np.asarray(quant.dequantize(embed), np.float64).T
         # the output projection multiplies in float32 whatever dot_dtype
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     per_channel = quant.quantize(rng.normal(size=(2, 128, 96)).astype(np.float32), "int8")
-    assert not cpu_ffi.ROWS.serves(per_channel, 9)  # XLA converts int8 per channel inside its own product
+    assert not matmul_cpu.ROWS.serves(per_channel, 9)  # XLA converts int8 per channel inside its own product
 
 
 def test_bad_modes_are_refused(default_loaded):
@@ -402,7 +407,7 @@ def _random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
 def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
     gguf_quants = pytest.importorskip("gguf.quants")
     from gguf import GGMLQuantizationType
-    from jaxserve.kernels import cpu_ffi
+    from jaxserve.kernels.matmul import cpu as matmul_cpu
 
     from jaxserve.loading.gguf import repack
     from jaxserve.loading.weights import _quantized_parts
@@ -424,10 +429,10 @@ def test_gguf_blocks_repacked_dequantize_exactly_as_gguf_quants(qtype):
             )
         # The C++ product of one request's steps reads the blocks as repacked (scales, mins, offsets): x @ W for the
         # linear weight, x @ E.T for the embedding, both x @ reference.T.
-        assert cpu_ffi.quant_rows_serves(a)
+        assert matmul_cpu.quant_rows_serves(a)
         want = x.astype(np.float64) @ reference.T.astype(np.float64)
         np.testing.assert_allclose(
-            np.asarray(cpu_ffi.matmul_quant_rows(jnp.asarray(x), a)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
+            np.asarray(matmul_cpu.matmul_quant_rows(jnp.asarray(x), a)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
         )
     with pytest.raises(ValueError, match="cannot be served quantized"):
         repack(gguf_quants.quantize(w, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0, w.shape, name="x")

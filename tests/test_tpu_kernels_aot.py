@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxserve.kernels import AttentionBatch, Int8Pages, ragged_paged_attention_tpu, write_kv_tpu
-from jaxserve.kernels.ragged_paged_attention_tpu import (
+from jaxserve.kernels.attention.tpu import (
     _VMEM_BUDGET,
     default_block_sizes,
     default_kv_heads_per_block,

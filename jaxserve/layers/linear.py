@@ -19,7 +19,7 @@ MATMUL_WEIGHTS_MIN_ROWS = 8
 
 
 class RowsFn(Protocol):
-    """A product for steps of few rows (on the CPU: ``cpu_ffi.ROWS``, C++), where XLA's own is slow."""
+    """A product for steps of few rows (on the CPU: ``kernels.matmul.cpu.ROWS``, C++), where XLA's own is slow."""
 
     def serves(self, w, rows: int) -> bool:
         """Whether it takes this weight for ``rows`` rows (bfloat16 and float32 layer stacks below
@@ -74,9 +74,9 @@ class MatmulPolicy:
     - bfloat16 copies (``matmul_dtype="bfloat16"``): the step receives them (``copies``, from
       ``DenseDecoder.matmul_weights``) and uses them for steps of at least ``MATMUL_WEIGHTS_MIN_ROWS`` rows, where
       XLA:CPU's bfloat16 products beat its float32 ones, or always when ``rows`` serves the step.
-    - ``rows``: a product for steps of few rows (on one CPU device the C++ ``cpu_ffi.ROWS``). The matrices it serves
-      stay out of the layer scan's slices, whole: it reads layer ``i``'s matrix in place in the stack (a custom
-      call's operand is a buffer: slicing the stack copied each layer's weights every step).
+    - ``rows``: a product for steps of few rows (on one CPU device the C++ ``kernels.matmul.cpu.ROWS``). The
+      matrices it serves stay out of the layer scan's slices, whole: it reads layer ``i``'s matrix in place in the
+      stack (a custom call's operand is a buffer: slicing the stack copied each layer's weights every step).
     """
 
     rows: RowsFn | None = None

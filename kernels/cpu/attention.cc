@@ -1,4 +1,4 @@
-// Ragged paged attention for the CPU, as an XLA FFI custom call (jaxserve.kernels.cpu_ffi): prefill chunks and
+// Ragged paged attention for the CPU, as an XLA FFI custom call (jaxserve.kernels.attention.cpu): prefill chunks and
 // decode tokens of one step in one call, with the contract of reference.py (padding tokens get zeros).
 //
 // Why C++: XLA's CPU backend moves gathered K/V at about 1 ns per float whatever the access pattern, so a

@@ -1,4 +1,4 @@
-"""Plain-jnp reference for ragged paged attention and for writing K/V into pages.
+"""Plain-jnp reference for ragged paged attention (``kv_write/reference.py`` has the K/V write's).
 
 This is the ground truth every other implementation (the Pallas kernels, the XLA blocks, the C++ kernel) is
 tested against. The engine attends with it only under ``attention_impl="reference"``; on the CPU it attends with
@@ -9,7 +9,7 @@ Layout conventions shared by every implementation:
     k_cache      [L, num_pages, page_size, num_kv_heads, head_dim]   (v_cache the same), or an ``Int8Pages``:
                  int8 values of that shape and float32 scales [L, num_pages, page_size, num_kv_heads]
     layer        int32 scalar                       which layer of the cache to read
-    batch        an ``AttentionBatch`` (``_common.py``) of the step's metadata; the kernels read:
+    batch        an ``AttentionBatch`` (``batch.py``) of the step's metadata; the kernels read:
     kv_lens      [S] int32   context length of each sequence INCLUDING this step's tokens
     page_indices [S, pages_per_seq] int32           page table of each sequence
     cu_q_lens    [S + 1] int32                      sequence i owns tokens cu_q_lens[i]:cu_q_lens[i+1]
@@ -27,14 +27,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxserve.kernels._common import (
-    AttentionBatch,
-    Int8Pages,
-    dequantize_rows,
-    is_int8_pages,
-    quantize_rows,
-    write_slots,
-)
+from jaxserve.kernels._common import dequantize_rows, is_int8_pages
+from jaxserve.kernels.attention.batch import AttentionBatch
 
 # Below this many sequences in a step, attend densely over every sequence's gathered context and mask;
 # above it, gather each token's own context. Both are exact; the switch is only about cost on the CPU.
@@ -146,38 +140,3 @@ def _safe_softmax(scores: jax.Array, sinks: jax.Array | None = None) -> jax.Arra
     if sinks is not None:
         s = s + jnp.exp(sink - m)
     return e / jnp.where(s > 0, s, 1.0)
-
-
-def write_kv_ref(
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: jax.Array | int,
-    new_k: jax.Array,
-    new_v: jax.Array,
-    batch: AttentionBatch,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V into the pages of one layer (out of place: XLA's scatter).
-
-    Args:
-      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], or ``Int8Pages`` (each new row is
-        quantized with ``quantize_rows``: its own scale per token and KV head).
-      layer: int32 scalar (may be traced).
-      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype.
-      batch: its ``slot_mapping`` [T], ``page * page_size + offset`` for token t; a negative slot (padding) writes
-        nothing.
-
-    Returns:
-      The updated (k_cache, v_cache).
-    """
-    slot_mapping = write_slots(batch)
-    num_pages, page_size = k_cache.shape[1:3]
-    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
-    offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
-
-    def put(cache, rows):
-        if is_int8_pages(cache):
-            values, scales = quantize_rows(rows)
-            return Int8Pages(put(cache.values, values), put(cache.scales, scales))
-        return cache.at[layer, page, offset].set(rows.astype(cache.dtype), mode="drop")
-
-    return put(k_cache, new_k), put(v_cache, new_v)

@@ -39,14 +39,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxserve.kernels import cpu_ffi
-from jaxserve.kernels._common import (
-    AttentionBatch,
-    int32_metadata,
-    is_int8_pages,
-    valid_token_mask,
-    validate_attention_inputs,
-)
+from jaxserve.kernels._common import is_int8_pages
+from jaxserve.kernels.attention import cpu as attention_cpu
+from jaxserve.kernels.attention.batch import AttentionBatch, int32_metadata, valid_token_mask, validate_attention_inputs
+from jaxserve.kernels.cpu import ffi
 
 from jaxserve.utils import cdiv, next_pow2
 
@@ -97,7 +93,7 @@ def ragged_paged_attention_xla(
       block_q: query tokens per block for sequences with more than one query token (overrides the hint).
       ctx_chunk, decode_chunk: context tokens per online-softmax step for those blocks and for 1-token
         sequences (override the defaults).
-      impl: who computes it: "ffi" the C++ kernel (``cpu_ffi.py``; float32, bfloat16 or fp8 caches, or
+      impl: who computes it: "ffi" the C++ kernel (``cpu.py``; float32, bfloat16 or fp8 caches, or
         ``Int8Pages``, on the CPU), "xla" the blocks here, "auto" the C++ kernel where it applies and could be built,
         else the blocks. (This is the lower-level choice; the public ``jaxserve.kernels.ragged_paged_attention``
         always passes "auto".)
@@ -127,17 +123,17 @@ def ragged_paged_attention_xla(
     no_window = isinstance(sliding_window, int) and sliding_window <= 0  # statically off: no window mask at all
     if impl not in ("auto", "ffi", "xla"):
         raise ValueError(f"impl must be 'auto', 'ffi' or 'xla', got {impl!r}")
-    fits = k_cache.dtype == v_cache.dtype and cpu_ffi.serves(k_cache.dtype)
+    fits = k_cache.dtype == v_cache.dtype and attention_cpu.serves(k_cache.dtype)
     if impl == "ffi":
         if not fits:
             raise ValueError(
                 "impl='ffi' needs float32, bfloat16 or fp8 caches (or Int8Pages) on the CPU backend, got "
                 f"{k_cache.dtype} on {jax.default_backend()}"
             )
-        if not cpu_ffi.available():
-            raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: {cpu_ffi.unavailable_reason()}")
-    if impl == "ffi" or (impl == "auto" and fits and cpu_ffi.available()):
-        out = cpu_ffi.paged_attention(
+        if not ffi.available():
+            raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: {ffi.unavailable_reason()}")
+    if impl == "ffi" or (impl == "auto" and fits and ffi.available()):
+        out = attention_cpu.paged_attention(
             q,
             k_cache,
             v_cache,

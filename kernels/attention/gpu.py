@@ -28,16 +28,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxserve.kernels._common import (
+from jaxserve.kernels._common import is_fp8, split_pool, widen_fp8
+from jaxserve.kernels.attention.batch import (
     AttentionBatch,
     int32_metadata,
-    is_fp8,
     num_seq_q_blocks,
     seq_q_blocks,
-    split_pool,
     valid_token_mask,
     validate_attention_inputs,
-    widen_fp8,
 )
 
 from jaxserve.utils import cdiv, next_pow2

@@ -1,0 +1,44 @@
+"""Plain-jnp reference for writing the step's new K/V into the pages of one layer: the contract of every K/V write
+(the Pallas kernels of ``pallas.py``, the C++ one of ``cpu.py``); layouts in ``attention/reference.py``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxserve.kernels._common import Int8Pages, is_int8_pages, quantize_rows
+from jaxserve.kernels.attention.batch import AttentionBatch, write_slots
+
+
+def write_kv_ref(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    batch: AttentionBatch,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatters the step's new K/V into the pages of one layer (out of place: XLA's scatter).
+
+    Args:
+      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], or ``Int8Pages`` (each new row is
+        quantized with ``quantize_rows``: its own scale per token and KV head).
+      layer: int32 scalar (may be traced).
+      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype.
+      batch: its ``slot_mapping`` [T], ``page * page_size + offset`` for token t; a negative slot (padding) writes
+        nothing.
+
+    Returns:
+      The updated (k_cache, v_cache).
+    """
+    slot_mapping = write_slots(batch)
+    num_pages, page_size = k_cache.shape[1:3]
+    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
+    offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
+
+    def put(cache, rows):
+        if is_int8_pages(cache):
+            values, scales = quantize_rows(rows)
+            return Int8Pages(put(cache.values, values), put(cache.scales, scales))
+        return cache.at[layer, page, offset].set(rows.astype(cache.dtype), mode="drop")
+
+    return put(k_cache, new_k), put(v_cache, new_v)

@@ -1,0 +1,2 @@
+"""Products of a few rows by a layer's weights on the CPU, in C++ (``cpu.py``): bfloat16 / float32, quantized and
+W8A8 weights, and the dequantization of quantized ones."""
