@@ -33,7 +33,10 @@ MATMUL_TARGET = "jaxserve_matmul_rows"
 QUANT_TARGET = "jaxserve_matmul_quant_rows"
 DEQUANT_TARGET = "jaxserve_dequantize"
 W8A8_TARGET = "jaxserve_matmul_w8a8_rows"
-_SOURCE = Path(__file__).with_name("attention.cc")
+_FOLDER = Path(__file__).parent
+# One translation unit per kernel family, compiled and linked in one invocation of the compiler; their headers.
+_SOURCES = sorted(_FOLDER.glob("*.cc"))
+_HEADERS = sorted(_FOLDER.glob("*.h"))
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-pthread"]
 _error: str | None = None
 
@@ -69,7 +72,7 @@ def _build() -> Path:
     key = hashlib.sha256(
         b"\0".join(
             [
-                _SOURCE.read_bytes(),
+                *(f"{path.name}\0".encode() + path.read_bytes() for path in _SOURCES + _HEADERS),
                 jax.ffi.include_dir().encode(),
                 cxx.encode(),
                 " ".join(flags).encode(),
@@ -78,7 +81,7 @@ def _build() -> Path:
             ]
         )
     ).hexdigest()[:16]
-    name = f"cpu_paged_attention-{key}.so"
+    name = f"jaxserve_cpu_kernels-{key}.so"
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "jaxserve-ffi"):  # a read-only home: /tmp
         if (folder / name).is_file():
             return folder / name
@@ -99,7 +102,7 @@ def _build() -> Path:
             return out
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_out)]
+            cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(tmp_out)]
             result = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
@@ -120,7 +123,7 @@ def _flock(f) -> None:
 def _load() -> bool:
     global _error
     if sys.platform == "win32":
-        _error = "the C++ paged attention is built for Linux/macOS only"
+        _error = "the C++ CPU kernels are built for Linux/macOS only"
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
@@ -134,7 +137,7 @@ def _load() -> bool:
     except Exception as e:  # noqa: BLE001 - no compiler, headers missing, build error: reported, XLA path kept
         _error = f"{type(e).__name__}: {e}"
         warnings.warn(
-            f"jaxserve: the C++ paged attention is unavailable, using the XLA path ({_error})",
+            f"jaxserve: the C++ CPU kernels are unavailable, using the XLA path ({_error})",
             RuntimeWarning,
             stacklevel=3,
         )
