@@ -13,7 +13,7 @@ values and one float32 scale per token and KV head) that every implementation be
 
 The package is organised by kernel family: ``attention/`` (reference, CPU jnp/lax blocks and C++ wrapper, Pallas
 GPU and TPU, the ``AttentionBatch`` metadata), ``kv_write/`` (reference, Pallas, C++ wrapper), ``matmul/`` (the
-CPU's C++ rows products) and ``cpu/`` (the C++ sources, built into one shared
+CPU's C++ rows products and the ``QArray`` layout they read) and ``cpu/`` (the C++ sources, built into one shared
 library and registered with XLA FFI by ``cpu/ffi.py``).
 
 ``impl``:

@@ -1,5 +1,5 @@
-"""What the kernel families share: the K/V pools' element formats (fp8 pages, ``Int8Pages`` and their rounding) and
-the TPU interpreter's settling.
+"""What the kernel families share: the K/V pools' element formats (fp8 pages, ``Int8Pages`` and their rounding),
+the TPU interpreter's settling, and integer helpers (the kernels import no engine module).
 """
 
 from __future__ import annotations
@@ -8,6 +8,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+
+def cdiv(a, b):
+    """Ceiling division ``ceil(a / b)`` for ``b > 0``: Python ints, or integer numpy / jax arrays (elementwise)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 

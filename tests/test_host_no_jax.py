@@ -13,3 +13,28 @@ def test_host_modules_import_no_jax():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_kernels_import_no_engine_module():
+    """``jaxserve.kernels`` (the top-level ``kernels/`` folder) stands alone: no module of it imports a ``jaxserve``
+    module outside ``jaxserve.kernels`` (the engine imports the kernels, never the other way)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "kernels"
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"jaxserve.{a.name}" for a in node.names] if node.module == "jaxserve" else [node.module]
+            else:
+                continue
+            for name in names:
+                if (name == "jaxserve" or name.startswith("jaxserve.")) and not (
+                    name == "jaxserve.kernels" or name.startswith("jaxserve.kernels.")
+                ):
+                    bad.append(f"{path.relative_to(root.parent)}:{node.lineno}: {name}")
+    assert len(list(root.rglob("*.py"))) > 5
+    assert not bad, bad

@@ -12,9 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxserve.kernels._common import is_int8_pages
-
-from jaxserve.utils import cdiv
+from jaxserve.kernels._common import cdiv, is_int8_pages
 
 
 @jax.tree_util.register_dataclass

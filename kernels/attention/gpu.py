@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxserve.kernels._common import is_fp8, split_pool, widen_fp8
+from jaxserve.kernels._common import cdiv, is_fp8, next_pow2, split_pool, widen_fp8
 from jaxserve.kernels.attention.batch import (
     AttentionBatch,
     int32_metadata,
@@ -37,8 +37,6 @@ from jaxserve.kernels.attention.batch import (
     valid_token_mask,
     validate_attention_inputs,
 )
-
-from jaxserve.utils import cdiv, next_pow2
 
 # Enough programs to fill an H100-class GPU (132 SMs) about twice over before splitting contexts further.
 _TARGET_PROGRAMS = 256

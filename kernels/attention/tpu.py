@@ -28,10 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxserve.kernels._common import is_fp8, is_int8_pages, settle_tpu_interpret, split_pool, widen_fp8
+from jaxserve.kernels._common import cdiv, is_fp8, is_int8_pages, settle_tpu_interpret, split_pool, widen_fp8
 from jaxserve.kernels.attention.batch import AttentionBatch, int32_metadata, validate_attention_inputs
-
-from jaxserve.utils import cdiv
 
 _LANES = 128
 

@@ -39,12 +39,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxserve.kernels._common import is_int8_pages
+from jaxserve.kernels._common import cdiv, is_int8_pages, next_pow2
 from jaxserve.kernels.attention import cpu as attention_cpu
 from jaxserve.kernels.attention.batch import AttentionBatch, int32_metadata, valid_token_mask, validate_attention_inputs
 from jaxserve.kernels.cpu import ffi
-
-from jaxserve.utils import cdiv, next_pow2
 
 # Heuristics measured with bench/attention_cpu.py (an AVX-512 CPU). One block costs about one context
 # gather plus a matmul that grows with its rows: decode is fastest at 1 token per block, long prefill at 128.

@@ -1,5 +1,5 @@
 // The quantized-weight format that the quantized rows products and the dequantization read
-// (the QArray layout): values widened 16 at a time, group scales (float16, float32, or uint8 codes
+// (QArray, kernels/matmul/qarray.py): values widened 16 at a time, group scales (float16, float32, or uint8 codes
 // times per-channel multipliers), one layer of a stack, and the FFI binding both targets share.
 #pragma once
 

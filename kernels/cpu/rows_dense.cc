@@ -13,7 +13,7 @@ namespace {
 //   products on bfloat16 weights are pathological below 8 rows (a [1, 576] x [576, 3072] product reads its weights
 //   at ~2 GB/s, against ~30 for float32 weights); this one reads each weight once. On float32 stacks it streams the
 //   model's layers at twice XLA's rate (its product on the scan's slices: 19.4 against 9.9 ms a token here).
-// - MatmulQuantRows: quantized weights (jaxserve.quant.QArray): int8 or 4-bit values packed two per byte along K
+// - MatmulQuantRows: quantized weights (matmul.QArray): int8 or 4-bit values packed two per byte along K
 //   (k = 2i in the low nibble of byte i, 2i + 1 in the high one), a float16 / float32 scale per group of ``group``
 //   values along K (or an 8-bit code times a float32 per output channel: GroupScales), an optional additive zero,
 //   an ``offset`` subtracted from the values. w = (q - offset) * s + z,

@@ -17,10 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
-from jaxserve.kernels._common import Int8Pages, is_int8_pages, quantize_rows, settle_tpu_interpret
+from jaxserve.kernels._common import Int8Pages, cdiv, is_int8_pages, next_pow2, quantize_rows, settle_tpu_interpret
 from jaxserve.kernels.attention.batch import AttentionBatch, write_slots
-
-from jaxserve.utils import cdiv, next_pow2
 
 
 def _validate(k_cache, v_cache, new_k, new_v, slot_mapping):

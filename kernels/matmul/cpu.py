@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxserve.kernels.cpu import ffi
+from jaxserve.kernels.matmul.qarray import QArray, dot_dequantized
 
 MATMUL_MAX_ROWS = 8  # the C++ product's limit (kMaxRows)
 
@@ -45,8 +46,6 @@ def quant_rows_serves(w) -> bool:
     """Whether ``matmul_quant_rows`` takes this ``QArray``: int8 or 4-bit values, float32 or float16 scales (or
     uint8 codes with their multipliers), not W8A8 (whose products quantize their activations); the transposed
     [V, D] embedding needs groups of a multiple of 16 bytes, or of 8 in rows of a multiple of 16."""
-    from jaxserve.quant import QArray
-
     if not isinstance(w, QArray) or w.act_quant:
         return False
     if w.scale.dtype not in ((jnp.uint8,) if w.scale_mul is not None else (jnp.float32, jnp.float16)):
@@ -58,7 +57,7 @@ def quant_rows_serves(w) -> bool:
 
 
 def matmul_quant_rows(x: jax.Array, w, layer=None) -> jax.Array:
-    """x [M, K] (M <= 8) times a quantized weight (a ``jaxserve.quant.QArray``: [K, N] grouped along K, or the
+    """x [M, K] (M <= 8) times a quantized weight (a ``QArray``: [K, N] grouped along K, or the
     [N, K] embedding grouped along K, which gives ``x @ W.T`` as ``quant.matmul`` does), or times matrix ``layer``
     of a stack of them [L, ...] -> [M, N] float32. The values are widened to float32 in registers; per group,
     ``scale * sum(x * q) + (zero - scale * offset) * sum(x)``, the dequantized weights' product up to float32
@@ -108,7 +107,7 @@ def _quantized_call(name: str, target: str, out: jax.ShapeDtypeStruct, w, layer,
 
 
 def dequantize(w, layer=None, dtype=jnp.float32) -> jax.Array:
-    """The float weight of a quantized matrix (a ``jaxserve.quant.QArray`` that ``matmul_quant_rows`` serves), or of
+    """The float weight of a quantized matrix (a ``QArray`` that ``matmul_quant_rows`` serves), or of
     matrix ``layer`` of a stack of them, in ``dtype`` (float32, or bfloat16 rounded to nearest even): [K, N], or
     [N, K] for the embedding grouped along its last axis. Computed as ``quant.dequantize`` does (one product and one
     sum in float32), the stack read in place, on both cores."""
@@ -120,8 +119,6 @@ def dequantize(w, layer=None, dtype=jnp.float32) -> jax.Array:
 def w8a8_rows_serves(w) -> bool:
     """Whether ``matmul_w8a8_rows`` takes this ``QArray``: W8A8's int8 values with a float32 scale per output
     channel (the layers' [K, N] stacks and the [V, D] embedding)."""
-    from jaxserve.quant import QArray
-
     if not isinstance(w, QArray) or not w.act_quant or w.q.dtype != jnp.int8 or w.scale.dtype != jnp.float32:
         return False
     k = w.q.shape[-1] if w.axis == -1 else w.q.shape[-2]
@@ -172,8 +169,6 @@ class RowsProduct:
             return matmul_rows(x, w, layer)
         if x.shape[0] <= MATMUL_MAX_ROWS:
             return matmul_quant_rows(x, w, layer)
-        from jaxserve.quant import dot_dequantized
-
         if w.axis == -1 and layer is None and (blocks := _vocab_blocks(w.q.shape[0])) > 1:
             return _output_by_blocks(x, w, blocks)
         return dot_dequantized(x, dequantize(w, layer, w.dot_dtype or x.dtype), w)
