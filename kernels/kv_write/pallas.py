@@ -21,7 +21,9 @@ from jaxserve.kernels._common import Int8Pages, cdiv, is_int8_pages, next_pow2, 
 from jaxserve.kernels.attention.batch import AttentionBatch, write_slots
 
 
-def _validate(k_cache, v_cache, new_k, new_v, slot_mapping):
+def _validate(k_cache, v_cache, new_k, new_v, batch):
+    """``batch.slot_mapping``, once the shapes are checked to fit the caches (ValueError otherwise)."""
+    slot_mapping = write_slots(batch)
     if is_int8_pages(k_cache) != is_int8_pages(v_cache):
         raise ValueError("k_cache and v_cache must both be Int8Pages or both plain pools")
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
@@ -30,6 +32,7 @@ def _validate(k_cache, v_cache, new_k, new_v, slot_mapping):
         raise ValueError(f"new_k/new_v {new_k.shape}/{new_v.shape} must be [T, {k_cache.shape[3]}, {k_cache.shape[4]}]")
     if slot_mapping.shape != new_k.shape[:1]:
         raise ValueError(f"slot_mapping must be [{new_k.shape[0]}], got {slot_mapping.shape}")
+    return slot_mapping
 
 
 def _pools_and_rows(k_cache, v_cache, new_k, new_v):
@@ -110,8 +113,7 @@ def write_kv_gpu(
     Raises:
       ValueError: shapes that do not fit the caches.
     """
-    slot_mapping = write_slots(batch)
-    _validate(k_cache, v_cache, new_k, new_v, slot_mapping)
+    slot_mapping = _validate(k_cache, v_cache, new_k, new_v, batch)
     if new_k.shape[0] == 0:
         return k_cache, v_cache
     block_t = min(next_pow2(block_t), next_pow2(new_k.shape[0]))
@@ -202,8 +204,7 @@ def write_kv_tpu(
     Raises:
       ValueError: shapes that do not fit the caches.
     """
-    slot_mapping = write_slots(batch)
-    _validate(k_cache, v_cache, new_k, new_v, slot_mapping)
+    slot_mapping = _validate(k_cache, v_cache, new_k, new_v, batch)
     if new_k.shape[0] == 0:
         return k_cache, v_cache
     block_t = max(1, min(block_t, new_k.shape[0]))
