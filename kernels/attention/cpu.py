@@ -23,7 +23,7 @@ CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) + FP8_DTYPES
 
 def serves(dtype) -> bool:
     """Whether the C++ kernels apply to a pool of this dtype on the current backend (built or not: see
-    ``available``). int8 means an ``Int8Pages`` pool (its values' dtype)."""
+    ``cpu.ffi.available``). int8 means an ``Int8Pages`` pool (its values' dtype)."""
     dtype = jnp.dtype(dtype)
     return (dtype in CACHE_DTYPES or dtype == INT8) and jax.default_backend() == "cpu"
 
