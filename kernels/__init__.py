@@ -1,10 +1,11 @@
 """Attention and KV-cache kernels: Pallas for GPU (Triton) and TPU (Mosaic), jnp/lax for the CPU, and the reference.
 
-Imported as ``jaxserve.kernels``. The two entry points the model uses:
+Imported as ``jaxserve.kernels``. The entry points the model uses:
 
     ragged_paged_attention(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window=0, soft_cap=None,
                            sinks=None, impl="auto", max_q_len=None) -> [T, num_q_heads, head_dim]
     write_kv(k_cache, v_cache, layer, new_k, new_v, batch, *, impl="auto") -> (k_cache, v_cache)
+    moe(x, router_logits, w_gate, w_up, w_down, *, top_k, renormalize, activation, biases, impl="auto") -> [T, D]
 
 ``batch`` is the step's ``AttentionBatch`` (positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
 attention reads its kv_lens, page_indices, cu_q_lens and num_seqs, the K/V write its slot_mapping.
@@ -14,7 +15,10 @@ values and one float32 scale per token and KV head) that every implementation be
 The package is organised by kernel family: ``attention/`` (reference, CPU jnp/lax blocks and C++ wrapper, Pallas
 GPU and TPU, the ``AttentionBatch`` metadata), ``kv_write/`` (reference, Pallas, C++ wrapper), ``matmul/`` (the
 CPU's C++ rows products and the ``QArray`` layout they read) and ``cpu/`` (the C++ sources, built into one shared
-library and registered with XLA FFI by ``cpu/ffi.py``).
+library and registered with XLA FFI by ``cpu/ffi.py``), and ``moe/`` (routing, the dense reference and the grouped
+experts on ``lax.ragged_dot`` or megablox ``gmm``; :func:`moe` has its own ``impl`` values). The entry point
+``moe`` shadows the subpackage as an attribute of this package: import the family's modules with ``from
+jaxserve.kernels.moe.reference import ...``, not ``import jaxserve.kernels.moe as ...``.
 
 ``impl``:
   "auto"       Pallas kernel compiled for the platform on GPU / TPU; "xla" on anything else (the CPU).
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxserve.kernels._common import Int8Pages, is_fp8, is_int8_pages
+from jaxserve.kernels._common import Int8Pages, is_fp8, is_int8_pages, settle_tpu_interpret
 from jaxserve.kernels.attention import (
     AttentionBatch,
     ragged_paged_attention_gpu,
@@ -43,12 +47,17 @@ from jaxserve.kernels.attention.batch import validate_attention_inputs
 from jaxserve.kernels.cpu import ffi
 from jaxserve.kernels.kv_write import cpu as kv_write_cpu
 from jaxserve.kernels.kv_write import write_kv_gpu, write_kv_ref, write_kv_tpu
+from jaxserve.kernels.moe import moe_grouped, moe_ref, route
 
 __all__ = [
     "AttentionBatch",
     "Int8Pages",
     "ragged_paged_attention",
     "write_kv",
+    "moe",
+    "route",
+    "moe_ref",
+    "moe_grouped",
     "ragged_paged_attention_ref",
     "write_kv_ref",
     "ragged_paged_attention_gpu",
@@ -182,3 +191,105 @@ def write_kv(
         return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, batch)
     fn = write_kv_gpu if kernel == "gpu" else write_kv_tpu
     return fn(k_cache, v_cache, layer, new_k, new_v, batch, interpret=interp)
+
+
+_MOE_IMPLS = ("auto", "ragged", "megablox", "reference")
+
+
+def moe(
+    x: jax.Array,
+    router: jax.Array | tuple[jax.Array, jax.Array],
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    top_k: int | None = None,
+    renormalize: bool = True,
+    activation: str = "swiglu",
+    router_bias: jax.Array | None = None,
+    gate_bias: jax.Array | None = None,
+    up_bias: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    tiling: tuple[int, int, int] | None = None,
+) -> jax.Array:
+    """A mixture-of-experts MLP over the step's tokens (layouts and semantics: ``moe/reference.py``).
+
+    Args:
+      x: [T, D] tokens.
+      router: the router's logits [T, E] (routed here by ``route``: ``top_k``, ``renormalize``, ``router_bias``),
+        or a routing already made, (expert ids [T, k] int, combine weights [T, k]).
+      w_gate, w_up: [E, D, F] expert stacks; w_down: [E, F, D].
+      top_k: experts per token (with logits; taken from the ids' shape with a routing).
+      renormalize: with logits, softmax over the chosen k (True) or the chosen k's softmax-over-all probabilities.
+      activation: "swiglu" (silu(gate) * up) or "swiglu_clamped" (gpt-oss, with ``swiglu_alpha`` and
+        ``swiglu_limit``).
+      router_bias: [E] added to the logits (gpt-oss); gate_bias, up_bias: [E, F]; down_bias: [E, D].
+      impl: "auto" (megablox on a TPU, ragged elsewhere), "ragged" (``lax.ragged_dot``, any backend), "megablox"
+        (Pallas TPU ``gmm``; off a TPU in interpret mode unless ``interpret`` says otherwise), "reference" (every
+        expert on every token: tests only).
+      tiling: megablox's (tm, tk, tn) for its three products (default ``moe.megablox_tiling``).
+
+    Returns:
+      [T, D] in x.dtype.
+
+    Raises:
+      ValueError: a bad impl or activation, or inconsistent shapes (naming the argument).
+    """
+    if impl not in _MOE_IMPLS:
+        raise ValueError(f"impl must be one of {_MOE_IMPLS}, got {impl!r}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, D], got shape {x.shape}")
+    T, D = x.shape
+    if w_gate.ndim != 3 or w_up.ndim != 3 or w_down.ndim != 3:
+        raise ValueError(
+            f"w_gate, w_up must be [E, D, F] and w_down [E, F, D], got {w_gate.shape}, {w_up.shape}, {w_down.shape}"
+        )
+    E, _, F = w_gate.shape
+    if w_gate.shape != (E, D, F):
+        raise ValueError(f"w_gate must be [E, D, F] with D = x's hidden size {D}, got {w_gate.shape}")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up must match w_gate's [E, D, F] = {w_gate.shape}, got {w_up.shape}")
+    if w_down.shape != (E, F, D):
+        raise ValueError(f"w_down must be [E, F, D] = {(E, F, D)} (w_gate's experts and F), got {w_down.shape}")
+    for name, b, shape in (
+        ("gate_bias", gate_bias, (E, F)),
+        ("up_bias", up_bias, (E, F)),
+        ("down_bias", down_bias, (E, D)),
+    ):
+        if b is not None and jnp.shape(b) != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got shape {jnp.shape(b)}")
+    if activation not in ("swiglu", "swiglu_clamped"):
+        raise ValueError(f"activation must be 'swiglu' or 'swiglu_clamped', got {activation!r}")
+    if isinstance(router, tuple):
+        ids, weights = router
+        if router_bias is not None:
+            raise ValueError("router_bias applies to router logits, not to a routing (ids, weights) already made")
+        if ids.ndim != 2 or ids.shape[0] != T or weights.shape != ids.shape:
+            raise ValueError(f"router (ids, weights) must both be [T={T}, k], got {ids.shape} and {weights.shape}")
+        if top_k is not None and top_k != ids.shape[1]:
+            raise ValueError(f"top_k={top_k} differs from the routing's k={ids.shape[1]}")
+    else:
+        if router.shape != (T, E):
+            raise ValueError(f"router_logits must be [T, E] = {[T, E]} (E from the expert stacks), got {router.shape}")
+        if top_k is None or not 1 <= top_k <= E:
+            raise ValueError(f"top_k must be in [1, num_experts={E}], got {top_k}")
+        if router_bias is not None and jnp.shape(router_bias) != (E,):
+            raise ValueError(f"router_bias must be [E] = [{E}], got shape {jnp.shape(router_bias)}")
+        ids, weights = route(router, top_k, renormalize=renormalize, bias=router_bias)
+    act = dict(activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
+    biases = dict(b_gate=gate_bias, b_up=up_bias, b_down=down_bias)
+    if impl == "reference":
+        return moe_ref(x, ids, weights, w_gate, w_up, w_down, **act, **biases)
+    if impl == "auto":
+        impl = "megablox" if _platform() == "tpu" else "ragged"
+    interp = False
+    if impl == "megablox":
+        interp = (_platform() != "tpu") if interpret is None else bool(interpret)
+    out = moe_grouped(
+        x, ids, weights, w_gate, w_up, w_down, **biases, product=impl, **act, tiling=tiling, interpret=interp
+    )
+    return settle_tpu_interpret(out, interp)

@@ -1,0 +1,139 @@
+"""The grouped MoE: each token-slot (a token and one of its k experts) sorted by expert, the experts' products
+as grouped matrix products over the sorted rows, then unsorted and combined with the routing weights.
+
+Fixed shapes: the ``T * k`` slots are all computed, in an order that depends on the routing but in arrays whose
+shapes do not (no capacity factor, no token dropped). ``group_sizes [E]`` tells the grouped product which rows
+belong to which expert.
+
+Two grouped products, one contract (``lhs [M, K]`` rows grouped by ``group_sizes``, ``rhs [E, K, N]``):
+  ``jax.lax.ragged_dot``  portable (CPU, GPU; XLA lowers it on every backend).
+  megablox ``gmm``        the Pallas TPU kernel (``jax.experimental.pallas.ops.tpu.megablox``); interpret mode
+                          runs it anywhere, slowly. Its constraints (see :func:`megablox_tiling`):
+                          - the row count must be a multiple of the row tile ``tm``: the slots are padded with
+                            zero rows up to it, and the padding joins the last expert's group so that every row
+                            of the output is written (rows outside every group are left uninitialized);
+                          - Mosaic blocks: ``tk`` / ``tn`` a multiple of 128 or the whole dimension; ``tm`` a
+                            multiple of 8 (16 for bfloat16 rows, which pack two to a sublane);
+                          - the row tile is the unit of work per expert: a group starting inside a tile costs a
+                            second visit of it, so tiles much larger than the average group waste the MXU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxserve.kernels._common import cdiv
+from jaxserve.kernels.moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activate
+
+
+def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """ids [T, k] -> (order [T * k], sorted expert ids [T * k], group_sizes [E] int32).
+
+    ``order`` is the stable argsort of the flat slot ids (slot ``s`` is token ``s // k``'s ``s % k``-th expert):
+    row ``i`` of the sorted rows is slot ``order[i]``; slots of one expert keep their token order.
+    """
+    flat = ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, flat[order], group_sizes
+
+
+def _ragged(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
+_TILES = (512, 256, 128)
+
+
+def _tile(dim: int, preferred: tuple[int, ...]) -> int:
+    """The largest of ``preferred`` (multiples of 128) that divides ``dim``, else the whole dimension (a block may
+    span a whole dimension of any size). Gpt-oss's 2880 takes the whole dimension."""
+    for t in preferred:
+        if dim % t == 0:
+            return t
+    return dim
+
+
+def megablox_tiling(rows: int, k: int, n: int, dtype) -> tuple[int, int, int]:
+    """(tm, tk, tn) for a gmm of ``rows`` slot rows, ``[k] -> [n]``.
+
+    ``tm``: 128 rows, or fewer for small steps (decode: ``T * top_k`` rows), rounded up to the sublane multiple
+    (8 rows, 16 for 2-byte types). ``tk`` / ``tn``: 512, 256 or 128 when one divides the dimension, else the whole
+    dimension.
+    """
+    sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    tm = min(128, cdiv(rows, sub) * sub)
+    return tm, _tile(k, _TILES), _tile(n, _TILES)
+
+
+def _gmm(lhs, rhs, group_sizes, *, tiling, interpret):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    tm, tk, tn = tiling or megablox_tiling(lhs.shape[0], lhs.shape[1], rhs.shape[2], lhs.dtype)
+    return gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, tiling=(tm, tk, tn), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("product", "activation", "alpha", "limit", "tiling", "interpret"))
+def moe_grouped(
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    b_gate: jax.Array | None = None,
+    b_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    *,
+    product: str = "ragged",
+    activation: str = "swiglu",
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+    tiling: tuple[int, int, int] | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """The MoE of ``kernels/moe/reference.py``'s contract with grouped products: ``product="ragged"``
+    (``lax.ragged_dot``) or ``"megablox"`` (Pallas TPU ``gmm``; ``tiling`` (tm, tk, tn) overrides
+    :func:`megablox_tiling` for all three products, ``interpret`` runs it in the Pallas interpreter).
+
+    The products take the weights' dtype (x is cast to it) and accumulate in float32; the activation runs in
+    float32 and is cast back to the weights' dtype for the down product. Returns [T, D] in x.dtype.
+    """
+    T, D = x.shape
+    E, _, F = w_gate.shape
+    k = ids.shape[1]
+    order, sorted_ids, group_sizes = sort_by_expert(ids, E)
+    wdt = w_gate.dtype
+    rows = x.astype(wdt)[order // k]  # [T * k, D], sorted by expert
+    M = T * k
+    if product == "megablox":
+        tm = (tiling or megablox_tiling(M, D, F, wdt))[0]
+        pad = cdiv(M, tm) * tm - M
+        rows = jnp.pad(rows, ((0, pad), (0, 0)))
+        group_sizes = group_sizes.at[E - 1].add(pad)  # padding rows join the last group: every row is written
+        sorted_ids = jnp.pad(sorted_ids, (0, pad), constant_values=E - 1)
+
+        def mm(lhs, rhs):
+            return _gmm(lhs, rhs, group_sizes, tiling=tiling, interpret=interpret)
+    elif product == "ragged":
+
+        def mm(lhs, rhs):
+            return _ragged(lhs, rhs, group_sizes)
+    else:
+        raise ValueError(f"product must be 'ragged' or 'megablox', got {product!r}")
+
+    gate, up = mm(rows, w_gate), mm(rows, w_up)  # [M', F] float32
+    if b_gate is not None:
+        gate = gate + b_gate.astype(jnp.float32)[sorted_ids]
+    if b_up is not None:
+        up = up + b_up.astype(jnp.float32)[sorted_ids]
+    h = activate(gate, up, activation, alpha=alpha, limit=limit).astype(w_down.dtype)
+    out = mm(h, w_down)  # [M', D] float32
+    if b_down is not None:
+        out = out + b_down.astype(jnp.float32)[sorted_ids]
+    # Unsort: slot order[i] is sorted row i; the padding rows (megablox) fall off the end.
+    slots = jnp.zeros((M, D), jnp.float32).at[order].set(out[:M], unique_indices=True)
+    y = (slots.reshape(T, k, D) * weights.astype(jnp.float32)[:, :, None]).sum(axis=1)
+    return y.astype(x.dtype)

@@ -1,0 +1,222 @@
+"""The MoE kernels (``jaxserve.kernels.moe``) and layer (``jaxserve.layers.moe``) against independent references.
+
+- routing against a NumPy reference (softmax over all then top-k, with and without renormalizing, router bias);
+- the grouped paths (``lax.ragged_dot``, megablox ``gmm`` in interpret mode) against the dense reference (every
+  expert on every token), float32 within 2e-5 (values of order 1): odd sizes, experts with no token, top-k 1 and 4;
+- megablox compiles for v5e and v6e at Qwen3-30B-A3B's shapes (deviceless AOT, as tests/test_tpu_kernels_aot.py);
+- bad inputs raise ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxserve.kernels.moe.grouped import megablox_tiling, sort_by_expert
+from jaxserve.kernels.moe.reference import route
+
+from jaxserve import kernels
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+TOL = 2e-5
+
+
+def _softmax(a: np.ndarray) -> np.ndarray:
+    e = np.exp(a - a.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _route_np(logits, k, renormalize, bias=None):
+    logits = logits.astype(np.float64) + (0 if bias is None else bias)
+    probs = _softmax(logits)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # descending, lower id first among ties
+    w = np.take_along_axis(probs, ids, -1)
+    if renormalize:
+        w = w / w.sum(-1, keepdims=True)
+    return ids, w
+
+
+def _weights(rng, E, D, F, scale=0.3, bias=False):
+    w = {
+        "w_gate": rng.normal(size=(E, D, F)) * scale,
+        "w_up": rng.normal(size=(E, D, F)) * scale,
+        "w_down": rng.normal(size=(E, F, D)) * scale,
+    }
+    if bias:
+        w |= {
+            "gate_bias": rng.normal(size=(E, F)),
+            "up_bias": rng.normal(size=(E, F)),
+            "down_bias": rng.normal(size=(E, D)),
+        }
+    return {n: jnp.asarray(a, F32) for n, a in w.items()}
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_routing_matches_numpy(renormalize, with_bias):
+    rng = np.random.default_rng(0)
+    T, E, k = 37, 11, 3
+    logits = rng.normal(size=(T, E)).astype(np.float32)
+    bias = rng.normal(size=(E,)).astype(np.float32) if with_bias else None
+    ids, w = route(jnp.asarray(logits), k, renormalize=renormalize, bias=None if bias is None else jnp.asarray(bias))
+    ids_np, w_np = _route_np(logits, k, renormalize, bias)
+    np.testing.assert_array_equal(np.asarray(ids), ids_np)
+    np.testing.assert_allclose(np.asarray(w), w_np, rtol=1e-6, atol=1e-7)
+    assert ids.dtype == jnp.int32 and w.dtype == F32
+
+
+def test_routing_ties_pick_the_lower_expert():
+    logits = jnp.zeros((2, 6), F32).at[1, 4].set(1.0)
+    ids, w = route(logits, 2, renormalize=True)
+    np.testing.assert_array_equal(np.asarray(ids), [[0, 1], [4, 0]])
+    np.testing.assert_allclose(np.asarray(w[0]), [0.5, 0.5])
+
+
+def test_sort_by_expert_is_stable_and_counts_every_slot():
+    ids = jnp.asarray([[3, 0], [0, 3], [2, 0]], jnp.int32)
+    order, sorted_ids, sizes = sort_by_expert(ids, 5)
+    np.testing.assert_array_equal(np.asarray(order), [1, 2, 5, 4, 0, 3])
+    np.testing.assert_array_equal(np.asarray(sorted_ids), [0, 0, 0, 2, 3, 3])
+    np.testing.assert_array_equal(np.asarray(sizes), [3, 0, 1, 2, 0])
+
+
+# (T, D, F, E, k): odd sizes, one token, top-1, top-k of half the experts
+SHAPES = [(13, 24, 20, 8, 2), (1, 17, 9, 5, 1), (29, 33, 15, 6, 4), (7, 8, 8, 3, 3)]
+
+
+@pytest.mark.parametrize("impl", ["ragged", "megablox"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grouped_matches_reference(impl, shape):
+    T, D, F, E, k = shape
+    rng = np.random.default_rng(sum(shape))
+    x = jnp.asarray(rng.normal(size=(T, D)), F32)
+    logits = jnp.asarray(rng.normal(size=(T, E)), F32)
+    w = _weights(rng, E, D, F)
+    ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
+    out = kernels.moe(x, logits, **w, top_k=k, impl=impl)
+    assert out.shape == (T, D) and out.dtype == F32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("impl", ["ragged", "megablox"])
+def test_experts_without_tokens_and_clamped_swiglu_with_biases(impl):
+    """Every token routed to experts 1 and 4 of 7 (the others get no row, the first and the last included), gpt-oss's
+    activation with large pre-activations so that both clamps bite, and per-expert biases."""
+    T, D, F, E = 10, 12, 16, 7
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(T, D)) * 3, F32)
+    w = _weights(rng, E, D, F, scale=1.0, bias=True)
+    ids = jnp.asarray(np.where(rng.random((T, 2)) < 0.5, [[1, 4]], [[4, 1]]), jnp.int32)
+    cw = jnp.asarray(_softmax(rng.normal(size=(T, 2))), F32)
+    kw = dict(activation="swiglu_clamped", **w)
+    ref = kernels.moe(x, (ids, cw), **kw, impl="reference")
+    out = kernels.moe(x, (ids, cw), **kw, impl=impl)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL * 10)
+    # the clamps are exercised: some gate pre-activations above the limit, some up ones beyond +-limit
+    gate, up = (np.einsum("td,edf->etf", np.asarray(x), np.asarray(w[f"w_{n}"])) for n in ("gate", "up"))
+    assert (gate > 7).any() and (up > 7).any() and (up < -7).any()
+
+
+def test_megablox_multiple_row_tiles_and_explicit_tiling():
+    """More slots than one row tile: groups straddle tile boundaries; padding rows join the last expert."""
+    T, D, F, E, k = 50, 256, 128, 6, 3  # 150 slots, tm 16 -> 10 row tiles
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(T, D)), F32)
+    logits = jnp.asarray(rng.normal(size=(T, E)), F32)
+    w = _weights(rng, E, D, F, scale=0.1)
+    ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
+    out = kernels.moe(x, logits, **w, top_k=k, impl="megablox", tiling=(16, 128, 128))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
+
+
+def test_bfloat16_weights():
+    T, D, F, E, k = 9, 32, 24, 4, 2
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(T, D)), BF16)
+    logits = jnp.asarray(rng.normal(size=(T, E)), F32)
+    w = {n: a.astype(BF16) for n, a in _weights(rng, E, D, F).items()}
+    ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
+    for impl in ("ragged", "megablox"):
+        out = kernels.moe(x, logits, **w, top_k=k, impl=impl)
+        assert out.dtype == BF16
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=0.03, atol=0.03)
+
+
+def test_megablox_tiling():
+    assert megablox_tiling(8, 2048, 768, BF16) == (16, 512, 256)
+    assert megablox_tiling(4096, 2048, 768, BF16) == (128, 512, 256)
+    assert megablox_tiling(20, 2880, 2880, F32) == (24, 2880, 2880)  # gpt-oss: no 128-multiple divides 2880
+
+
+def _moe_args(T=4, D=6, F=5, E=4):
+    x = jnp.ones((T, D), F32)
+    return x, jnp.zeros((T, E), F32), jnp.ones((E, D, F)), jnp.ones((E, D, F)), jnp.ones((E, F, D))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(top_k=5), "top_k"),
+        (dict(top_k=0), "top_k"),
+        (dict(w_up=jnp.ones((3, 6, 5))), "w_up"),
+        (dict(w_down=jnp.ones((5, 5, 6))), "w_down"),
+        (dict(w_down=jnp.ones((4, 6, 6))), "w_down"),
+        (dict(w_gate=jnp.ones((4, 7, 5)), w_up=jnp.ones((4, 7, 5))), "w_gate"),
+        (dict(router=jnp.zeros((4, 5))), "router_logits"),
+        (dict(router_bias=jnp.zeros(3)), "router_bias"),
+        (dict(gate_bias=jnp.zeros((4, 6))), "gate_bias"),
+        (dict(down_bias=jnp.zeros((4, 5))), "down_bias"),
+        (dict(activation="gelu"), "activation"),
+        (dict(impl="triton"), "impl"),
+        (dict(router=(jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 3)))), "router"),
+    ],
+)
+def test_bad_inputs_name_the_argument(change, match):
+    x, logits, wg, wu, wd = _moe_args()
+    args = dict(router=logits, w_gate=wg, w_up=wu, w_down=wd, top_k=2) | change
+    with pytest.raises(ValueError, match=match):
+        kernels.moe(x, args.pop("router"), args.pop("w_gate"), args.pop("w_up"), args.pop("w_down"), **args)
+
+
+# --- megablox compiles for TPUs -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _mesh(topology: str) -> jax.sharding.Mesh:
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.fail("libtpu is not installed: install the dev extra (pip install -e '.[dev]')", pytrace=False)
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(topology, "tpu").devices
+    return jax.sharding.Mesh(np.array(devices[:1]), ("x",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_megablox_compiles_for_tpu_at_qwen3_30b_a3b_shapes(topology):
+    """Qwen3-30B-A3B's MoE (hidden 2048, moe_intermediate 768, 128 experts, top-8), bfloat16, 64 and 512 tokens."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.aot import no_persistent_cache
+
+    mesh = _mesh(topology)
+    D, F, E, k = 2048, 768, 128, 8
+
+    def a(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+    def step(x, logits, wg, wu, wd):
+        return kernels.moe(x, logits, wg, wu, wd, top_k=k, impl="megablox", interpret=False)
+
+    with no_persistent_cache():
+        for T in (64, 512):
+            args = (a((T, D), BF16), a((T, E), F32), a((E, D, F), BF16), a((E, D, F), BF16), a((E, F, D), BF16))
+            with jax.set_mesh(mesh):
+                compiled = jax.jit(step).lower(*args).compile()
+            hlo = compiled.as_text()
+            assert hlo.count("tpu_custom_call") >= 3, f"{topology} T={T}: no Mosaic gmm in the compiled HLO"
