@@ -3,6 +3,8 @@
 - routing against a NumPy reference (softmax over all then top-k, with and without renormalizing, router bias);
 - the grouped paths (``lax.ragged_dot``, megablox ``gmm`` in interpret mode) against the dense reference (every
   expert on every token), float32 within 2e-5 (values of order 1): odd sizes, experts with no token, top-k 1 and 4;
+- the layer against transformers' own blocks (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock with norm_topk_prob
+  True and False, GptOssMLP) on random weights copied into our layout, within 1e-5;
 - megablox compiles for v5e and v6e at Qwen3-30B-A3B's shapes (deviceless AOT, as tests/test_tpu_kernels_aot.py);
 - bad inputs raise ValueError naming the argument.
 """
@@ -20,6 +22,7 @@ from jaxserve.kernels.moe.grouped import megablox_tiling, sort_by_expert
 from jaxserve.kernels.moe.reference import route
 
 from jaxserve import kernels
+from jaxserve.layers.moe import MoeSpec, moe_mlp, moe_param_shapes
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOL = 2e-5
@@ -180,6 +183,145 @@ def test_bad_inputs_name_the_argument(change, match):
     args = dict(router=logits, w_gate=wg, w_up=wu, w_down=wd, top_k=2) | change
     with pytest.raises(ValueError, match=match):
         kernels.moe(x, args.pop("router"), args.pop("w_gate"), args.pop("w_up"), args.pop("w_down"), **args)
+
+
+def test_moe_spec_validates():
+    with pytest.raises(ValueError, match="top_k"):
+        MoeSpec(num_experts=4, top_k=5, intermediate_size=8)
+    with pytest.raises(ValueError, match="activation"):
+        MoeSpec(num_experts=4, top_k=2, intermediate_size=8, activation="relu")
+
+
+# --- the layer against transformers' own MoE blocks ------------------------------------------------------------
+
+D_HF, F_HF, E_HF, K_HF, T_HF = 19, 13, 8, 2, 23  # odd hidden and intermediate sizes, 8 experts top-2
+
+
+def _torch_out(block, x: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = block(torch.from_numpy(x)[None])
+    out = out[0] if isinstance(out, tuple) else out
+    return out[0].numpy()
+
+
+def _perturb(block, seed: int) -> None:
+    """Every parameter random (transformers initializes some with zeros or leaves them empty)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def _concatenated_experts(block) -> dict[str, jnp.ndarray]:
+    """Mixtral / Qwen3-MoE: gate_up_proj [E, 2F, D] (gate, then up), down_proj [E, D, F], router weight [E, D]."""
+    gate_up = block.experts.gate_up_proj.detach().numpy()
+    F = gate_up.shape[1] // 2
+    return {
+        "router": jnp.asarray(block.gate.weight.detach().numpy().T),
+        "expert_gate": jnp.asarray(gate_up[:, :F].transpose(0, 2, 1)),
+        "expert_up": jnp.asarray(gate_up[:, F:].transpose(0, 2, 1)),
+        "expert_down": jnp.asarray(block.experts.down_proj.detach().numpy().transpose(0, 2, 1)),
+    }
+
+
+def _check_layer(block, params, spec, seed):
+    x = np.random.default_rng(seed).normal(size=(T_HF, D_HF)).astype(np.float32)
+    want = _torch_out(block, x)
+    for name, (shape, _) in moe_param_shapes(D_HF, spec).items():
+        assert params[name].shape == shape, name
+    for impl in ("ragged", "megablox", "reference"):
+        got = np.asarray(moe_mlp(jnp.asarray(x), params, spec, impl=impl))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
+
+
+@functools.cache
+def _transformers():
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("transformers / torch not installed")
+    import torch
+
+    torch.manual_seed(0)
+    import transformers
+
+    return transformers
+
+
+@pytest.mark.slow
+def test_layer_matches_transformers_mixtral():
+    tf = _transformers()
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = tf.MixtralConfig(hidden_size=D_HF, intermediate_size=F_HF, num_local_experts=E_HF, num_experts_per_tok=K_HF)
+    block = MixtralSparseMoeBlock(cfg).eval()
+    _perturb(block, 0)
+    spec = MoeSpec(num_experts=E_HF, top_k=K_HF, intermediate_size=F_HF, renormalize=True)
+    _check_layer(block, _concatenated_experts(block), spec, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_layer_matches_transformers_qwen3_moe(norm_topk_prob):
+    tf = _transformers()
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = tf.Qwen3MoeConfig(
+        hidden_size=D_HF,
+        moe_intermediate_size=F_HF,
+        num_experts=E_HF,
+        num_experts_per_tok=K_HF,
+        norm_topk_prob=norm_topk_prob,
+    )
+    block = Qwen3MoeSparseMoeBlock(cfg).eval()
+    _perturb(block, 1)
+    spec = MoeSpec(num_experts=E_HF, top_k=K_HF, intermediate_size=F_HF, renormalize=norm_topk_prob)
+    _check_layer(block, _concatenated_experts(block), spec, 1)
+
+
+@pytest.mark.slow
+def test_layer_matches_transformers_gpt_oss():
+    """Router bias, interleaved gate/up with biases, clamped SwiGLU (alpha 1.702, limit 7): pre-activations large
+    enough that the clamps bite."""
+    tf = _transformers()
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = tf.GptOssConfig(hidden_size=D_HF, intermediate_size=F_HF, num_local_experts=E_HF, num_experts_per_tok=K_HF)
+    block = GptOssMLP(cfg).eval()
+    _perturb(block, 2)
+    e = block.experts
+    gate_up, gate_up_b = e.gate_up_proj.detach().numpy(), e.gate_up_proj_bias.detach().numpy()
+    params = {
+        "router": jnp.asarray(block.router.weight.detach().numpy().T),
+        "router_bias": jnp.asarray(block.router.bias.detach().numpy()),
+        "expert_gate": jnp.asarray(gate_up[..., ::2] * 4),
+        "expert_up": jnp.asarray(gate_up[..., 1::2] * 4),
+        "expert_down": jnp.asarray(e.down_proj.detach().numpy()),
+        "expert_gate_bias": jnp.asarray(gate_up_b[..., ::2]),
+        "expert_up_bias": jnp.asarray(gate_up_b[..., 1::2]),
+        "expert_down_bias": jnp.asarray(e.down_proj_bias.detach().numpy()),
+    }
+    import torch
+
+    with torch.no_grad():  # scaled so that |pre-activations| exceed the limit
+        e.gate_up_proj.mul_(4)
+    spec = MoeSpec(
+        num_experts=E_HF,
+        top_k=K_HF,
+        intermediate_size=F_HF,
+        activation="swiglu_clamped",
+        swiglu_alpha=cfg.swiglu_alpha,
+        swiglu_limit=cfg.swiglu_limit,
+        router_bias=True,
+        expert_bias=True,
+    )
+    assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 7.0)
+    x = np.random.default_rng(2).normal(size=(T_HF, D_HF)).astype(np.float32)  # _check_layer's tokens
+    pre = np.einsum("td,edf->etf", x, gate_up * 4) + gate_up_b[:, None]
+    assert (pre[..., ::2] > 7).any() and (pre[..., 1::2] > 7).any() and (pre[..., 1::2] < -7).any()
+    _check_layer(block, params, spec, 2)
 
 
 # --- megablox compiles for TPUs -------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""The mixture-of-experts MLP block: the router's product, then ``jaxserve.kernels.moe`` (routing, the experts'
+grouped products, the combine).
+
+One layer's parameters, by name (:func:`moe_param_shapes`; the layout the schema will stack over the layers, a
+leading ``layers`` axis added, as the dense MLP's ``w_gate`` / ``w_up`` / ``w_down``):
+
+  router            [D, E]      (embed, experts)         the router, ``h @ router`` (HF: ``gate.weight`` /
+                                                         ``router.weight`` [E, D], transposed on load)
+  router_bias       [E]         (experts,)               gpt-oss only
+  expert_gate       [E, D, F]   (experts, embed, mlp)    each expert's gate projection, [in, out]
+  expert_up         [E, D, F]   (experts, embed, mlp)    each expert's up projection
+  expert_down       [E, F, D]   (experts, mlp, embed)    each expert's down projection
+  expert_gate_bias  [E, F], expert_up_bias [E, F], expert_down_bias [E, D]   gpt-oss only
+
+Matrices are [in, out] per expert like every linear of the schema, so a layer scan's slice of a stacked
+[L, E, D, F] parameter is the kernel's [E, D, F]. From transformers 5.x's tensors (``F`` the expert's intermediate
+size): Mixtral / Qwen3-MoE ``experts.gate_up_proj`` [E, 2F, D] holds gate then up, ``experts.down_proj`` [E, D, F]
+(both [out, in]: ``expert_gate = gate_up_proj[:, :F].transpose(0, 2, 1)``, ``expert_down = down_proj.transpose(0,
+2, 1)``); gpt-oss ``experts.gate_up_proj`` [E, D, 2F] interleaves gate (even columns) and up (odd), already [in, out]
+(``expert_gate = gate_up_proj[..., ::2]``), its ``gate_up_proj_bias`` [E, 2F] likewise, ``down_proj`` [E, F, D].
+Names are distinct from the dense MLP's so that a model can hold both kinds of block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import kernels
+from jaxserve.kernels.moe.reference import ACTIVATIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """What a family's MoE block is.
+
+    ``renormalize``: softmax over the k chosen logits (Mixtral, Qwen3-MoE ``norm_topk_prob=True``, gpt-oss), or the
+    chosen experts' probabilities of the softmax over all (Qwen3-MoE ``norm_topk_prob=False``).
+    ``activation``: "swiglu", or gpt-oss's "swiglu_clamped" with ``swiglu_alpha`` / ``swiglu_limit``.
+    ``router_bias`` / ``expert_bias``: the block has a router bias / per-expert gate, up and down biases (gpt-oss).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool = True
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_bias: bool = False
+    expert_bias: bool = False
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoeSpec.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoeSpec.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+
+
+def moe_param_shapes(hidden_size: int, spec: MoeSpec) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """One layer's MoE parameters: ``{name: (shape, logical axes)}``, in the module docstring's layout."""
+    D, E, F = hidden_size, spec.num_experts, spec.intermediate_size
+    shapes = {
+        "router": ((D, E), ("embed", "experts")),
+        "expert_gate": ((E, D, F), ("experts", "embed", "mlp")),
+        "expert_up": ((E, D, F), ("experts", "embed", "mlp")),
+        "expert_down": ((E, F, D), ("experts", "mlp", "embed")),
+    }
+    if spec.router_bias:
+        shapes["router_bias"] = ((E,), ("experts",))
+    if spec.expert_bias:
+        shapes["expert_gate_bias"] = ((E, F), ("experts", "mlp"))
+        shapes["expert_up_bias"] = ((E, F), ("experts", "mlp"))
+        shapes["expert_down_bias"] = ((E, D), ("experts", "embed"))
+    return shapes
+
+
+def router_logits(h: jax.Array, router: jax.Array) -> jax.Array:
+    """h [T, D] @ router [D, E] -> [T, E] float32 (the bias, if any, is added by the routing)."""
+    return jnp.dot(h, router.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def moe_mlp(
+    h: jax.Array, p: dict[str, jax.Array], spec: MoeSpec, *, impl: str = "auto", interpret: bool | None = None
+) -> jax.Array:
+    """The MoE block on the normed hidden states h [T, D] with one layer's parameters ``p`` (names above)
+    -> [T, D] in h.dtype. ``impl`` / ``interpret``: ``jaxserve.kernels.moe``'s."""
+    return kernels.moe(
+        h,
+        router_logits(h, p["router"]),
+        p["expert_gate"],
+        p["expert_up"],
+        p["expert_down"],
+        top_k=spec.top_k,
+        renormalize=spec.renormalize,
+        activation=spec.activation,
+        router_bias=p.get("router_bias") if spec.router_bias else None,
+        gate_bias=p.get("expert_gate_bias") if spec.expert_bias else None,
+        up_bias=p.get("expert_up_bias") if spec.expert_bias else None,
+        down_bias=p.get("expert_down_bias") if spec.expert_bias else None,
+        swiglu_alpha=spec.swiglu_alpha,
+        swiglu_limit=spec.swiglu_limit,
+        impl=impl,
+        interpret=interpret,
+    )
