@@ -192,6 +192,27 @@ def test_moe_spec_validates():
         MoeSpec(num_experts=4, top_k=2, intermediate_size=8, activation="relu")
 
 
+def test_layer_runs_inside_the_layer_scan():
+    """Parameters stacked over layers [L, E, D, F] (the schema's layout), sliced by lax.scan: each layer's output
+    equals the layer run alone; "auto" is the ragged path on the CPU."""
+    L, T, D, F, E, k = 3, 5, 12, 10, 6, 2
+    rng = np.random.default_rng(4)
+    spec = MoeSpec(num_experts=E, top_k=k, intermediate_size=F, router_bias=True, expert_bias=True)
+    stacked = {
+        n: jnp.asarray(rng.normal(size=(L, *shape)) * 0.3, F32) for n, (shape, _) in moe_param_shapes(D, spec).items()
+    }
+    x = jnp.asarray(rng.normal(size=(T, D)), F32)
+
+    def layer(h, p):
+        return h + moe_mlp(h, p, spec, impl="auto"), None
+
+    got, _ = jax.jit(lambda h, ps: jax.lax.scan(layer, h, ps))(x, stacked)
+    want = x
+    for i in range(L):
+        want = want + moe_mlp(want, {n: a[i] for n, a in stacked.items()}, spec, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=TOL, atol=TOL)
+
+
 # --- the layer against transformers' own MoE blocks ------------------------------------------------------------
 
 D_HF, F_HF, E_HF, K_HF, T_HF = 19, 13, 8, 2, 23  # odd hidden and intermediate sizes, 8 experts top-2
