@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxserve.block_manager import NULL_PAGE
-from jaxserve.models.dense import AttentionBatch
+from jaxserve.models.decoder import AttentionBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.utils import cdiv, next_pow2
 

@@ -94,6 +94,19 @@ class ModelConfig:
     sliding_window_layers: tuple[bool, ...] | None = None  # per layer; None = all layers if window set
     local_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base (no scaling)
     partial_rotary_factor: float = 1.0  # Phi-4-mini: rope rotates only this share of each head (rotary_dim)
+    o_bias: bool = False  # gpt-oss: a bias on the attention's output projection too
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax's denominator
+    # Mixture of experts (``jaxserve.layers.moe``): 0 experts is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int | None = None  # one expert's hidden size (None: intermediate_size)
+    norm_topk_prob: bool = True  # softmax over the chosen k (Mixtral, gpt-oss) or their share of the softmax over all
+    moe_layers: tuple[bool, ...] | None = None  # per layer, MoE (True) or the dense MLP; None: every layer MoE
+    moe_activation: str = "swiglu"  # or gpt-oss's "swiglu_clamped" (swiglu_alpha, swiglu_limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    moe_router_bias: bool = False  # gpt-oss
+    moe_expert_bias: bool = False  # gpt-oss: biases on each expert's gate, up and down products
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
 
@@ -152,6 +165,49 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts == 0:
+            if self.num_experts_per_tok or self.moe_layers is not None:
+                raise ValueError(
+                    f"ModelConfig: num_experts_per_tok={self.num_experts_per_tok} / moe_layers={self.moe_layers} "
+                    "need num_experts > 0"
+                )
+            return
+        _positive(self, "num_experts", "num_experts_per_tok")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                f"({self.num_experts}): each token picks that many distinct experts"
+            )
+        if self.moe_intermediate_size is not None:
+            _positive(self, "moe_intermediate_size")
+        if self.moe_layers is not None:
+            if len(self.moe_layers) != self.num_layers:
+                raise ValueError(
+                    f"ModelConfig.moe_layers has {len(self.moe_layers)} entries, expected num_layers={self.num_layers}"
+                )
+            if not any(self.moe_layers):
+                raise ValueError("ModelConfig.moe_layers marks no layer MoE; a dense model has num_experts=0")
+        if self.moe_activation not in ("swiglu", "swiglu_clamped"):
+            raise ValueError(
+                f"ModelConfig.moe_activation must be 'swiglu' or 'swiglu_clamped', got {self.moe_activation!r}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer_flags(self) -> tuple[bool, ...]:
+        """Per layer: MoE block (True) or dense MLP."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        return self.moe_layers or (True,) * self.num_layers
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def q_per_kv(self) -> int:
@@ -185,7 +241,7 @@ class ModelConfig:
         data = dict(data)
         if isinstance(data.get("rope_scaling"), dict):
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-        for name in ("eos_token_ids", "sliding_window_layers"):
+        for name in ("eos_token_ids", "sliding_window_layers", "moe_layers"):
             if data.get(name) is not None:
                 data[name] = tuple(data[name])
         return cls(**data)

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxserve.block_manager import NULL_PAGE
 from jaxserve.compilation import pick
-from jaxserve.models.dense import AttentionBatch
+from jaxserve.models.decoder import AttentionBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.utils import cdiv

@@ -48,7 +48,7 @@ from jaxserve.kernels.cpu import ffi as cpu_ffi
 from jaxserve.kernels.matmul import cpu as matmul_cpu
 from jaxserve.kv_pool import KVPool
 from jaxserve.layers.linear import MatmulPolicy
-from jaxserve.models.dense import OUTPUT_AXES, model_from_params
+from jaxserve.models.decoder import OUTPUT_AXES, model_from_params
 from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling_params import SamplingParams

@@ -32,7 +32,7 @@ from jaxserve import quant  # noqa: E402
 from jaxserve.loading import load_model  # noqa: E402
 from jaxserve.loading.compressed import quantized_tensors  # noqa: E402
 from jaxserve.loading.weights import _quantized_parts, _stack_quantized  # noqa: E402
-from jaxserve.models.dense import AttentionBatch, model_from_params  # noqa: E402
+from jaxserve.models.decoder import AttentionBatch, model_from_params  # noqa: E402
 
 # (format, weight args, activation args or None)
 SCHEMES = {

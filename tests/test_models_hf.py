@@ -20,7 +20,7 @@ from jaxserve.kernels import ragged_paged_attention_ref, write_kv_ref  # noqa: E
 
 from jaxserve.loading.safetensors_dir import iter_hf_dir, read_config  # noqa: E402
 from jaxserve.loading.weights import params_from_hf_tensors  # noqa: E402
-from jaxserve.models.dense import AttentionBatch, model_from_params  # noqa: E402
+from jaxserve.models.decoder import AttentionBatch, model_from_params  # noqa: E402
 
 COMMON = dict(
     vocab_size=160,

@@ -72,7 +72,7 @@ class MatmulPolicy:
     for every product and knows nothing of the platform.
 
     - bfloat16 copies (``matmul_dtype="bfloat16"``): the step receives them (``copies``, from
-      ``DenseDecoder.matmul_weights``) and uses them for steps of at least ``MATMUL_WEIGHTS_MIN_ROWS`` rows, where
+      ``Decoder.matmul_weights``) and uses them for steps of at least ``MATMUL_WEIGHTS_MIN_ROWS`` rows, where
       XLA:CPU's bfloat16 products beat its float32 ones, or always when ``rows`` serves the step.
     - ``rows``: a product for steps of few rows (on one CPU device the C++ ``kernels.matmul.cpu.ROWS``). The
       matrices it serves stay out of the layer scan's slices, whole: it reads layer ``i``'s matrix in place in the

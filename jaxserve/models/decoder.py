@@ -4,7 +4,7 @@ Gemma 1/2) as one flax NNX module, built from the parameter schema (``jaxserve.m
 Weights of all layers are stacked on a leading layer axis and the layers run under ``lax.scan``, so compile
 time does not grow with depth. The runner holds the module split into ``(graphdef, state)``
 (:func:`model_from_params`); its jitted step merges them back (``nnx.merge``) and calls
-:meth:`DenseDecoder.__call__` (hidden states, K/V written into the pool) and :meth:`DenseDecoder.logits`. Attention and the K/V write are arguments
+:meth:`Decoder.__call__` (hidden states, K/V written into the pool) and :meth:`Decoder.logits`. Attention and the K/V write are arguments
 of ``__call__`` (``attention_fn``, ``write_kv_fn``), so the same model runs on any kernel of
 ``jaxserve.kernels``.
 
@@ -35,11 +35,11 @@ AttentionFn = Callable[..., jax.Array]
 WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-# The [D, V] output projection in ``DenseDecoder.matmul_weights`` (the transposed embedding when tied).
+# The [D, V] output projection in ``Decoder.matmul_weights`` (the transposed embedding when tied).
 OUTPUT_AXES = ("embed", "vocab")
 
 
-class DenseDecoder(nnx.Module):
+class Decoder(nnx.Module):
     """Decoder-only transformer: per layer the schema's attention block, then its MLP block. Parameters are created
     from ``param_schema`` and filled by the loaders."""
 
@@ -174,7 +174,7 @@ class DenseDecoder(nnx.Module):
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state of ShapeDtypeStructs) without allocating or initializing any weight."""
-    model = nnx.eval_shape(lambda: DenseDecoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
 
