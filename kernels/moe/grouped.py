@@ -104,6 +104,9 @@ def moe_grouped(
     T, D = x.shape
     E, _, F = w_gate.shape
     k = ids.shape[1]
+    # An id outside [0, E) is an expert held elsewhere (expert parallelism: this device's stacks are a slice of the
+    # experts): its slots sort last, join no group and contribute nothing.
+    ids = jnp.where((ids >= 0) & (ids < E), ids, E)
     order, sorted_ids, group_sizes = sort_by_expert(ids, E)
     wdt = w_gate.dtype
     rows = x.astype(wdt)[order // k]  # [T * k, D], sorted by expert
@@ -112,8 +115,9 @@ def moe_grouped(
         tm = (tiling or megablox_tiling(M, D, F, wdt))[0]
         pad = cdiv(M, tm) * tm - M
         rows = jnp.pad(rows, ((0, pad), (0, 0)))
-        group_sizes = group_sizes.at[E - 1].add(pad)  # padding rows join the last group: every row is written
-        sorted_ids = jnp.pad(sorted_ids, (0, pad), constant_values=E - 1)
+        # Padding rows (and slots of experts held elsewhere) join the last group: every row is written.
+        group_sizes = group_sizes.at[E - 1].add(M + pad - group_sizes.sum())
+        sorted_ids = jnp.pad(sorted_ids, (0, pad), constant_values=E)
 
         def mm(lhs, rhs):
             return _gmm(lhs, rhs, group_sizes, tiling=tiling, interpret=interpret)
@@ -133,6 +137,7 @@ def moe_grouped(
     out = mm(h, w_down)  # [M', D] float32
     if b_down is not None:
         out = out + b_down.astype(jnp.float32)[sorted_ids]
+    out = jnp.where((sorted_ids < E)[:, None], out, 0.0)  # rows of no expert here
     # Unsort: slot order[i] is sorted row i; the padding rows (megablox) fall off the end.
     slots = jnp.zeros((M, D), jnp.float32).at[order].set(out[:M], unique_indices=True)
     y = (slots.reshape(T, k, D) * weights.astype(jnp.float32)[:, :, None]).sum(axis=1)
