@@ -623,6 +623,12 @@ class EngineConfig:
         "independent replicas (each on its own tensor_parallel_size devices) that requests are balanced over",
         type=int,
     )
+    enable_expert_parallel: bool = _setting(
+        False,
+        "a mixture of experts' whole experts placed on the tensor-parallel devices (num_experts / "
+        "tensor_parallel_size each) instead of every expert's matrices split over them",
+        action="store_true",
+    )
     speculative_config: dict | None = _setting(
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,'

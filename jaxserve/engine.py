@@ -177,7 +177,7 @@ class LLMEngine:
                 model,
                 dtype,
                 check_config=lambda cfg: kv_heads_for(cfg, tp),
-                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[local[0]]),
+                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[local[0]], config.enable_expert_parallel),
                 keep_quantized=config.quantization == "gguf",
             )
         self.model_name = loaded.name
@@ -206,6 +206,7 @@ class LLMEngine:
                 mesh,
                 quantization=config.quantization,
                 one_token_buckets=False if dp > 1 else None,
+                expert_parallel=config.enable_expert_parallel,
             )
             block_manager = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
             drafter = draft and DraftProposer(

@@ -60,7 +60,9 @@ from jaxserve.sharding import (
     make_mesh,
     param_shardings,
     replicate_kv_heads,
+    rules_for,
     shard_kernels,
+    shard_moe,
 )
 from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
@@ -131,6 +133,8 @@ class ModelRunner:
             or "gguf" for weights that came quantized (``jaxserve.quant``).
         one_token_buckets: a token bucket of 1 besides those from 8 (default: on the CPU, when the mesh is one
             device); the engine turns it off for data-parallel replicas.
+        expert_parallel: a MoE model's whole experts on each device of the mesh's "model" axis instead of every
+            expert split over them (``jaxserve.sharding.shard_moe``).
 
     Raises:
         ValueError: a quantization the backend cannot run, or a KV pool that does not fit the memory.
@@ -148,8 +152,10 @@ class ModelRunner:
         platform: str | None = None,
         quantization: str | None = None,
         one_token_buckets: bool | None = None,
+        expert_parallel: bool = False,
     ):
         self.mesh = mesh or make_mesh(1)
+        self.expert_parallel = expert_parallel
         self.platform = platform  # None: the one JAX runs on; "tpu" / "gpu": compile for it (jaxserve.aot)
         # ShapeDtypeStruct params (jaxserve.aot): nothing is allocated; the state and the pool are abstract too.
         self.abstract = isinstance(params["final_norm"], jax.ShapeDtypeStruct)
@@ -164,7 +170,7 @@ class ModelRunner:
         self.page_size = cache_cfg.page_size
         self.replicated = NamedSharding(self.mesh, P())
         schema = param_schema(model_cfg)
-        self.param_shardings = param_shardings(schema, self.mesh)
+        self.param_shardings = param_shardings(schema, self.mesh, rules_for(model_cfg, self.mesh, expert_parallel))
         # Tensor by tensor, each device receiving only its shard (every leaf of a quantized one alike).
         placed = {
             name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, fit_sharding(s, x.shape)), value)
@@ -279,6 +285,11 @@ class ModelRunner:
         attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only, self.platform), self.mesh)
         graphdef, gathered = self.graphdef, self.replicated
         policy = MatmulPolicy(rows=self._rows_fn())
+        moe = None
+        if self.cfg.is_moe:  # megablox compiled for a TPU (jaxserve.aot), ragged_dot on a GPU, "auto" where it runs
+            impl = {"tpu": "megablox", "gpu": "ragged"}.get(self.platform, "auto")
+            interpret = False if self.platform == "tpu" else None
+            moe = shard_moe(self.cfg, self.mesh, expert_parallel=self.expert_parallel, impl=impl, interpret=interpret)
 
         def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
             per_shard = jax.lax.with_sharding_constraint(
@@ -291,7 +302,7 @@ class ModelRunner:
             # still on the device when this step was packed.
             tokens = jnp.where(fed_index >= 0, fed[jnp.clip(fed_index, 0, fed.shape[0] - 1)], tokens)
             model = nnx.merge(graphdef, state)
-            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm)
+            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
             plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)

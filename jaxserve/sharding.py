@@ -18,6 +18,7 @@ XLA, so they run under ``jax.shard_map`` on each device's heads; without it XLA 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -40,7 +41,14 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "q_heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "heads": "model",
+    # MoE: every expert's matrices split over the devices (tensor parallelism), or under expert parallelism
+    # (EXPERT_PARALLEL_RULES) whole experts placed on each device.
+    "experts": None,
+    "expert_mlp": "model",
+    "routes": None,
 }
+EXPERT_PARALLEL_RULES: Mapping[str, str | None] = {**DEFAULT_RULES, "experts": "model", "expert_mlp": None}
 
 # The KV pool [layers, pages, page_size, kv_heads, head_dim] and a step's heads [tokens, heads, head_dim].
 KV_POOL_SPEC = P(None, None, None, "model", None)
@@ -132,12 +140,12 @@ def fit_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShardi
     return sharding if fitted == spec else NamedSharding(sharding.mesh, P(*fitted))
 
 
-def checkpoint_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
+def checkpoint_shardings(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> dict[str, NamedSharding]:
     """Where a checkpoint's parameters are restored: as served, except the KV projections of a model with fewer
     KV heads than devices, which come whole (the runner then repeats their heads, see ``replicate_kv_heads``)."""
     from jaxserve.models.schema import param_schema
 
-    rules = dict(DEFAULT_RULES)
+    rules = dict(rules_for(cfg, mesh, expert_parallel))
     if cfg.num_kv_heads % mesh.shape["model"]:
         rules["kv_heads"] = None
     return param_shardings(param_schema(cfg), mesh, rules)
@@ -211,10 +219,10 @@ def shard_kernels(attention, write_kv, mesh: Mesh):
     def batch_specs(batch):  # the step's AttentionBatch, every array replicated
         return jax.tree.map(lambda _: rep, batch)
 
-    def sharded_attention(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window=0, soft_cap=None):
+    def sharded_attention(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window=0, soft_cap=None, sinks=None):
         kv = pool_spec(k_cache)
 
-        def local(q, k_cache, v_cache, layer, batch, sliding_window):
+        def local(q, k_cache, v_cache, layer, batch, sliding_window, sinks):
             return attention(
                 q,
                 k_cache,
@@ -224,15 +232,17 @@ def shard_kernels(attention, write_kv, mesh: Mesh):
                 sm_scale=sm_scale,
                 sliding_window=sliding_window,
                 soft_cap=soft_cap,
+                sinks=sinks,
             )
 
+        sinks_spec = None if sinks is None else P("model")  # one per query head, split as the heads are
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(HEADS_SPEC, kv, kv, rep, batch_specs(batch), rep),
+            in_specs=(HEADS_SPEC, kv, kv, rep, batch_specs(batch), rep, sinks_spec),
             out_specs=HEADS_SPEC,
             check_vma=False,
-        )(q, k_cache, v_cache, layer, batch, sliding_window)
+        )(q, k_cache, v_cache, layer, batch, sliding_window, sinks)
 
     def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, batch):
         kv = pool_spec(k_cache)
@@ -245,3 +255,80 @@ def shard_kernels(attention, write_kv, mesh: Mesh):
         )(k_cache, v_cache, layer, new_k, new_v, batch)
 
     return sharded_attention, sharded_write_kv
+
+
+def rules_for(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> Mapping[str, str | None]:
+    """The logical-axis rules of ``cfg`` on ``mesh``: ``DEFAULT_RULES``, or ``EXPERT_PARALLEL_RULES`` (whole
+    experts on each device of the "model" axis) for a MoE model under ``expert_parallel``.
+
+    Raises:
+        ValueError: expert parallelism whose degree does not divide the experts, naming both.
+    """
+    if not (expert_parallel and cfg.is_moe):
+        return DEFAULT_RULES
+    tp = mesh.shape["model"]
+    if cfg.num_experts % tp:
+        raise ValueError(
+            f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's {cfg.num_experts} experts "
+            "(each device holds num_experts / tensor_parallel_size whole experts)"
+        )
+    return EXPERT_PARALLEL_RULES
+
+
+def shard_moe(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False, impl: str = "auto", interpret=None):
+    """The MoE block (``moe_fn(h [T, D], one layer's parameters) -> [T, D]``) on ``mesh``, each device computing with
+    its own part of the experts inside ``jax.shard_map``:
+
+    - tensor parallel (default): every expert's hidden split over the devices: each device runs every token's
+      experts on its columns, the partial outputs are summed (``psum``, as the dense MLP's row-parallel product);
+    - ``expert_parallel``: whole experts on each device: each device runs, for every token, those of its k experts
+      that it holds (the rest are skipped: ids outside its slice), and the outputs are summed (``psum``).
+
+    The routing (router product, top-k) is computed on every device from the replicated hidden states, so all agree.
+    The down bias (gpt-oss) is added once, after the sum.
+    """
+    from jaxserve import kernels
+    from jaxserve.layers.moe import MoeSpec, moe_mlp, router_logits
+    from jaxserve.models.schema import moe_block
+
+    spec = MoeSpec.of(cfg)
+    tp = mesh.shape["model"]
+    if tp == 1:
+        return functools.partial(moe_mlp, spec=spec, impl=impl, interpret=interpret)
+    rules = rules_for(cfg, mesh, expert_parallel)
+    expert_parallel = rules is EXPERT_PARALLEL_RULES
+    per_expert = spec.num_experts // tp if expert_parallel else spec.num_experts
+    # each parameter's spec for one layer (the stacked layer axis dropped)
+    specs = {n: logical_spec(n, s.shape[1:], s.axes[1:], mesh, rules) for n, s in moe_block(cfg).items()}
+
+    def local(h, p):
+        ids, weights = kernels.route(
+            router_logits(h, p["router"]), spec.top_k, renormalize=spec.renormalize, bias=p.get("router_bias")
+        )
+        here = ids - jax.lax.axis_index("model") * per_expert if expert_parallel else ids
+        y = kernels.moe(
+            h,
+            (here, weights),
+            p["expert_gate"],
+            p["expert_up"],
+            p["expert_down"],
+            activation=spec.activation,
+            gate_bias=p.get("expert_gate_bias"),
+            up_bias=p.get("expert_up_bias"),
+            down_bias=p.get("expert_down_bias") if expert_parallel else None,
+            swiglu_alpha=spec.swiglu_alpha,
+            swiglu_limit=spec.swiglu_limit,
+            impl=impl,
+            interpret=interpret,
+        )
+        y = jax.lax.psum(y.astype(jnp.float32), "model")
+        if not expert_parallel and "expert_down_bias" in p:
+            y = y + jnp.einsum("tk,tkd->td", weights, p["expert_down_bias"].astype(jnp.float32)[ids])
+        return y.astype(h.dtype)
+
+    def moe_fn(h, p):
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), {n: specs[n] for n in p}), out_specs=P(), check_vma=False
+        )(h, p)
+
+    return moe_fn

@@ -121,6 +121,46 @@ CASES = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
         ),
     ),
+    # Mixtures of experts: 5 experts, top 2 (odd sizes); per-expert tensors stacked on load.
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=7),
+    ),
+    # Dense MLP on layer 1 (mlp_only_layers), experts on 0 and 2; the chosen experts' share of the softmax over all.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(head_dim=32, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=40, mlp_only_layers=[1]),
+    ),
+    "qwen3_moe_norm_topk": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True),
+    ),
+    # Sinks, biases on q/k/v/o, router and experts, the clamped SwiGLU (a limit the activations reach), sliding
+    # and full layers alternating, YaRN.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            intermediate_size=40,
+            sliding_window=5,
+            swiglu_limit=1.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                original_max_position_embeddings=8,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+        ),
+    ),
 }
 
 
@@ -134,8 +174,10 @@ def _hf_model(case: str, tmp_path):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if "gemma" in case else 1.0))
-            elif name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.3)
+            elif name.endswith(("bias", "sinks")) or "router" in name or ".gate." in name:
+                p.copy_(torch.randn_like(p) * (1.0 if "gate" in name or "router.weight" in name else 0.3))
+            elif "experts" in name:  # transformers 5 starts expert stacks at zero: random, as checkpoints are
+                p.copy_(torch.randn_like(p) * 0.1)
     model.save_pretrained(tmp_path)
     return model
 

@@ -141,8 +141,8 @@ def test_logical_rules_name_the_parameter():
         logical_spec("w_up", (8, 10), ("embed", "mlp"), mesh)
     with pytest.raises(ValueError, match="parameter 'x': logical axes 'vocab' and 'mlp' both map to mesh axis"):
         logical_spec("x", (8, 8), ("vocab", "mlp"), mesh)
-    with pytest.raises(ValueError, match="parameter 'y': logical axis 'experts' has no sharding rule"):
-        logical_spec("y", (8,), ("experts",), mesh)
+    with pytest.raises(ValueError, match="parameter 'y': logical axis 'stage' has no sharding rule"):
+        logical_spec("y", (8,), ("stage",), mesh)
 
 
 def test_orbax_restores_shards_onto_another_mesh(default_loaded, default_model_path, tmp_path):

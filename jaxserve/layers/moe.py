@@ -4,12 +4,12 @@ grouped products, the combine).
 One layer's parameters, by name (:func:`moe_param_shapes`; the layout the schema will stack over the layers, a
 leading ``layers`` axis added, as the dense MLP's ``w_gate`` / ``w_up`` / ``w_down``):
 
-  router            [D, E]      (embed, experts)         the router, ``h @ router`` (HF: ``gate.weight`` /
+  router            [D, E]      (embed, routes)          the router, ``h @ router`` (HF: ``gate.weight`` /
                                                          ``router.weight`` [E, D], transposed on load)
-  router_bias       [E]         (experts,)               gpt-oss only
-  expert_gate       [E, D, F]   (experts, embed, mlp)    each expert's gate projection, [in, out]
-  expert_up         [E, D, F]   (experts, embed, mlp)    each expert's up projection
-  expert_down       [E, F, D]   (experts, mlp, embed)    each expert's down projection
+  router_bias       [E]         (routes,)                gpt-oss only
+  expert_gate       [E, D, F]   (experts, embed, expert_mlp) each expert's gate projection, [in, out]
+  expert_up         [E, D, F]   (experts, embed, expert_mlp) each expert's up projection
+  expert_down       [E, F, D]   (experts, expert_mlp, embed) each expert's down projection
   expert_gate_bias  [E, F], expert_up_bias [E, F], expert_down_bias [E, D]   gpt-oss only
 
 Matrices are [in, out] per expert like every linear of the schema, so a layer scan's slice of a stacked
@@ -52,6 +52,21 @@ class MoeSpec:
     router_bias: bool = False
     expert_bias: bool = False
 
+    @classmethod
+    def of(cls, cfg) -> MoeSpec:
+        """The MoE block of a ``ModelConfig`` with experts."""
+        return cls(
+            num_experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            intermediate_size=cfg.expert_intermediate_size,
+            renormalize=cfg.norm_topk_prob,
+            activation=cfg.moe_activation,
+            swiglu_alpha=cfg.swiglu_alpha,
+            swiglu_limit=cfg.swiglu_limit,
+            router_bias=cfg.moe_router_bias,
+            expert_bias=cfg.moe_expert_bias,
+        )
+
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"MoeSpec.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
@@ -63,16 +78,16 @@ def moe_param_shapes(hidden_size: int, spec: MoeSpec) -> dict[str, tuple[tuple[i
     """One layer's MoE parameters: ``{name: (shape, logical axes)}``, in the module docstring's layout."""
     D, E, F = hidden_size, spec.num_experts, spec.intermediate_size
     shapes = {
-        "router": ((D, E), ("embed", "experts")),
-        "expert_gate": ((E, D, F), ("experts", "embed", "mlp")),
-        "expert_up": ((E, D, F), ("experts", "embed", "mlp")),
-        "expert_down": ((E, F, D), ("experts", "mlp", "embed")),
+        "router": ((D, E), ("embed", "routes")),
+        "expert_gate": ((E, D, F), ("experts", "embed", "expert_mlp")),
+        "expert_up": ((E, D, F), ("experts", "embed", "expert_mlp")),
+        "expert_down": ((E, F, D), ("experts", "expert_mlp", "embed")),
     }
     if spec.router_bias:
-        shapes["router_bias"] = ((E,), ("experts",))
+        shapes["router_bias"] = ((E,), ("routes",))
     if spec.expert_bias:
-        shapes["expert_gate_bias"] = ((E, F), ("experts", "mlp"))
-        shapes["expert_up_bias"] = ((E, F), ("experts", "mlp"))
+        shapes["expert_gate_bias"] = ((E, F), ("experts", "expert_mlp"))
+        shapes["expert_up_bias"] = ((E, F), ("experts", "expert_mlp"))
         shapes["expert_down_bias"] = ((E, D), ("experts", "embed"))
     return shapes
 

@@ -29,32 +29,62 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: spec.shape for name, spec in param_schema(cfg).items()}
 
 
-def _hf_targets(schema: dict[str, ParamSpec]) -> tuple[dict[str, str], dict[str, str]]:
-    """(global, per-layer) HF name -> our parameter name, from the schema's ``hf`` names."""
-    return (
-        {s.hf: n for n, s in schema.items() if s.hf and not s.per_layer},
-        {s.hf: n for n, s in schema.items() if s.hf and s.per_layer},
-    )
+class _Targets:
+    """Where each HF tensor goes: ``(param name, stack index or None, expert or None)`` from the schema's ``hf``
+    names; per-expert tensors (``{e}`` in the name) and whole expert stacks both."""
 
+    def __init__(self, cfg: ModelConfig, schema: dict[str, ParamSpec]):
+        self.cfg, self.schema = cfg, schema
+        self.globals = {s.hf: n for n, s in schema.items() if s.hf and not s.per_layer}
+        self.layer = {}  # per-layer tail -> name (an expert stack's whole-stack name too)
+        self.experts = []  # (regex of a per-expert tail, name)
+        for n, s in schema.items():
+            if not (s.hf and s.per_layer):
+                continue
+            if "{e}" in s.hf:
+                head, tail = s.hf.split("{e}")
+                self.experts.append((re.compile(re.escape(head) + r"(\d+)" + re.escape(tail) + "$"), n))
+                self.layer[head + tail.lstrip(".")] = n
+            else:
+                self.layer[s.hf] = n
 
-def _target(cfg: ModelConfig, hf_name: str, targets) -> tuple[str, int | None, bool] | None:
-    """(param name, layer index or None, transpose) for an HF tensor name; None if ignored."""
-    schema, (global_names, layer_names) = targets
-    if hf_name in global_names:
-        name = global_names[hf_name]
-        return name, None, schema[name].transposed
-    if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return None
-    m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in layer_names:
-        name = layer_names[m.group(2)]
-        return name, int(m.group(1)), schema[name].transposed
-    if _IGNORED.search(hf_name):
-        return None
-    raise ValueError(
-        f"tensor {hf_name!r} has no place in a {cfg.architecture} model with this config "
-        "(no parameter of its schema has that name)"
-    )
+    def __call__(self, hf_name: str) -> tuple[str, int | None, int | None] | None:
+        """(param name, stack index or None, expert or None); None: a tensor to skip.
+
+        Raises:
+            ValueError: a tensor with no place in the model (or in that layer), naming it.
+        """
+        cfg = self.cfg
+        if hf_name in self.globals:
+            return self.globals[hf_name], None, None
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return None
+        m = _LAYER_RE.match(hf_name)
+        if m:
+            layer, tail = int(m.group(1)), m.group(2)
+            name, expert = self.layer.get(tail), None
+            for pattern, n in self.experts if name is None else ():
+                e = pattern.match(tail)
+                if e:
+                    name, expert = n, int(e.group(1))
+                    break
+            if name is not None:
+                if layer >= cfg.num_layers:
+                    raise ValueError(f"tensor {hf_name!r} is for layer {layer}, but the model has {cfg.num_layers}")
+                index = self.schema[name].stack_index(layer)
+                if index is None:
+                    raise ValueError(
+                        f"tensor {hf_name!r}: layer {layer} has no {name!r} in this {cfg.architecture} model"
+                    )
+                if expert is not None and expert >= cfg.num_experts:
+                    raise ValueError(f"tensor {hf_name!r} is for expert {expert}, but the model has {cfg.num_experts}")
+                return name, index, expert
+        if _IGNORED.search(hf_name):
+            return None
+        raise ValueError(
+            f"tensor {hf_name!r} has no place in a {cfg.architecture} model with this config "
+            "(no parameter of its schema has that name)"
+        )
 
 
 def _unfused(family, schema: dict[str, ParamSpec], tensors: Iterable) -> Iterable:
@@ -67,6 +97,10 @@ def _unfused(family, schema: dict[str, ParamSpec], tensors: Iterable) -> Iterabl
         if name is None:
             continue
         m = _LAYER_RE.match(name)
+        if m and (family.hf_renames or family.hf_fixup):
+            for tail, piece in family.hf_layer_tensors(m.group(2), array):
+                yield f"model.layers.{m.group(1)}.{tail}", piece
+            continue
         parts = family.hf_fused.get(m.group(2)) if m else None
         if not parts:
             yield name, array
@@ -103,7 +137,7 @@ def params_from_hf_tensors(
     """
     np_dtype = _NP_DTYPES[dtype]
     schema = param_schema(cfg)
-    targets = schema, _hf_targets(schema)
+    target_of = _Targets(cfg, schema)
     shapes = {name: spec.shape for name, spec in schema.items()}
     params = (
         {name: np.empty(shape, np_dtype) for name, shape in shapes.items()}
@@ -112,17 +146,21 @@ def params_from_hf_tensors(
     )
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict] = {}  # name -> {layer: QArray parts} of checkpoints served quantized
+    experts: dict[tuple[str, int], dict[int, np.ndarray]] = {}  # (name, stack index) -> {expert: [in, out]}
     family = registry.family(cfg.architecture)
     stream = tqdm(tensors, total=total, desc="loading weights", unit="tensor", delay=1.0, leave=False)
     for hf_name, array in _unfused(family, schema, stream):
-        target = _target(cfg, hf_name, targets)
+        target = target_of(hf_name)
         if target is None:
             continue
-        name, layer, transpose = target
+        name, layer, expert = target
+        transpose = schema[name].transposed
+        expected = shapes[name] if layer is None else shapes[name][1:]
+        if expert is not None:
+            expected = expected[1:]
         if hasattr(array, "scale"):  # a pre-quantized matrix (loading.gguf.GGUFQuantized): kept quantized
-            expected = shapes[name] if layer is None else shapes[name][1:]
             got = array.values.T.shape if transpose else array.values.shape
-            if got != expected:
+            if got != expected or expert is not None:
                 raise ValueError(
                     f"tensor {hf_name!r} has shape {array.values.shape}, expected "
                     f"{tuple(expected[::-1] if transpose else expected)}"
@@ -131,25 +169,35 @@ def params_from_hf_tensors(
             filled[name].add(layer)
             continue
         array = np.asarray(array, np_dtype)
-        if transpose:
-            array = array.T
-        expected = shapes[name] if layer is None else shapes[name][1:]
+        if transpose and array.ndim >= 2:
+            array = np.swapaxes(array, -1, -2)  # [..., out, in] -> [..., in, out]
         if array.shape != expected:
-            hf_shape = array.T.shape if transpose else array.shape
-            hf_expected = expected[::-1] if transpose else expected
+            hf_shape = np.swapaxes(array, -1, -2).shape if transpose and array.ndim >= 2 else array.shape
+            hf_expected = (*expected[:-2], *expected[:-3:-1]) if transpose and len(expected) >= 2 else expected
             raise ValueError(f"tensor {hf_name!r} has shape {tuple(hf_shape)}, expected {tuple(hf_expected)}")
+        if expert is not None:  # one expert's matrix: the layer's stack is written once all its experts are in
+            got = experts.setdefault((name, layer), {})
+            got[expert] = array
+            if len(got) < cfg.num_experts:
+                continue
+            array = np.stack([got[e] for e in range(cfg.num_experts)])
+            del experts[(name, layer)]
         if layer is None:
             params[name][...] = array
         else:
-            if layer >= cfg.num_layers:
-                raise ValueError(f"tensor {hf_name!r} is for layer {layer}, but the model has {cfg.num_layers}")
             params[name][layer] = array
         filled[name].add(layer)
+    for (name, layer), got in experts.items():
+        missing = sorted(set(range(cfg.num_experts)) - set(got))
+        raise ValueError(
+            f"checkpoint is missing expert(s) {missing[:8]} of weight {name!r} in layer {_model_layer(schema[name], layer)}"
+        )
     for name, shape in shapes.items():
-        want = set(range(cfg.num_layers)) if schema[name].per_layer else {None}
+        spec = schema[name]
+        want = set(range(spec.num_stacked)) if spec.per_layer else {None}
         missing = want - filled[name]
         if missing:
-            where = "" if missing == {None} else f" (layers {sorted(missing)[:8]})"
+            where = "" if missing == {None} else f" (layers {[_model_layer(spec, i) for i in sorted(missing)[:8]]})"
             raise ValueError(f"checkpoint is missing weight {name!r}{where}, shape {shape}")
     out = params if shardings is None else params.arrays
     for name, layers in quantized.items():
@@ -159,6 +207,11 @@ def params_from_hf_tensors(
             )
         out[name] = _stack_quantized(layers)
     return out
+
+
+def _model_layer(spec: ParamSpec, index: int) -> int:
+    """The model layer of a stack's entry."""
+    return index if spec.layers is None else spec.layers[index]
 
 
 def _quantized_parts(q, transpose: bool) -> dict:

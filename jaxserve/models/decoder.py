@@ -14,6 +14,7 @@ V vocabulary, L layers, S sequences.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -24,15 +25,18 @@ from flax import nnx
 from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import AttentionBatch
-from jaxserve.layers.linear import PLAIN, MatmulPolicy, pack_bf16
+from jaxserve.layers.linear import PLAIN, MatmulPolicy, matmul, pack_bf16
+from jaxserve.layers.moe import MoeSpec, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import Rope, apply_rope
-from jaxserve.models.schema import layer_names, matmul_names, param_schema
+from jaxserve.models.schema import block_layers, layer_names, matmul_names, param_schema, partial_names
 
 # attention_fn(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window, soft_cap) -> [T, N, H]
 AttentionFn = Callable[..., jax.Array]
 # write_kv_fn(k_cache, v_cache, layer, new_k, new_v, batch) -> (k_cache, v_cache)
 WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
+# moe_fn(h [T, D], one layer's MoE parameters {name: array}) -> [T, D] (``jaxserve.layers.moe``)
+MoeFn = Callable[[jax.Array, dict], jax.Array]
 
 
 # The [D, V] output projection in ``Decoder.matmul_weights`` (the transposed embedding when tied).
@@ -83,11 +87,13 @@ class Decoder(nnx.Module):
         write_kv_fn: WriteKVFn,
         policy: MatmulPolicy = PLAIN,
         copies: dict[str, jax.Array] | None = None,
+        moe_fn: MoeFn | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the decoder over the step's tokens. Returns (hidden [T, D] after the final norm, k, v caches).
 
         ``policy`` decides how each matrix product runs, with ``copies`` (from :meth:`matmul_weights`) the
-        bfloat16 copies it may use.
+        bfloat16 copies it may use. ``moe_fn`` runs a MoE layer's block (default: ``jaxserve.layers.moe.moe_mlp``
+        on one device; the runner passes it sharded over the mesh).
         """
         cfg = self.cfg
         T = tokens.shape[0]
@@ -110,6 +116,40 @@ class Decoder(nnx.Module):
             {n: getattr(self, n).get_value() for n in layer_names(schema)}, matmul_names(schema), copies, T
         )
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
+        # A model that mixes dense and MoE layers holds each block's stack over its own layers (``partial``); each
+        # layer runs one of them (``lax.cond``), from the stack's entry ``index[layer]``.
+        partial = {n: getattr(self, n).get_value() for n in partial_names(schema)}
+        _, moe_layers = block_layers(cfg)
+        flags = cfg.moe_layer_flags()
+        index = jnp.asarray(
+            [(flags[:i].count(True) if f else flags[:i].count(False)) for i, f in enumerate(flags)], jnp.int32
+        )
+        if moe_fn is None and cfg.is_moe:
+            moe_fn = functools.partial(moe_mlp, spec=MoeSpec.of(cfg))
+
+        def dense_mlp(h, mul):
+            gate = mul(h, "w_gate")
+            act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+            return mul(act * mul(h, "w_up"), "w_down")
+
+        def entry(names, i):  # one layer's parameters of a partial stack
+            return {n: jax.lax.dynamic_index_in_dim(partial[n], i, keepdims=False) for n in names}
+
+        def mlp(h, p, mul, layer_idx):
+            if moe_layers == ():
+                return dense_mlp(h, mul)
+            moe_names = tuple(n for n in schema if n in ("router", "router_bias") or n.startswith("expert_"))
+            if moe_layers is None:
+                return moe_fn(h, {n: p[n] for n in moe_names})
+            i = index[layer_idx]
+
+            def dense(h):
+                w = entry(("w_gate", "w_up", "w_down"), i)
+                return dense_mlp(h, lambda x, n: matmul(x, w[n]))
+
+            return jax.lax.cond(flags_arr[layer_idx], lambda h: moe_fn(h, entry(moe_names, i)), dense, h)
+
+        flags_arr = jnp.asarray(flags)
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
@@ -131,6 +171,7 @@ class Decoder(nnx.Module):
                 c, s = jnp.where(window > 0, local[0], cos), jnp.where(window > 0, local[1], sin)
                 q, k = apply_rope(q, c, s), apply_rope(k, c, s)
             k_cache, v_cache = write_kv_fn(k_cache, v_cache, layer_idx, k, v, batch)
+            sinks = {"sinks": p["sinks"]} if cfg.attention_sinks else {}
             attn = attention_fn(
                 q,
                 k_cache,
@@ -140,15 +181,16 @@ class Decoder(nnx.Module):
                 sm_scale=cfg.attn_scale,
                 sliding_window=window,
                 soft_cap=cfg.attn_logit_softcap,
+                **sinks,
             )  # [T, N, H]
             o = mul(attn.reshape(T, N * H), "wo")
+            if cfg.o_bias:
+                o = o + p["bo"]
             if cfg.sandwich_norms:
                 o = rms_norm(o, p["post_attn_norm"], eps, off)
             x = x + o
             h = rms_norm(x, p["mlp_norm"], eps, off)
-            gate = mul(h, "w_gate")
-            act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-            m = mul(act * mul(h, "w_up"), "w_down")
+            m = mlp(h, p, mul, layer_idx)
             if cfg.sandwich_norms:
                 m = rms_norm(m, p["post_mlp_norm"], eps, off)
             return (x + m, k_cache, v_cache), None

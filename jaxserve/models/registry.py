@@ -12,6 +12,7 @@ Host code: no jax here (``jaxserve.config`` reads it).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -45,6 +46,11 @@ class Family:
         hf_fused: a fused checkpoint tensor (per-layer name) -> the schema's tensors it holds, stacked along its
             rows (its output channels) in this order; each takes its schema shape's share. Split on load.
         gguf_fused: a per-layer GGUF tensor -> the fused HF tensor of ``hf_fused`` it is (llama.cpp keeps them).
+        hf_renames: (regex, replacement) pairs applied in order to a per-layer tensor's name (after
+            ``model.layers.N.``), for a family that names a block's tensors otherwise than the schema (Mixtral's
+            ``block_sparse_moe.experts.E.w1``).
+        hf_fixup: ``(per-layer name, array) -> [(per-layer name, array), ...]`` in the schema's names and HF's
+            layout, for tensors a rename cannot express (gpt-oss's interleaved gate / up stack); after the renames.
     """
 
     name: str
@@ -58,6 +64,8 @@ class Family:
     hf_tensor_prefixes: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     hf_fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     gguf_fused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    hf_renames: tuple[tuple[str, str], ...] = ()
+    hf_fixup: Callable[[str, Any], list[tuple[str, Any]]] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "flags", MappingProxyType(dict(self.flags)))
@@ -72,6 +80,12 @@ class Family:
             if name.startswith(prefix):
                 return None if replacement is None else replacement + name[len(prefix) :]
         return name
+
+    def hf_layer_tensors(self, name: str, array) -> list[tuple[str, Any]]:
+        """A per-layer tensor (its name after ``model.layers.N.``) under the schema's names: renamed, fixed up."""
+        for pattern, replacement in self.hf_renames:
+            name = re.sub(pattern, replacement, name)
+        return self.hf_fixup(name, array) if self.hf_fixup else [(name, array)]
 
 
 # ------------------------------------------------------------------------------------------ the families' own fields
@@ -182,6 +196,83 @@ def _phi3_hf(hf, fields) -> dict[str, Any]:
     return {"sliding_window": hf.get("sliding_window") or None}
 
 
+# ------------------------------------------------------------------------------------------ mixtures of experts
+def _moe_fields(hf, fields, moe_layers=None) -> dict[str, Any]:
+    """The MoE fields every MoE family's config has (transformers 5 writes ``num_local_experts`` where the hub's
+    Qwen3-MoE configs say ``num_experts``)."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not experts:
+        raise ValueError(f"{hf.get('model_type')}: config.json gives no expert count (num_experts / num_local_experts)")
+    if moe_layers is not None and all(moe_layers):
+        moe_layers = None
+    return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"], "moe_layers": moe_layers}
+
+
+def _mixtral_hf(hf, fields) -> dict[str, Any]:
+    return _mistral_hf(hf, fields) | _moe_fields(hf, fields)
+
+
+def _qwen3_moe_hf(hf, fields) -> dict[str, Any]:
+    """Qwen3-MoE: the MoE block on layers not in ``mlp_only_layers`` whose number is a multiple of
+    ``decoder_sparse_step`` (transformers' rule), the dense MLP (``intermediate_size``) on the others."""
+    n, step = fields["num_layers"], hf.get("decoder_sparse_step", 1) or 1
+    dense = set(hf.get("mlp_only_layers") or ())
+    flags = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    out = _qwen_hf(hf, fields) | {"norm_topk_prob": hf.get("norm_topk_prob", False)}
+    if not any(flags):
+        return out  # no MoE layer: a dense model
+    return out | _moe_fields(hf, fields, flags) | {"moe_intermediate_size": hf["moe_intermediate_size"]}
+
+
+def _gpt_oss_hf(hf, fields) -> dict[str, Any]:
+    """gpt-oss: sliding and full attention alternating (``layer_types``), sinks, biases on every projection, the
+    clamped SwiGLU; ``intermediate_size`` is each expert's."""
+    types = hf.get("layer_types")
+    n = fields["num_layers"]
+    sliding = tuple(t == "sliding_attention" for t in types) if types else alternating_sliding_layers(n)
+    if types and (len(types) != n or set(types) - {"sliding_attention", "full_attention"}):
+        raise ValueError(f"gpt_oss: layer_types must list {n} of 'sliding_attention' / 'full_attention', got {types}")
+    return _moe_fields(hf, fields) | {
+        "sliding_window": hf.get("sliding_window") or 128,
+        "sliding_window_layers": sliding,
+        "o_bias": bool(hf.get("attention_bias", True)),
+        "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+        "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+    }
+
+
+def _gpt_oss_fixup(name: str, array) -> list[tuple[str, Any]]:
+    """gpt-oss's expert stacks ([E, in, out], gate and up interleaved column by column in one ``gate_up_proj``) as
+    the schema's stacked [E, out, in] tensors and [E, out] biases."""
+    import numpy as np
+
+    x = "mlp.experts."
+    if name == x + "gate_up_proj":
+        return [
+            (x + "gate_proj.weight", np.swapaxes(array[..., ::2], 1, 2)),
+            (x + "up_proj.weight", np.swapaxes(array[..., 1::2], 1, 2)),
+        ]
+    if name == x + "gate_up_proj_bias":
+        return [(x + "gate_proj.bias", array[..., ::2]), (x + "up_proj.bias", array[..., 1::2])]
+    if name == x + "down_proj":
+        return [(x + "down_proj.weight", np.swapaxes(array, 1, 2))]
+    if name == x + "down_proj_bias":
+        return [(x + "down_proj.bias", array)]
+    if name.startswith(x) and name.endswith(("_blocks", "_scales")):
+        raise ValueError(
+            f"gpt_oss: tensor {name!r} is MXFP4; jaxserve reads gpt-oss checkpoints with bfloat16 experts "
+            "(dequantize it first, e.g. transformers' Mxfp4Config(dequantize=True) and save_pretrained)"
+        )
+    return [(name, array)]
+
+
+_MIXTRAL_RENAMES = (
+    (r"^block_sparse_moe\.gate\.", "mlp.gate."),
+    (r"^block_sparse_moe\.experts\.(\d+)\.w1\.", r"mlp.experts.\1.gate_proj."),
+    (r"^block_sparse_moe\.experts\.(\d+)\.w3\.", r"mlp.experts.\1.up_proj."),
+    (r"^block_sparse_moe\.experts\.(\d+)\.w2\.", r"mlp.experts.\1.down_proj."),
+)
+
 # Gemma3TextConfig's defaults: the hub's multimodal configs list only what differs from them (4B: not even the
 # number of heads or the vocabulary).
 _GEMMA3_TEXT_DEFAULTS = {
@@ -243,6 +334,28 @@ FAMILIES: tuple[Family, ...] = (
             ),
             "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
         },
+    ),
+    Family("mixtral", ("mixtral",), hf_fields=_mixtral_hf, hf_renames=_MIXTRAL_RENAMES),
+    Family(
+        "qwen3_moe",
+        ("qwen3_moe",),
+        flags={"qk_norm": True},
+        hf_defaults={"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False},
+        hf_fields=_qwen3_moe_hf,
+    ),
+    Family(
+        "gpt_oss",
+        ("gpt_oss",),
+        flags={
+            "attention_sinks": True,
+            "moe_activation": "swiglu_clamped",
+            "moe_router_bias": True,
+            "moe_expert_bias": True,
+        },
+        hf_defaults={"attention_bias": True},
+        hf_fields=_gpt_oss_hf,
+        hf_renames=((r"^mlp\.router\.", "mlp.gate."),),
+        hf_fixup=_gpt_oss_fixup,
     ),
 )
 

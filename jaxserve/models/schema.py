@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 #   "linear"     a matrix [..., in, out] (HF and GGUF store [out, in]: transposed on load; quantizable)
 #   "bias"       a vector added after a linear
 #   "norm"       a norm's scale (starts at 1, or 0 where the norm scales by 1 + w)
-KINDS = ("embedding", "linear", "bias", "norm")
+#   "router"     a MoE router [D, E] (transposed on load like a linear; computed in float32, never quantized)
+#   "experts"    a stack of expert matrices [E, in, out] (HF and GGUF: [E, out, in], or one tensor per expert)
+KINDS = ("embedding", "linear", "bias", "norm", "router", "experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +33,18 @@ class ParamSpec:
     """One parameter.
 
     Logical axes (``jaxserve.sharding.DEFAULT_RULES`` maps them to mesh axes): ``layers`` (the stacked layer
-    axis), ``embed`` (hidden), ``vocab``, ``q_heads`` / ``kv_heads`` (heads x head_dim, flattened), ``head_dim``
-    and ``mlp`` (the MLP hidden).
+    axis), ``embed`` (hidden), ``vocab``, ``q_heads`` / ``kv_heads`` (heads x head_dim, flattened), ``heads``
+    (one entry per query head), ``head_dim``, ``mlp`` (the MLP hidden), ``experts``, ``expert_mlp`` (one
+    expert's hidden) and ``routes`` (the router's output, one per expert).
 
     ``hf`` and ``gguf`` are its tensor names in HF transformers and llama.cpp checkpoints; for a per-layer
-    parameter, the part after ``model.layers.N.`` and ``blk.N.``. None: no such tensor.
+    parameter, the part after ``model.layers.N.`` and ``blk.N.``. None: no such tensor. An expert stack's HF name
+    holds ``{e}`` where checkpoints store one tensor per expert (``mlp.experts.{e}.gate_proj.weight``); the name
+    without ``{e}.`` is the whole stack in one tensor (gpt-oss).
+
+    ``layers``: for a stack over only some layers (the MoE and dense MLP blocks of a model that mixes them), which
+    layers, in order; its first axis is then ``len(layers)`` long and the model indexes it per layer instead of the
+    layer scan slicing it. None: every layer (or a parameter that is not per layer).
     """
 
     shape: tuple[int, ...]
@@ -43,6 +52,7 @@ class ParamSpec:
     kind: str = "linear"
     hf: str | None = None
     gguf: str | None = None
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -56,13 +66,28 @@ class ParamSpec:
 
     @property
     def per_layer(self) -> bool:
-        """Stacked over the layers (and run inside the layer scan)."""
+        """Stacked over the layers (all of them, or ``layers``)."""
         return self.axes[0] == "layers"
 
     @property
+    def scanned(self) -> bool:
+        """Stacked over every layer: the layer scan slices it."""
+        return self.per_layer and self.layers is None
+
+    def stack_index(self, layer: int) -> int | None:
+        """Where model layer ``layer`` is in this stack; None: the stack does not hold that layer."""
+        if self.layers is None:
+            return layer
+        return self.layers.index(layer) if layer in self.layers else None
+
+    @property
+    def num_stacked(self) -> int:
+        return self.shape[0]
+
+    @property
     def transposed(self) -> bool:
-        """Stored [out, in] in HF and GGUF checkpoints, [in, out] here."""
-        return self.kind == "linear"
+        """Stored [out, in] in HF and GGUF checkpoints (each expert's, for a stack), [in, out] here."""
+        return self.kind in ("linear", "router", "experts")
 
     @property
     def quantizable(self) -> bool:
@@ -74,9 +99,16 @@ def _spec(kind: str, hf: str | None, gguf: str | None, *dims: tuple[int, str]) -
     return ParamSpec(tuple(n for n, _ in dims), tuple(a for _, a in dims), kind, hf, gguf)
 
 
+def _on(spec: ParamSpec, layers: tuple[int, ...] | None) -> ParamSpec:
+    """A per-layer spec stacked over only ``layers`` (None: unchanged)."""
+    if layers is None:
+        return spec
+    return dataclasses.replace(spec, shape=(len(layers), *spec.shape[1:]), layers=layers)
+
+
 def attention_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Pre-norm grouped-query attention: q/k/v/o projections, optional q/k/v biases (Qwen2), q/k norms (Qwen3,
-    Gemma 3) and the norm after attention (sandwich norms, Gemma 2/3)."""
+    """Pre-norm grouped-query attention: q/k/v/o projections, optional q/k/v biases (Qwen2; gpt-oss: o too), q/k
+    norms (Qwen3, Gemma 3), sinks (gpt-oss) and the norm after attention (sandwich norms, Gemma 2/3)."""
     L, D, N, K, H = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers, embed, q, kv = (L, "layers"), (D, "embed"), (N * H, "q_heads"), (K * H, "kv_heads")
     block = {
@@ -90,6 +122,10 @@ def attention_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
         block["bq"] = _spec("bias", "self_attn.q_proj.bias", "attn_q.bias", layers, q)
         block["bk"] = _spec("bias", "self_attn.k_proj.bias", "attn_k.bias", layers, kv)
         block["bv"] = _spec("bias", "self_attn.v_proj.bias", "attn_v.bias", layers, kv)
+    if cfg.o_bias:
+        block["bo"] = _spec("bias", "self_attn.o_proj.bias", "attn_output.bias", layers, embed)
+    if cfg.attention_sinks:
+        block["sinks"] = _spec("bias", "self_attn.sinks", "attn_sinks.weight", layers, (N, "heads"))
     if cfg.qk_norm:
         head = (H, "head_dim")
         block["q_norm"] = _spec("norm", "self_attn.q_norm.weight", "attn_q_norm.weight", layers, head)
@@ -101,24 +137,63 @@ def attention_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
     return block
 
 
+def block_layers(cfg: ModelConfig) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(the layers of the dense MLP, the layers of the MoE block): None for every layer, () for none."""
+    flags = cfg.moe_layer_flags()
+    if not any(flags):
+        return None, ()
+    if all(flags):
+        return (), None
+    return tuple(i for i, f in enumerate(flags) if not f), tuple(i for i, f in enumerate(flags) if f)
+
+
 def mlp_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
     """Gated MLP (SwiGLU / GeGLU): pre-norm, gate and up projections, down projection, and the norm after it
     under sandwich norms. HF calls the pre-MLP norm ``post_attention_layernorm`` unless the model has sandwich
-    norms, where that name is the norm after attention and this one is ``pre_feedforward_layernorm``."""
+    norms, where that name is the norm after attention and this one is ``pre_feedforward_layernorm``. In a MoE
+    model the norms stay (every layer has them) and the matrices are on the dense layers only (none, or some)."""
     L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     layers, embed, mlp = (L, "layers"), (D, "embed"), (F, "mlp")
     pre = "pre_feedforward_layernorm.weight" if cfg.sandwich_norms else "post_attention_layernorm.weight"
-    block = {
-        "mlp_norm": _spec("norm", pre, "ffn_norm.weight", layers, embed),
-        "w_gate": _spec("linear", "mlp.gate_proj.weight", "ffn_gate.weight", layers, embed, mlp),
-        "w_up": _spec("linear", "mlp.up_proj.weight", "ffn_up.weight", layers, embed, mlp),
-        "w_down": _spec("linear", "mlp.down_proj.weight", "ffn_down.weight", layers, mlp, embed),
-    }
+    dense, _ = block_layers(cfg)
+    block = {"mlp_norm": _spec("norm", pre, "ffn_norm.weight", layers, embed)}
+    if dense != ():
+        block |= {
+            "w_gate": _on(_spec("linear", "mlp.gate_proj.weight", "ffn_gate.weight", layers, embed, mlp), dense),
+            "w_up": _on(_spec("linear", "mlp.up_proj.weight", "ffn_up.weight", layers, embed, mlp), dense),
+            "w_down": _on(_spec("linear", "mlp.down_proj.weight", "ffn_down.weight", layers, mlp, embed), dense),
+        }
     if cfg.sandwich_norms:
         block["post_mlp_norm"] = _spec(
             "norm", "post_feedforward_layernorm.weight", "post_ffw_norm.weight", layers, embed
         )
     return block
+
+
+def moe_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """The mixture of experts (``jaxserve.layers.moe``) on the MoE layers: the router, the experts' stacked gate /
+    up / down matrices and, for gpt-oss, their biases. HF names are Qwen3-MoE's (one tensor per expert); families
+    that name them otherwise rename on load (``registry.Family.hf_renames``)."""
+    _, moe = block_layers(cfg)
+    if moe == ():
+        return {}
+    L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.expert_intermediate_size
+    layers, embed, experts, mlp = (L, "layers"), (D, "embed"), (E, "experts"), (F, "expert_mlp")
+    x = "mlp.experts.{e}."
+    block = {
+        # The router's outputs (one per expert) are replicated: every device routes every token.
+        "router": _spec("router", "mlp.gate.weight", "ffn_gate_inp.weight", layers, embed, (E, "routes")),
+        "expert_gate": _spec("experts", x + "gate_proj.weight", "ffn_gate_exps.weight", layers, experts, embed, mlp),
+        "expert_up": _spec("experts", x + "up_proj.weight", "ffn_up_exps.weight", layers, experts, embed, mlp),
+        "expert_down": _spec("experts", x + "down_proj.weight", "ffn_down_exps.weight", layers, experts, mlp, embed),
+    }
+    if cfg.moe_router_bias:
+        block["router_bias"] = _spec("bias", "mlp.gate.bias", "ffn_gate_inp.bias", layers, (E, "routes"))
+    if cfg.moe_expert_bias:
+        block["expert_gate_bias"] = _spec("bias", x + "gate_proj.bias", "ffn_gate_exps.bias", layers, experts, mlp)
+        block["expert_up_bias"] = _spec("bias", x + "up_proj.bias", "ffn_up_exps.bias", layers, experts, mlp)
+        block["expert_down_bias"] = _spec("bias", x + "down_proj.bias", "ffn_down_exps.bias", layers, experts, embed)
+    return {name: _on(spec, moe) for name, spec in block.items()}
 
 
 def param_blocks(cfg: ModelConfig) -> dict[str, dict[str, ParamSpec]]:
@@ -134,6 +209,7 @@ def param_blocks(cfg: ModelConfig) -> dict[str, dict[str, ParamSpec]]:
         },
         "attention": attention_block(cfg),
         "mlp": mlp_block(cfg),
+        "moe": moe_block(cfg),
         "final": final,
     }
 
@@ -150,14 +226,19 @@ def param_schema(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
 
 def layer_names(schema: dict[str, ParamSpec]) -> tuple[str, ...]:
-    """The parameters stacked over the layers, which the layer scan slices."""
-    return tuple(n for n, s in schema.items() if s.per_layer)
+    """The parameters stacked over every layer, which the layer scan slices."""
+    return tuple(n for n, s in schema.items() if s.scanned)
+
+
+def partial_names(schema: dict[str, ParamSpec]) -> tuple[str, ...]:
+    """The parameters stacked over some layers only, which the layer indexes."""
+    return tuple(n for n, s in schema.items() if s.per_layer and not s.scanned)
 
 
 def matmul_names(schema: dict[str, ParamSpec]) -> tuple[str, ...]:
     """The per-layer matrices of the layer's products (bfloat16 copies under ``matmul_dtype``, C++ rows
-    products on the CPU)."""
-    return tuple(n for n, s in schema.items() if s.per_layer and s.kind == "linear")
+    products on the CPU): the scanned linears (the experts run in ``jaxserve.kernels.moe``)."""
+    return tuple(n for n, s in schema.items() if s.scanned and s.kind == "linear")
 
 
 def quantizable_names(schema: dict[str, ParamSpec]) -> tuple[str, ...]:

@@ -1,0 +1,168 @@
+"""Mixture-of-experts models through the whole engine, against HF transformers and across device layouts.
+
+Tiny random checkpoints written by transformers (Mixtral, Qwen3-MoE with a dense layer among MoE ones, gpt-oss),
+with SmolLM2's tokenizer so that the engine serves them as it serves any directory. Routers, biases, sinks and
+norms are perturbed away from their initial values, so a dropped bias or a wrong routing convention changes
+tokens. References: HF transformers teacher-forced on our tokens (greedy choices identical, logprobs within 1e-3),
+and the same engine on one device for tensor and expert parallelism over the fake CPU devices of conftest.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import hf_greedy_choices
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import ModelConfig
+from jaxserve.loading import orbax_ckpt
+
+torch = pytest.importorskip("torch", reason="HF transformers' reference needs torch (pip install torch==2.13.0)")
+transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
+
+VOCAB = 49152  # SmolLM2's tokenizer
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(intermediate_size=96, moe_intermediate_size=40, num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1]),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            intermediate_size=40,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            swiglu_limit=2.0,
+            max_position_embeddings=131072,  # YaRN's factor 32 over the original 4,096
+        ),
+    ),
+}
+ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, dtype="float32")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+
+def _prompts(n=4, seed=0):
+    rng = np.random.default_rng(seed)  # one prompt over the 32-token budget: chunked prefill, mixed steps
+    return [rng.integers(3, VOCAB - 100, size=int(k)).tolist() for k in (5, 40, 11, 23)[:n]]
+
+
+def write_checkpoint(family: str, path, **overrides):
+    """A tiny random HF checkpoint of ``family`` in ``path`` (with a tokenizer); returns the torch model."""
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(7)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.2 + 1.0)
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(torch.randn_like(p) * 0.3)
+            elif ".gate.weight" in name or "router.weight" in name:
+                p.copy_(torch.randn_like(p))
+            elif "experts" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, default_model_path):
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(family)
+        out[family] = (path, write_checkpoint(family, path))
+        orbax_ckpt.copy_tokenizer(default_model_path, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_device(checkpoints):
+    """Each family's greedy tokens and logprobs on one device: the reference of the parallel layouts."""
+    out = {}
+    for family, (path, _) in checkpoints.items():
+        llm = LLM(str(path), **ENGINE)
+        res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        out[family] = [o.outputs[0] for o in res]
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_and_logprobs_match_hf(family, checkpoints, one_device):
+    _, hf = checkpoints[family]
+    for ids, out in zip(_prompts(), one_device[family]):
+        tokens = list(out.token_ids)
+        assert hf_greedy_choices(hf, ids, tokens) == tokens
+        with torch.no_grad():  # HF teacher-forced on our tokens
+            logits = hf(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
+        ref = torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
+        ours = np.array([lp[t].logprob for lp, t in zip(out.logprobs, tokens)])
+        np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "ep"), [("gpt_oss", 2, True), ("gpt_oss", 4, True), ("qwen3_moe", 4, True), ("mixtral", 4, False)]
+)
+def test_parallel_layouts_give_one_devices_tokens(family, tp, ep, checkpoints, one_device):
+    path, _ = checkpoints[family]
+    llm = LLM(str(path), tensor_parallel_size=tp, enable_expert_parallel=ep, **ENGINE)
+    runner = llm.engine.runner
+    gate = runner.state["expert_gate"].get_value()
+    experts, hidden = gate.shape[-3], gate.shape[-1]
+    local = gate.addressable_shards[0].data.shape
+    if ep:  # whole experts per device: the expert axis split, each expert's matrices whole
+        assert runner.param_shardings["expert_gate"].spec == P(None, "model", None, None)
+        assert local[-3:] == (experts // tp, 64, hidden)
+    else:  # every expert on every device, its hidden split
+        assert local[-3:] == (experts, 64, hidden // tp)
+    assert gate.addressable_shards[0].data.nbytes * tp == gate.nbytes  # 1 / degree of the stack per device
+    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    for got, want in zip(res, one_device[family]):
+        assert list(got.outputs[0].token_ids) == list(want.token_ids)
+        np.testing.assert_allclose(
+            [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)],
+            [lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)],
+            atol=1e-4,
+        )
+    compiled = runner.num_compilations
+    llm.generate(_prompts(seed=1), GREEDY, use_tqdm=False)  # steady state: the same buckets, nothing new
+    assert runner.num_compilations == compiled
+
+
+def test_expert_parallel_degree_must_divide_the_experts(tmp_path, default_model_path):
+    write_checkpoint("mixtral", tmp_path, num_local_experts=6)
+    orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's 6 experts"):
+        LLM(str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=True, **ENGINE)
+
+
+def test_top_k_above_the_expert_count_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) must be <= num_experts \(8\)"):
+        ModelConfig(architecture="mixtral", num_experts=8, num_experts_per_tok=9)
+
+
+def test_a_checkpoint_missing_an_expert_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.loading import load_model
+
+    write_checkpoint("mixtral", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing expert\(s\) \[5\] of weight 'expert_up' in layer 1"):
+        load_model(str(tmp_path), "float32")
