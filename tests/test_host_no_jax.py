@@ -38,3 +38,19 @@ def test_kernels_import_no_engine_module():
                     bad.append(f"{path.relative_to(root.parent)}:{node.lineno}: {name}")
     assert len(list(root.rglob("*.py"))) > 5
     assert not bad, bad
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages by hand (kernels/ installs as jaxserve.kernels): a new subpackage left out
+    would import from a checkout (editable install) and be missing from a wheel."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in (("jaxserve", "jaxserve"), ("kernels", "jaxserve.kernels")):
+        for init in (root / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / top)
+            found.add(".".join((name, *rel.parts)))
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"
