@@ -43,8 +43,9 @@ def test_kernels_import_no_engine_module():
 def test_every_package_is_in_the_wheel():
     """pyproject.toml lists the packages by hand (kernels/ installs as jaxserve.kernels): a new subpackage left out
     would import from a checkout (editable install) and be missing from a wheel."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parent.parent
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
