@@ -91,7 +91,7 @@ def test_sort_by_expert_is_stable_and_counts_every_slot():
 SHAPES = [(13, 24, 20, 8, 2), (1, 17, 9, 5, 1), (29, 33, 15, 6, 4), (7, 8, 8, 3, 3)]
 
 
-@pytest.mark.parametrize("impl", ["ragged", "megablox"])
+@pytest.mark.parametrize("impl", ["ragged", "megablox", "gather", "blocked"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_grouped_matches_reference(impl, shape):
     T, D, F, E, k = shape
@@ -105,7 +105,7 @@ def test_grouped_matches_reference(impl, shape):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
 
-@pytest.mark.parametrize("impl", ["ragged", "megablox"])
+@pytest.mark.parametrize("impl", ["ragged", "megablox", "gather", "blocked"])
 def test_experts_without_tokens_and_clamped_swiglu_with_biases(impl):
     """Every token routed to experts 1 and 4 of 7 (the others get no row, the first and the last included), gpt-oss's
     activation with large pre-activations so that both clamps bite, and per-expert biases."""
@@ -122,6 +122,23 @@ def test_experts_without_tokens_and_clamped_swiglu_with_biases(impl):
     # the clamps are exercised: some gate pre-activations above the limit, some up ones beyond +-limit
     gate, up = (np.einsum("td,edf->etf", np.asarray(x), np.asarray(w[f"w_{n}"])) for n in ("gate", "up"))
     assert (gate > 7).any() and (up > 7).any() and (up < -7).any()
+
+
+@pytest.mark.parametrize("impl", ["ragged", "megablox", "gather", "blocked"])
+def test_experts_held_elsewhere_contribute_nothing(impl):
+    """Expert parallelism hands each device the ids minus its first expert: ids outside [0, E) are experts of other
+    devices. The output is the reference's over the slots in range only (weights of the others zeroed)."""
+    T, D, F, E, k = 11, 16, 12, 4, 3
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(T, D)), F32)
+    w = _weights(rng, E, D, F, bias=True)
+    ids = jnp.asarray(rng.integers(-4, 2 * E, size=(T, k)), jnp.int32)  # about half out of range, both sides
+    cw = jnp.asarray(rng.random((T, k)), F32)
+    here = (ids >= 0) & (ids < E)
+    ref = kernels.moe(x, (jnp.where(here, ids, 0), jnp.where(here, cw, 0.0)), **w, impl="reference")
+    out = kernels.moe(x, (ids, cw), **w, impl=impl)
+    assert 0 < int(here.sum()) < T * k
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
 
 def test_megablox_multiple_row_tiles_and_explicit_tiling():
@@ -143,7 +160,7 @@ def test_bfloat16_weights():
     logits = jnp.asarray(rng.normal(size=(T, E)), F32)
     w = {n: a.astype(BF16) for n, a in _weights(rng, E, D, F).items()}
     ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
-    for impl in ("ragged", "megablox"):
+    for impl in ("ragged", "megablox", "gather", "blocked"):
         out = kernels.moe(x, logits, **w, top_k=k, impl=impl)
         assert out.dtype == BF16
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=0.03, atol=0.03)
@@ -254,7 +271,7 @@ def _check_layer(block, params, spec, seed):
     want = _torch_out(block, x)
     for name, (shape, _) in moe_param_shapes(D_HF, spec).items():
         assert params[name].shape == shape, name
-    for impl in ("ragged", "megablox", "reference"):
+    for impl in ("ragged", "megablox", "gather", "blocked", "reference"):
         got = np.asarray(moe_mlp(jnp.asarray(x), params, spec, impl=impl))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
 

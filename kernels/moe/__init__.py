@@ -1,7 +1,7 @@
 """Mixture of experts: routing, the dense reference (the contract), and the grouped implementation whose grouped
 products run on ``lax.ragged_dot`` (portable) or megablox ``gmm`` (Pallas TPU)."""
 
-from jaxserve.kernels.moe.grouped import megablox_tiling, moe_grouped, sort_by_expert
+from jaxserve.kernels.moe.grouped import megablox_tiling, moe_blocked, moe_gathered, moe_grouped, sort_by_expert
 from jaxserve.kernels.moe.reference import ACTIVATIONS, activate, combine_matrix, moe_ref, route
 
 __all__ = [
@@ -9,6 +9,8 @@ __all__ = [
     "activate",
     "combine_matrix",
     "megablox_tiling",
+    "moe_blocked",
+    "moe_gathered",
     "moe_grouped",
     "moe_ref",
     "route",

@@ -142,3 +142,105 @@ def moe_grouped(
     slots = jnp.zeros((M, D), jnp.float32).at[order].set(out[:M], unique_indices=True)
     y = (slots.reshape(T, k, D) * weights.astype(jnp.float32)[:, :, None]).sum(axis=1)
     return y.astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "alpha", "limit"))
+def moe_gathered(
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    b_gate: jax.Array | None = None,
+    b_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    *,
+    activation: str = "swiglu",
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+) -> jax.Array:
+    """The same contract by gathering each slot's expert matrices: ``T * k`` products of one row by one expert.
+
+    For steps with fewer slots than experts (decode) on the CPU, where XLA's ``ragged_dot`` runs every expert over
+    every row (it measured as slow as the dense reference): this reads only the chosen experts. Ids outside
+    ``[0, E)`` contribute nothing, as in :func:`moe_grouped`.
+    """
+    E = w_gate.shape[0]
+    here = (ids >= 0) & (ids < E)
+    idx = jnp.where(here, ids, 0)
+    wdt = w_gate.dtype
+    xs = x.astype(wdt)
+    gate = jnp.einsum("td,tkdf->tkf", xs, w_gate[idx], preferred_element_type=jnp.float32)
+    up = jnp.einsum("td,tkdf->tkf", xs, w_up[idx], preferred_element_type=jnp.float32)
+    if b_gate is not None:
+        gate = gate + b_gate.astype(jnp.float32)[idx]
+    if b_up is not None:
+        up = up + b_up.astype(jnp.float32)[idx]
+    h = activate(gate, up, activation, alpha=alpha, limit=limit).astype(w_down.dtype)
+    out = jnp.einsum("tkf,tkfd->tkd", h, w_down[idx], preferred_element_type=jnp.float32)
+    if b_down is not None:
+        out = out + b_down.astype(jnp.float32)[idx]
+    w = jnp.where(here, weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("tkd,tk->td", jnp.where(here[..., None], out, 0.0), w).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "alpha", "limit", "block"))
+def moe_blocked(
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    b_gate: jax.Array | None = None,
+    b_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    *,
+    activation: str = "swiglu",
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+    block: int = 16,
+) -> jax.Array:
+    """The same contract as a loop: the slots sorted by expert, then for each expert its rows in blocks of
+    ``block``, each block through the expert's whole MLP (gate, up, activation, down).
+
+    For the CPU, where XLA's ``ragged_dot`` runs every expert over every row: this runs about
+    ``T * k / block + E`` blocks of ``block`` rows (every expert's matrices read once, rows past its group
+    computed and discarded). Ids outside ``[0, E)`` contribute nothing, as in :func:`moe_grouped`.
+    """
+    T, D = x.shape
+    E = w_gate.shape[0]
+    k = ids.shape[1]
+    M = T * k
+    ids = jnp.where((ids >= 0) & (ids < E), ids, E)
+    order, _, group_sizes = sort_by_expert(ids, E)  # slots of no expert here sort last, in no group: rows stay 0
+    wdt = w_gate.dtype
+    rows = jnp.pad(x.astype(wdt)[order // k], ((0, block), (0, 0)))  # a block may run past the last row
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)[:-1].astype(jnp.int32)])
+    zero_b = jnp.zeros((E, 1), wdt)
+
+    def expert(out, e):
+        wg, wu, wd = w_gate[e], w_up[e], w_down[e]
+        bg = (b_gate if b_gate is not None else zero_b)[e].astype(jnp.float32)
+        bu = (b_up if b_up is not None else zero_b)[e].astype(jnp.float32)
+        bd = (b_down if b_down is not None else zero_b)[e].astype(jnp.float32)
+        start, end = starts[e], starts[e] + group_sizes[e]
+
+        def one_block(i, out):
+            r0 = start + i * block
+            h = jax.lax.dynamic_slice_in_dim(rows, r0, block)
+            gate = jnp.dot(h, wg, preferred_element_type=jnp.float32) + bg
+            up = jnp.dot(h, wu, preferred_element_type=jnp.float32) + bu
+            a = activate(gate, up, activation, alpha=alpha, limit=limit).astype(wd.dtype)
+            y = jnp.dot(a, wd, preferred_element_type=jnp.float32) + bd
+            mine = (r0 + jnp.arange(block) < end)[:, None]
+            old = jax.lax.dynamic_slice_in_dim(out, r0, block)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), r0, 0)
+
+        return jax.lax.fori_loop(0, cdiv(group_sizes[e], block), one_block, out), None
+
+    out, _ = jax.lax.scan(expert, jnp.zeros((M + block, D), jnp.float32), jnp.arange(E))
+    slots = jnp.zeros((M, D), jnp.float32).at[order].set(out[:M], unique_indices=True)
+    y = (slots.reshape(T, k, D) * weights.astype(jnp.float32)[:, :, None]).sum(axis=1)
+    return y.astype(x.dtype)
