@@ -166,3 +166,16 @@ def test_a_checkpoint_missing_an_expert_is_named(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing expert\(s\) \[5\] of weight 'expert_up' in layer 1"):
         load_model(str(tmp_path), "float32")
+
+
+def test_orbax_checkpoint_of_a_moe_restores_onto_expert_parallel_devices(checkpoints, one_device, tmp_path):
+    """``jaxserve convert`` of gpt-oss (a directory whose tokenizer is a ``tokenizer.gguf``), restored straight onto
+    2 devices with whole experts on each: one device's tokens."""
+    from jaxserve.loading import convert
+
+    path, _ = checkpoints["gpt_oss"]
+    convert(str(path), tmp_path / "orbax", "float32")
+    llm = LLM(str(tmp_path / "orbax"), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    assert llm.engine.runner.state["expert_up"].get_value().sharding.spec == P(None, "model", None, None)
+    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in res] == [list(o.token_ids) for o in one_device["gpt_oss"]]

@@ -26,6 +26,7 @@ _TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
     "chat_template.jinja",
+    "tokenizer.gguf",  # a directory whose tokenizer came from a GGUF file (an orbax checkpoint converted again)
 )
 
 
