@@ -1,5 +1,6 @@
-"""The dense decoder: every family of ``jaxserve.models.registry`` (Llama 2/3, SmolLM2, Mistral, Qwen2/3,
-Gemma 1/2) as one flax NNX module, built from the parameter schema (``jaxserve.models.schema``).
+"""The decoder: every family of ``jaxserve.models.registry`` (Llama, SmolLM2, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3,
+and the mixtures of experts Mixtral, Qwen3-MoE, gpt-oss) as one flax NNX module, built from the parameter schema
+(``jaxserve.models.schema``).
 
 Weights of all layers are stacked on a leading layer axis and the layers run under ``lax.scan``, so compile
 time does not grow with depth. The runner holds the module split into ``(graphdef, state)``
@@ -44,7 +45,7 @@ OUTPUT_AXES = ("embed", "vocab")
 
 
 class Decoder(nnx.Module):
-    """Decoder-only transformer: per layer the schema's attention block, then its MLP block. Parameters are created
+    """Decoder-only transformer: per layer the schema's attention block, then its MLP or MoE block. Parameters are created
     from ``param_schema`` and filled by the loaders."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
