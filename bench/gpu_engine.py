@@ -47,9 +47,13 @@ def write_tokenizer(out_dir: str) -> None:
     log(f"wrote {out_dir}/tokenizer.gguf")
 
 
-def random_model(tokenizer: str, seed: int = 0, preset: str = "smollm2-135m", zeros_on_device: bool = False):
+def random_model(
+    tokenizer: str, seed: int = 0, preset: str = "smollm2-135m", zeros_on_device: bool = False, random_on_device=False
+):
     """Random host weights; or, for big presets, bf16 zeros made on the device (no 16 GB host round trip: the
-    step's cost depends on shapes only, and greedy decoding of all-zero logits picks token 0 every time)."""
+    step's cost depends on shapes only, and greedy decoding of all-zero logits picks token 0 every time); or bf16
+    N(0, 0.02) weights drawn on the device (a mixture of experts: zeros would route every token to the same k
+    experts, random weights spread them as real routing does)."""
     import numpy as np
 
     from jaxserve.config import load_preset
@@ -64,6 +68,18 @@ def random_model(tokenizer: str, seed: int = 0, preset: str = "smollm2-135m", ze
         for name, shape in param_shapes(cfg).items():
             params[name] = (jnp.ones if name.endswith("norm") else jnp.zeros)(shape, jnp.bfloat16)
         return LoadedModel(f"{preset}-zeros", cfg, params, Path(tokenizer))
+    if random_on_device:
+        import jax
+        import jax.numpy as jnp
+
+        key = jax.random.key(seed)
+        for i, (name, shape) in enumerate(param_shapes(cfg).items()):
+            if name.endswith("norm"):
+                params[name] = jnp.ones(shape, jnp.bfloat16)
+            else:
+                draw = jax.jit(lambda k, s=shape: jax.random.normal(k, s, jnp.bfloat16) * 0.02)
+                params[name] = draw(jax.random.fold_in(key, i))
+        return LoadedModel(f"{preset}-random", cfg, params, Path(tokenizer))
     rng = np.random.default_rng(seed)
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm"):
@@ -296,6 +312,7 @@ def main() -> int:
     ap.add_argument("--skip-single-stream", action="store_true", help="skip one stream, plain vs n-gram speculation")
     ap.add_argument("--preset", default="smollm2-135m", help="model shapes for the throughput runs")
     ap.add_argument("--zeros-on-device", action="store_true", help="bf16 zero weights made on the device")
+    ap.add_argument("--random-on-device", action="store_true", help="bf16 random weights drawn on the device (MoE)")
     ap.add_argument("--quant-sweep", default="", help="quantization modes to time, e.g. bf16,int8,fp8,int4")
     ap.add_argument("--concurrency", default="1,64,256", help="concurrent requests for --quant-sweep")
     a = ap.parse_args()
@@ -309,7 +326,9 @@ def main() -> int:
     impls = a.impls.split(",")
     if not a.skip_agreement:
         agreement(random_model(a.tokenizer), impls)
-    loaded = random_model(a.tokenizer, preset=a.preset, zeros_on_device=a.zeros_on_device)
+    loaded = random_model(
+        a.tokenizer, preset=a.preset, zeros_on_device=a.zeros_on_device, random_on_device=a.random_on_device
+    )
     for impl in [] if a.skip_throughput else impls:
         if time.perf_counter() - t0 > a.time_budget:
             ROWS.append(f"| throughput bf16 | {impl} | skipped (time budget) | |")
