@@ -96,8 +96,15 @@ def write_checkpoint(path: Path) -> None:
 
 
 def bench_offline(num_requests: int, output_len: int) -> dict:
+    import importlib.util
+
     import torch
     import transformers
+
+    # throughput.py by its path: bench/ on sys.path would shadow the ``kernels`` package transformers looks for
+    spec = importlib.util.spec_from_file_location("throughput", Path(__file__).resolve().parent / "throughput.py")
+    throughput = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(throughput)
 
     from jaxserve import LLM, SamplingParams
 
@@ -117,23 +124,8 @@ def bench_offline(num_requests: int, output_len: int) -> dict:
 
         torch.set_num_threads(os.cpu_count())
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        theirs = []
         t = time.perf_counter()
-        with torch.no_grad():
-            for i in range(0, len(prompts), 8):
-                chunk = prompts[i : i + 8]
-                width = max(map(len, chunk))
-                ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
-                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-                out = hf.generate(
-                    ids,
-                    attention_mask=mask,
-                    max_new_tokens=output_len,
-                    min_new_tokens=output_len,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-                theirs += out[:, width:].tolist()
+        theirs = throughput.hf_generate(hf, prompts, output_len, batch_size=8)
         hf_s = time.perf_counter() - t
     agree = sum(a == b for a, b in zip(ours, theirs))
     n_out = num_requests * output_len

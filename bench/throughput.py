@@ -202,6 +202,15 @@ def run_hf(prompts, output_len: int, batch_size: int) -> dict:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     t = time.perf_counter()
+    hf_generate(model, prompts, output_len, batch_size)
+    return {"elapsed": time.perf_counter() - t}
+
+
+def hf_generate(model, prompts, output_len: int, batch_size: int) -> list[list[int]]:
+    """HF transformers' greedy ``output_len`` tokens for each prompt, in batches of ``batch_size`` (left padding)."""
+    import torch
+
+    out_tokens = []
     with torch.no_grad():
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i : i + batch_size]
@@ -217,7 +226,8 @@ def run_hf(prompts, output_len: int, batch_size: int) -> dict:
                 pad_token_id=0,
             )
             assert out.shape[1] == width + output_len
-    return {"elapsed": time.perf_counter() - t}
+            out_tokens += out[:, width:].tolist()
+    return out_tokens
 
 
 def run_llamacpp(prompts, output_len: int, single_len: int = 0) -> dict | None:
