@@ -372,9 +372,12 @@ class AsyncEngine:
                 for out in outputs:
                     if out.finished:
                         live.discard(out.request_id)
+                # the stats first: a client that has its response and then scrapes /metrics sees this step's state
+                self.stats = engine.get_stats()
                 if outputs:
                     self._call(self._dispatch, outputs, now)
-            self.stats = engine.get_stats()
+            else:
+                self.stats = engine.get_stats()
             self._publish_kv_events()
 
     def _publish_kv_events(self) -> None:
