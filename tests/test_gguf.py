@@ -447,7 +447,8 @@ def _llama3_rope_freqs(theta, head_dim, factor, low, high, orig) -> np.ndarray:
 
 
 def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) -> None:
-    """A GGUF file as llama.cpp's converter would write this HF model (float32 tensors)."""
+    """A GGUF file as llama.cpp's converter would write this HF model (float32 tensors). A MoE's ``state`` holds
+    each expert stack in one [E, out, in] tensor (as the converter merges them), named without the expert index."""
     a = arch + "."
     rope = config.rope_parameters
     rope = rope.get("full_attention", rope)  # Gemma 3: one per layer type, the global layers' in the file
@@ -468,6 +469,11 @@ def _write_like_llamacpp(path, arch: str, config, state: dict[str, np.ndarray]) 
     else:
         w.add_uint32(a + "attention.key_length", head_dim)
         w.add_uint32(a + "attention.value_length", head_dim)
+    if getattr(config, "num_local_experts", None):  # a mixture of experts (llama.cpp writes Mixtral as llama)
+        w.add_uint32(a + "expert_count", config.num_local_experts)
+        w.add_uint32(a + "expert_used_count", config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            w.add_uint32(a + "expert_feed_forward_length", config.moe_intermediate_size)
     if arch == "gemma2":
         w.add_float32(a + "attn_logit_softcapping", config.attn_logit_softcapping)
         w.add_float32(a + "final_logit_softcapping", config.final_logit_softcapping)

@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import registry
-from jaxserve.models.schema import param_schema
+from jaxserve.models.schema import ParamSpec, param_schema
 from jaxserve.utils import cdiv
 
 _Q = GGMLQuantizationType
@@ -505,6 +505,12 @@ _CONSUMED = (
 )  # folded into ModelConfig.rope_scaling, not a weight of the HF model
 
 
+def _whole_stack(hf: str) -> str:
+    """A schema HF name as llama.cpp stores it: an expert stack (``mlp.experts.{e}.gate_proj.weight``) in one
+    tensor, [E, out, in] (``mlp.experts.gate_proj.weight``); other names as they are."""
+    return hf.replace("{e}.", "")
+
+
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undoes llama.cpp's q/k permutation for the llama architecture.
 
@@ -637,6 +643,9 @@ class GGUFCheckpoint:
         a = arch + "."
         hidden = self._meta(a + "embedding_length")
         num_layers = self._meta(a + "block_count")
+        moe = self._moe_fields(num_layers)
+        if moe and family.gguf_moe_family:  # llama.cpp's llama with experts: Mixtral
+            family = registry.family(family.gguf_moe_family)
         num_heads = self._uniform(a + "attention.head_count")
         num_kv_heads = self._uniform(a + "attention.head_count_kv", num_heads)
         head_dim = self._meta(a + "attention.key_length", None)
@@ -716,9 +725,31 @@ class GGUFCheckpoint:
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(eos_ids),
         )
+        fields |= moe
         fields |= family.flags
         fields |= family.gguf_fields(lambda key, default=...: self._meta(a + key, default), fields)
         return ModelConfig(**fields)
+
+    def _moe_fields(self, num_layers: int) -> dict[str, Any]:
+        """The mixture of experts' fields, from ``{arch}.expert_*`` (any architecture: llama.cpp's keys are the same
+        for all); {} for a dense model. The MoE layers are those with a router (``blk.N.ffn_gate_inp.weight``): all
+        of them in llama.cpp's files, some where a converter kept an HF model's dense layers (Qwen3-MoE's
+        ``mlp_only_layers``)."""
+        a = self.architecture + "."
+        experts = self._meta(a + "expert_count", 0)
+        if not experts:
+            return {}
+        flags = tuple(f"blk.{i}.ffn_gate_inp.weight" in self.tensors for i in range(num_layers))
+        if not any(flags):
+            raise ValueError(
+                f"{self.path.name}: {a}expert_count is {experts} but no layer has a router (blk.N.ffn_gate_inp.weight)"
+            )
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": self._meta(a + "expert_used_count"),
+            "moe_intermediate_size": self._meta(a + "expert_feed_forward_length", None),
+            "moe_layers": None if all(flags) else flags,
+        }
 
     @functools.cached_property
     def _hf_names(self) -> tuple[dict[str, str], dict[str, str]]:
@@ -726,8 +757,30 @@ class GGUFCheckpoint:
         specs = [s for s in param_schema(self.model_config()).values() if s.gguf and s.hf]
         return (
             {s.gguf: s.hf for s in specs if not s.per_layer},
-            {s.gguf: s.hf for s in specs if s.per_layer} | dict(self._family().gguf_fused),
+            {s.gguf: _whole_stack(s.hf) for s in specs if s.per_layer} | dict(self._family().gguf_fused),
         )
+
+    @functools.cached_property
+    def _layer_specs(self) -> dict[str, ParamSpec]:
+        """Per-layer GGUF name (after ``blk.N.``) -> its parameter's spec."""
+        return {s.gguf: s for s in param_schema(self.model_config()).values() if s.gguf and s.per_layer}
+
+    def _spec_of(self, name: str, cfg: ModelConfig) -> ParamSpec | None:
+        """The spec of a per-layer tensor (None: another tensor). A router, an expert stack or their biases must
+        have one entry per expert along their first axis (GGUF's ``[E, ...]``).
+
+        Raises:
+            ValueError: one of those does not, naming the tensor and the file's expert count.
+        """
+        parts = name.split(".", 2)
+        spec = self._layer_specs.get(parts[2]) if len(parts) == 3 and parts[0] == "blk" else None
+        shape = self.tensors[name].shape
+        if spec is not None and {"experts", "routes"} & set(spec.axes) and shape[0] != cfg.num_experts:
+            raise ValueError(
+                f"{self.path.name}: tensor {name!r} has shape {shape}, whose first axis should have one entry per "
+                f"expert: {self.architecture}.expert_count is {cfg.num_experts}"
+            )
+        return spec
 
     # ---------------------------------------------------------------- tensors in HF convention
     def hf_name(self, gguf_name: str) -> str | None:
@@ -762,23 +815,26 @@ class GGUFCheckpoint:
         """Yields ``(hf_name, float32 array)`` for every weight, in HF transformers' naming and layout.
 
         llama's q/k rows are un-permuted, and Gemma's norm weights (stored by llama.cpp as ``1 + w``) are
-        returned as HF's ``w``. A tied model yields no ``lm_head.weight``.
+        returned as HF's ``w``. A tied model yields no ``lm_head.weight``. A MoE layer's expert stacks come whole,
+        [E, out, in], under the expert's HF name without its index (``mlp.experts.gate_proj.weight``).
 
         Args:
             progress: show a tqdm bar if loading takes more than a second.
             quantized: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K come as ``GGUFQuantized`` (their own
-                blocks, repacked) instead of float32; matrices of other types are dequantized, and logged.
+                blocks, repacked) instead of float32; matrices of other types are dequantized, and logged. MoE
+                routers and expert stacks are always dequantized (a quantized expert stack is logged, once).
 
         Raises:
-            ValueError: unsupported architecture, tensor type, or tensor name.
+            ValueError: unsupported architecture, tensor type, or tensor name; a router or expert stack whose
+                expert count is not the file's ``expert_count``.
         """
         from tqdm.auto import tqdm
 
         cfg = self.model_config()
         permuted = self._family().gguf_permuted_qk
         names = [(name, self.hf_name(name)) for name in self.tensors]  # fail on unknown names before any work
-        names = [(name, hf) for name, hf in names if hf is not None]
-        total = sum(self.tensors[name].nbytes for name, _ in names)
+        names = [(name, hf, self._spec_of(name, cfg)) for name, hf in names if hf is not None]
+        total = sum(self.tensors[name].nbytes for name, _, _ in names)
         with tqdm(
             total=total,
             unit="B",
@@ -788,10 +844,14 @@ class GGUFCheckpoint:
             disable=not progress,
             leave=False,
         ) as bar:
-            fallback = []
-            for name, hf in names:
+            fallback, experts = [], []
+            for name, hf, spec in names:
                 info = self.tensors[name]
-                matrix = len(info.shape) == 2 and not name.endswith("norm.weight")
+                kind = spec.kind if spec is not None else None
+                # the router is computed in float32; expert stacks cannot be served quantized yet (jaxserve.layers.moe)
+                matrix = len(info.shape) == 2 and not name.endswith("norm.weight") and kind != "router"
+                if quantized and kind == "experts" and info.qtype not in (_Q.F32, _Q.F16, _Q.BF16):
+                    experts.append(f"{name} ({info.qtype.name})")
                 if quantized and matrix and info.qtype in _REPACK:
                     w = repack(self.raw(name), info.qtype, info.shape, name=name)
                     rows = w.map_rows
@@ -814,4 +874,12 @@ class GGUFCheckpoint:
                     self.path.name,
                     len(fallback),
                     ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""),
+                )
+            if experts:
+                logger.warning(
+                    "%s: MoE expert stacks cannot be served quantized yet: %d quantized expert stacks were dequantized "
+                    "to float on load (the other matrices stay quantized): %s",
+                    self.path.name,
+                    len(experts),
+                    ", ".join(experts[:4]) + (" ..." if len(experts) > 4 else ""),
                 )

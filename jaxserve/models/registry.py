@@ -41,6 +41,9 @@ class Family:
         hf_fields, gguf_fields: the family's own fields from a ``config.json`` / the GGUF metadata.
         gguf_permuted_qk: llama.cpp's converter interleaved the halves of each q/k head (the rope convention of
             its "normal" rope); the loader undoes it.
+        gguf_moe_family: the family a file of ``gguf_architecture`` is when its ``{arch}.expert_count`` is above 0
+            (llama.cpp writes Mixtral as ``llama``); None: this family's own. The file's family still decides
+            how its tensors are stored (``gguf_permuted_qk``, ``gguf_fused``).
         hf_tensor_prefixes: checkpoint name prefixes renamed on load (prefix -> replacement; None: not this
             model's tensors, skipped), e.g. a multimodal checkpoint's language model and vision tower.
         hf_fused: a fused checkpoint tensor (per-layer name) -> the schema's tensors it holds, stacked along its
@@ -61,6 +64,7 @@ class Family:
     hf_fields: FieldsFn = _none
     gguf_fields: FieldsFn = _none
     gguf_permuted_qk: bool = False
+    gguf_moe_family: str | None = None
     hf_tensor_prefixes: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     hf_fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     gguf_fused: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -224,6 +228,12 @@ def _qwen3_moe_hf(hf, fields) -> dict[str, Any]:
     return out | _moe_fields(hf, fields, flags) | {"moe_intermediate_size": hf["moe_intermediate_size"]}
 
 
+def _qwen3_moe_gguf(meta, fields) -> dict[str, Any]:
+    """llama.cpp's qwen3moe always renormalizes the chosen experts' weights (its graph passes norm_w = true, and
+    its converter writes no key for it); transformers' GGUF loader sets ``norm_topk_prob=True`` likewise."""
+    return {"norm_topk_prob": True}
+
+
 def _gpt_oss_hf(hf, fields) -> dict[str, Any]:
     """gpt-oss: sliding and full attention alternating (``layer_types``), sinks, biases on every projection, the
     clamped SwiGLU; ``intermediate_size`` is each expert's."""
@@ -295,7 +305,7 @@ _GEMMA3_TEXT_DEFAULTS = {
 _GEMMA = {"hidden_act": "gelu_pytorch_tanh", "norm_weight_offset": 1.0, "scale_embeddings": True}
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", ("llama",), "llama", gguf_permuted_qk=True),
+    Family("llama", ("llama",), "llama", gguf_permuted_qk=True, gguf_moe_family="mixtral"),
     Family("mistral", ("mistral",), hf_fields=_mistral_hf),
     Family("qwen2", ("qwen2",), "qwen2", hf_defaults={"attention_bias": True}, hf_fields=_qwen_hf),
     Family("qwen3", ("qwen3",), "qwen3", flags={"qk_norm": True}, hf_fields=_qwen_hf),
@@ -342,6 +352,8 @@ FAMILIES: tuple[Family, ...] = (
         flags={"qk_norm": True},
         hf_defaults={"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False},
         hf_fields=_qwen3_moe_hf,
+        gguf_architecture="qwen3moe",
+        gguf_fields=_qwen3_moe_gguf,
     ),
     Family(
         "gpt_oss",
