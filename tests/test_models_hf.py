@@ -441,6 +441,155 @@ def test_gemma3_hub_configs_read_as_transformers_does(preset, tmp_path):
     assert ours == load_preset(preset)
 
 
+# The MoE presets' hub config.json values (the keys that differ from the config class's defaults, as released),
+# read through transformers' config class (transformers 5 rewrites some: rope_parameters, num_local_experts).
+_GPT_OSS_HUB = dict(
+    num_hidden_layers=24,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    head_dim=64,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    sliding_window=128,
+    rope_theta=150000.0,
+    rope_scaling=dict(
+        rope_type="yarn",
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+    ),
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    swiglu_limit=7.0,
+    attention_bias=True,
+    tie_word_embeddings=False,
+    bos_token_id=199998,
+    eos_token_id=[200002, 199999, 200012],  # generation_config.json's
+    pad_token_id=199999,
+)
+_QWEN3_MOE_HUB = dict(
+    vocab_size=151936,
+    head_dim=128,
+    num_key_value_heads=4,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=[151645, 151643],  # generation_config.json's
+)
+_MIXTRAL_HUB = dict(
+    num_key_value_heads=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-5,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_MOE_HUB = {
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        _QWEN3_MOE_HUB
+        | dict(
+            num_hidden_layers=48,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_attention_heads=32,
+            moe_intermediate_size=768,
+        ),
+    ),
+    "qwen3-235b-a22b": (
+        "Qwen3MoeConfig",
+        _QWEN3_MOE_HUB
+        | dict(
+            num_hidden_layers=94,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=64,
+            moe_intermediate_size=1536,
+        ),
+    ),
+    "mixtral-8x7b": (
+        "MixtralConfig",
+        _MIXTRAL_HUB
+        | dict(
+            num_hidden_layers=32,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+        ),
+    ),
+    "mixtral-8x22b": (
+        "MixtralConfig",
+        _MIXTRAL_HUB
+        | dict(
+            num_hidden_layers=56,
+            hidden_size=6144,
+            intermediate_size=16384,
+            num_attention_heads=48,
+            vocab_size=32768,
+            max_position_embeddings=65536,
+        ),
+    ),
+    "gpt-oss-20b": ("GptOssConfig", _GPT_OSS_HUB),
+    "gpt-oss-120b": ("GptOssConfig", _GPT_OSS_HUB | dict(num_hidden_layers=36, num_local_experts=128)),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(_MOE_HUB))
+def test_moe_presets_are_their_hub_configs(preset):
+    """configs/<MoE preset>.json is what our HF reader makes of the hub's config.json as transformers' config class
+    writes it, and the expert shapes agree with transformers' reading of it."""
+    from jaxserve.config import ModelConfig, load_preset
+
+    cls, hub = _MOE_HUB[preset]
+    theirs = getattr(transformers, cls)(**hub)
+    ours = ModelConfig.from_hf(theirs.to_dict())
+    assert ours == load_preset(preset)
+    experts = getattr(theirs, "num_local_experts", None) or theirs.num_experts
+    expert_mlp = getattr(theirs, "moe_intermediate_size", None) or theirs.intermediate_size
+    assert (ours.num_layers, ours.hidden_size, ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
+        theirs.num_hidden_layers,
+        theirs.hidden_size,
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+        getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads,
+    )
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.expert_intermediate_size) == (
+        experts,
+        theirs.num_experts_per_tok,
+        expert_mlp,
+    )
+    if cls == "GptOssConfig":  # sliding first, then alternating; yarn over a 4,096 context
+        assert ours.sliding_window_layers == tuple(t == "sliding_attention" for t in theirs.layer_types)
+        assert ours.sliding_window_layers[:2] == (True, False) and ours.sliding_window == 128
+        rs = ours.rope_scaling
+        assert (rs.rope_type, rs.factor, rs.original_max_position_embeddings, rs.truncate) == (
+            "yarn",
+            32.0,
+            4096,
+            False,
+        )
+        assert ours.attention_sinks and ours.o_bias and ours.moe_activation == "swiglu_clamped"
+
+
 def test_unknown_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
     with pytest.raises(ValueError, match="unknown architecture.*mamba"):
