@@ -10,6 +10,10 @@ checks everything but numerics: the Pallas kernels' lowering, the sharded step, 
 sizes the KV pool from the chip's HBM the way the runner does on a device, compiles the step variants, and
 estimates decode throughput from bytes moved per step and the chip's published bandwidth. GPU topologies
 ("h100:8") are planned by arithmetic only: no GPU compiler runs without a GPU.
+
+A mixture of experts holds every expert but computes, per token, only its ``num_experts_per_tok`` of them: the plan
+counts its parameters in total and active per token (:func:`param_counts`), and a decode step of B sequences reads
+the experts that B x k choices can touch, at most min(num_experts, B x k) per layer, not all of them.
 """
 
 from __future__ import annotations
@@ -123,6 +127,12 @@ class Plan:
     batch: int
     variants: tuple[Variant, ...]
     kv_cache_memory_fraction: float
+    total_params: int = 0
+    active_params: int = 0  # per token: a mixture of experts' top-k experts, not all (param_counts)
+    expert_bytes_per_chip: int = 0  # the experts' share of weight_bytes_per_chip (0: a dense model)
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    expert_parallel: bool = False
 
     @property
     def kv_bytes_per_chip(self) -> int:
@@ -137,31 +147,72 @@ class Plan:
     def fits(self) -> bool:
         return self.num_pages >= cdiv(self.seq_len, self.page_size)
 
-    def decode_tokens_per_s(self) -> float:
-        """Roofline of a decode step of ``batch`` sequences at ``seq_len``: each chip reads its weights once and
-        its share of every sequence's KV, at its published bandwidth (or computes, if that takes longer)."""
-        batch = min(self.batch, max(self.max_sequences, 1))
+    def decode_batch(self, batch: int | None = None) -> int:
+        """The roofline's batch: ``batch`` (default: max_num_seqs), at most the sequences the pool holds."""
+        return min(batch or self.batch, max(self.max_sequences, 1))
+
+    def experts_read(self, batch: int) -> int:
+        """Experts a decode step of ``batch`` sequences reads per MoE layer, at most: each token picks k."""
+        return min(self.num_experts, batch * self.experts_per_tok)
+
+    def weight_bytes_read(self, batch: int) -> float:
+        """Weight bytes a chip reads in a decode step of ``batch`` sequences: all but the experts, and of those the
+        share that ``experts_read`` can touch (the whole weights for a dense model)."""
+        if not self.num_experts:
+            return self.weight_bytes_per_chip
+        dense = self.weight_bytes_per_chip - self.expert_bytes_per_chip
+        return dense + self.expert_bytes_per_chip * self.experts_read(batch) / self.num_experts
+
+    def decode_tokens_per_s(self, batch: int | None = None) -> float:
+        """Roofline of a decode step of ``batch`` sequences (default: max_num_seqs) at ``seq_len``: each chip reads
+        its weights once (a MoE's: see ``weight_bytes_read``) and its share of every sequence's KV, at its published
+        bandwidth, or computes each token's active weights, if that takes longer."""
+        batch = self.decode_batch(batch)
         kv_token_bytes = self.page_bytes_per_chip / self.page_size
-        read = self.weight_bytes_per_chip + batch * self.seq_len * kv_token_bytes
-        flops = 2 * batch * self.weight_bytes_per_chip / np.dtype(_np_dtype(self.dtype)).itemsize
+        read = self.weight_bytes_read(batch) + batch * self.seq_len * kv_token_bytes
+        active = self.weight_bytes_per_chip
+        if self.num_experts:
+            active -= self.expert_bytes_per_chip * (1 - self.experts_per_tok / self.num_experts)
+        flops = 2 * batch * active / np.dtype(_np_dtype(self.dtype)).itemsize
         step_s = max(read / self.chip.hbm_bytes_per_s, flops / self.chip.bf16_flops)
         return batch / step_s
 
     def summary(self) -> str:
         hbm = self.chip.hbm_bytes
+        ep = ", experts: expert parallel" if self.expert_parallel and self.num_experts else ""
         lines = [
-            f"{self.model} on {self.topology} ({self.chip.name}, {self.tensor_parallel_size}-way tensor parallel, "
+            f"{self.model} on {self.topology} ({self.chip.name}, {self.tensor_parallel_size}-way tensor parallel{ep}, "
             f"{self.dtype})",
-            f"  weights per chip      {self.weight_bytes_per_chip / GiB:8.2f} GiB",
+        ]
+        if self.total_params:
+            lines.append(
+                f"  parameters            {self.total_params / 1e9:8.2f} B"
+                + (
+                    f", {self.active_params / 1e9:.2f} B active per token ({self.experts_per_tok} of "
+                    f"{self.num_experts} experts)"
+                    if self.num_experts
+                    else ""
+                )
+            )
+        lines += [
+            f"  weights per chip      {self.weight_bytes_per_chip / GiB:8.2f} GiB"
+            + (f" (experts {self.expert_bytes_per_chip / GiB:.2f} GiB)" if self.num_experts else ""),
             f"  activations per chip  {self.activation_bytes_per_chip / GiB:8.2f} GiB"
             + ("" if self.variants else "  (not compiled: arithmetic only)"),
             f"  KV pool per chip      {self.kv_bytes_per_chip / GiB:8.2f} GiB: {self.num_pages} pages of "
             f"{self.page_size} tokens ({self.page_bytes_per_chip / 1024:.0f} KiB per chip per page)",
             f"  HBM per chip          {hbm / GiB:8.2f} GiB (pool sized to {self.kv_cache_memory_fraction:.0%} of it)",
             f"  fits: {'yes' if self.fits else 'NO'}; {self.max_sequences} sequences of {self.seq_len} tokens at once",
-            f"  decode roofline at batch {min(self.batch, max(self.max_sequences, 1))}, {self.seq_len} tokens of "
-            f"context: {self.decode_tokens_per_s():,.0f} tokens/s",
         ]
+        batches = sorted({1, self.decode_batch()}) if self.num_experts else [self.decode_batch()]
+        for b in batches:
+            line = f"  decode roofline at batch {b}, {self.seq_len} tokens of context: {self.decode_tokens_per_s(b):,.0f} tokens/s"
+            if self.num_experts:
+                line += (
+                    f" (reads {self.weight_bytes_read(b) / GiB:.2f} GiB of weights per chip: experts "
+                    f"min({self.num_experts}, {b}x{self.experts_per_tok}) = {self.experts_read(b)} per layer)"
+                )
+            lines.append(line)
         if self.variants:
             lines.append(
                 f"  compiled {len(self.variants)} step variant(s) in {sum(v.compile_s for v in self.variants):.1f}s:"
@@ -211,6 +262,25 @@ def _per_chip_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def _is_expert(spec) -> bool:
+    """One of the experts' stacked parameters (matrices and gpt-oss's biases); the router is not."""
+    return "experts" in spec.axes
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, parameters active per token): for a mixture of experts, the second counts the attention, the
+    router, ``num_experts_per_tok`` of each MoE layer's experts, the dense layers, the norms and the embedding and
+    output matrices (as the decode roofline reads them); for a dense model both are the total."""
+    from jaxserve.models.schema import param_schema
+
+    schema = param_schema(cfg)
+    total = sum(math.prod(s.shape) for s in schema.values())
+    experts = sum(math.prod(s.shape) for s in schema.values() if _is_expert(s))
+    if not cfg.is_moe:
+        return total, total
+    return total, total - experts + experts // cfg.num_experts * cfg.num_experts_per_tok
+
+
 def plan(
     model: str | ModelConfig,
     topology: str,
@@ -239,9 +309,12 @@ def plan(
         ValueError: an unknown topology or model, a degree the model or the topology cannot take, or a model
             whose weights and activations leave no room for one sequence's KV.
     """
+    from jax.sharding import AbstractMesh
+
     from jaxserve.engine import DEFAULT_MAX_MODEL_LEN
+    from jaxserve.models.schema import param_schema
     from jaxserve.runner import ModelRunner
-    from jaxserve.sharding import kv_heads_for, make_mesh
+    from jaxserve.sharding import MESH_AXES, kv_heads_for, make_mesh, rules_for
 
     name, cfg = _model_config(model)
     chip, num_chips = parse_topology(topology)
@@ -260,6 +333,8 @@ def plan(
     seq_len = seq_len or max_model_len
     compile = compile and chip.tpu
     mesh = make_mesh(tp, topology_devices(topology)[:tp]) if compile else None
+    # the expert-parallel degree must divide the experts (checked on an abstract mesh when nothing compiles)
+    rules_for(cfg, mesh or AbstractMesh((1, tp), MESH_AXES), config.enable_expert_parallel)
 
     def runner(num_pages: int):
         cache = dataclasses.replace(config.cache_config(), num_pages=num_pages)
@@ -273,6 +348,7 @@ def plan(
             mesh,
             platform="tpu",
             quantization=config.quantization,
+            expert_parallel=config.enable_expert_parallel,
         )
 
     kv = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype))
@@ -283,6 +359,11 @@ def plan(
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))
         page_bytes = probe.pool.device_page_bytes()  # with the TPU's tile padding
         weights = _per_chip_bytes((probe.state, probe.matmul_weights))
+        expert_bytes = sum(
+            math.prod(probe.param_shardings[n].shard_shape(s.shape)) * np.dtype(_np_dtype(dtype)).itemsize
+            for n, s in param_schema(probe.cfg).items()
+            if _is_expert(s)
+        )
     else:
         params = _abstract_params(cfg, dtype)
         if config.quantization:
@@ -297,6 +378,15 @@ def plan(
                 for n, p in params.items()
             }
         weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)) // tp
+        # the experts are split over the chips either way: each expert's hidden (TP) or whole experts (EP)
+        expert_bytes = (
+            sum(
+                math.prod(s.shape) * np.dtype(_np_dtype(dtype)).itemsize
+                for s in param_schema(cfg).values()
+                if _is_expert(s)
+            )
+            // tp
+        )
     if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
         raise ValueError(
             f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "
@@ -324,6 +414,11 @@ def plan(
         sched_cfg.max_num_seqs,
         (),
         config.kv_cache_memory_fraction,
+        *param_counts(cfg),
+        expert_bytes,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        config.enable_expert_parallel and cfg.is_moe,
     )
     if not result.fits:
         raise ValueError(

@@ -207,3 +207,50 @@ def test_int8_kv_pages_plan_and_compile_for_v5e():
         q = plan("smollm2-135m", "v5e:2x4", 3, kv_cache_dtype="int8", **settings)
     assert {v.decode_only for v in q.variants} == {True, False} and all(v.flops > 0 for v in q.variants)
     assert q.page_bytes_per_chip > 2 * 30 * 16 * 64  # at least the values; the TPU pads the minor dims to tiles
+
+
+@pytest.mark.parametrize("topology, expert_parallel", [("v5e:2x4", False), ("v6e:2x4", True)])
+def test_moe_steps_compile_and_plan_by_active_parameters(topology, expert_parallel):
+    """Qwen3-30B-A3B's layers (its 128 experts of 768, top 8, and its attention; 2 of its 48 layers: the layers are
+    scanned, so the compile does not grow with depth) through XLA's and Mosaic's TPU compilers (megablox), split over
+    8 chips by every expert's hidden (TP) or by whole experts (EP), checked against the counts by hand."""
+    import dataclasses
+
+    cfg = dataclasses.replace(load_preset("qwen3-30b-a3b"), num_layers=2)
+    D, N, K, H, E, k, F, V, L = 2048, 32, 4, 128, 128, 8, 768, 151936, 2
+    attention = D * N * H + 2 * D * K * H + N * H * D + 2 * H + 2 * D  # q, k, v, o, q/k norms, the 2 layer norms
+    expert = 3 * D * F  # gate, up, down
+    total = 2 * V * D + D + L * (attention + D * E + E * expert)  # embedding, head, final norm; router [D, E]
+    active = total - L * (E - k) * expert
+    p = plan(cfg, topology, 8, enable_expert_parallel=expert_parallel, **_QUANT_PLAN)
+    (decode,) = p.variants
+    assert (p.total_params, p.active_params) == (total, active) and p.expert_parallel == expert_parallel
+    # Per chip: an eighth of everything but the router and the norms (replicated) and the 4 KV heads' k / v
+    # matrices (each KV head repeated on 2 of the 8 chips); the experts exactly an eighth.
+    replicated = L * D * E + 2 * L * D + 2 * L * H + D
+    by_hand = (total - replicated + L * 2 * D * K * H) * 2 / 8 + replicated * 2
+    assert p.weight_bytes_per_chip == by_hand
+    assert p.expert_bytes_per_chip == L * E * expert * 2 // 8
+    assert decode.decode_only and decode.argument_bytes >= p.weight_bytes_per_chip + p.kv_bytes_per_chip
+    assert decode.peak_bytes < p.chip.hbm_bytes and decode.flops > 0
+    # Decode reads the experts that batch x k choices can touch: 8 of 128 at batch 1, all of them from batch 16.
+    assert [p.experts_read(b) for b in (1, 8, 16, 64)] == [8, 64, 128, 128]
+    dense = by_hand - L * E * expert * 2 / 8  # all but the experts, per chip
+    kv_token = p.page_bytes_per_chip / 16
+    read_1 = dense + L * k * expert * 2 / 8 + 128 * kv_token  # 8 of 128 experts, one 128-token sequence's KV
+    assert p.decode_tokens_per_s(1) == pytest.approx(p.chip.hbm_bytes_per_s / read_1, rel=1e-9)
+    read_8 = dense + L * 64 * expert * 2 / 8 + 8 * 128 * kv_token  # 64 of 128 experts
+    assert p.decode_tokens_per_s(8) == pytest.approx(8 * p.chip.hbm_bytes_per_s / read_8, rel=1e-4)
+    assert "experts min(128, 1x8) = 8 per layer" in p.summary()
+
+
+def test_moe_plans_by_arithmetic_on_gpus_and_checks_the_expert_parallel_degree():
+    p = plan("qwen3-30b-a3b", "h200:1", 1)
+    assert p.fits and not p.variants and p.weight_bytes_per_chip == p.total_params * 2
+    assert p.expert_bytes_per_chip == 48 * 128 * 3 * 2048 * 768 * 2
+    assert p.active_params == p.total_params - 48 * 120 * 3 * 2048 * 768  # 8 of 128 experts per layer
+    assert (p.total_params // 10**9, p.active_params // 10**9) == (30, 3)  # "30B-A3B"
+    with pytest.raises(ValueError, match="tensor_parallel_size=64 must divide the model's 32 experts"):
+        plan("gpt-oss-20b", "h100:64", 64, enable_expert_parallel=True, compile=False)
+    with pytest.raises(ValueError, match="gpt-oss-120b does not fit h200:1"):  # 117 B parameters in bfloat16
+        plan("gpt-oss-120b", "h200:1", 1)
