@@ -104,7 +104,11 @@ def one_device(checkpoints):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_and_logprobs_match_hf(family, checkpoints, one_device):
     _, hf = checkpoints[family]
-    for ids, out in zip(_prompts(), one_device[family]):
+    _assert_matches_hf(hf, _prompts(), one_device[family])
+
+
+def _assert_matches_hf(hf, prompts, outputs):
+    for ids, out in zip(prompts, outputs):
         tokens = list(out.token_ids)
         assert hf_greedy_choices(hf, ids, tokens) == tokens
         with torch.no_grad():  # HF teacher-forced on our tokens
@@ -112,6 +116,65 @@ def test_greedy_tokens_and_logprobs_match_hf(family, checkpoints, one_device):
         ref = torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
         ours = np.array([lp[t].logprob for lp, t in zip(out.logprobs, tokens)])
         np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+
+
+def write_mxfp4_checkpoint(path, seed=0):
+    """A tiny gpt-oss checkpoint in OpenAI's MXFP4 layout: the expert stacks as random FP4 ``_blocks`` and e8m0
+    ``_scales`` (2^-6 .. 2^-2), ``quant_method: mxfp4`` in config.json (as the hub's gpt-oss ships)."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    write_checkpoint("gpt_oss", path, intermediate_size=64)  # 32-value groups along both contractions
+    tensors = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows, cols = tensors.pop(name).shape  # [E, in, out]
+        tensors[name + "_blocks"] = rng.integers(0, 256, size=(experts, cols, rows // 32, 16), dtype=np.uint8)
+        tensors[name + "_scales"] = rng.integers(121, 126, size=(experts, cols, rows // 32), dtype=np.uint8)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_dequantized_mxfp4_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from jaxserve.loading.mxfp4 import dequantize_mxfp4
+
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(3, 40, 4, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, size=(3, 40, 4), dtype=np.uint8)
+    ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales), ref.numpy())
+    with pytest.raises(ValueError, match=r"blocks of shape \(3, 40, 4, 16\) do not match scales of shape"):
+        dequantize_mxfp4(blocks, scales[:, :, :3])
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path, default_model_path, caplog):
+    """The hub's gpt-oss layout: MXFP4 expert stacks, read by jaxserve and by transformers' own dequantizer."""
+    write_mxfp4_checkpoint(tmp_path)
+    orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(tmp_path), **ENGINE)
+    assert "MXFP4 expert weights are dequantized on load" in caplog.text
+    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    _assert_matches_hf(hf, _prompts(), [o.outputs[0] for o in res])
+
+
+def test_mxfp4_blocks_without_their_scales_are_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    write_mxfp4_checkpoint(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_scales is missing"):
+        LLM(str(tmp_path), **ENGINE)
 
 
 @pytest.mark.parametrize(

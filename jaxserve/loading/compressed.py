@@ -1,4 +1,5 @@
-"""Pre-quantized HF directories (compressed-tensors, AutoAWQ), served quantized (never dequantized to floats).
+"""Pre-quantized HF directories (compressed-tensors, AutoAWQ), served quantized (never dequantized to floats; gpt-oss's
+MXFP4 experts, the one exception, are ``jaxserve.loading.mxfp4``'s).
 
 llm-compressor writes this format (its W4A16, W8A16, W8A8 and FP8 schemes, and GPTQ / AWQ runs saved through it),
 vLLM serves it, and ``config.json`` names it: ``"quantization_config": {"quant_method": "compressed-tensors"}``.
@@ -57,6 +58,8 @@ def quantization_config(model_dir: str | Path) -> dict | None:
     if not q:
         return None
     method = q.get("quant_method", "compressed-tensors")
+    if method == "mxfp4":  # gpt-oss's expert stacks (jaxserve.loading.mxfp4)
+        return q
     if method == "awq":
         if q.get("bits", 4) != 4 or str(q.get("version", "gemm")).lower() != "gemm":
             raise ValueError(
@@ -67,7 +70,7 @@ def quantization_config(model_dir: str | Path) -> dict | None:
     if method != "compressed-tensors":
         raise ValueError(
             f"{model_dir}: quantization_config.quant_method {method!r} is not supported; jaxserve reads "
-            "compressed-tensors and AutoAWQ (GEMM) checkpoints, and GGUF files (convert GPTQ ones to "
+            "compressed-tensors, AutoAWQ (GEMM) and gpt-oss's MXFP4 checkpoints, and GGUF files (convert GPTQ ones to "
             "compressed-tensors with llm-compressor)"
         )
     formats = {q.get("format")} | {g.get("format") for g in (q.get("config_groups") or {}).values()}
@@ -215,6 +218,11 @@ def quantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], qcfg: dict) -> 
     are."""
     if qcfg.get("quant_method") == "awq":
         yield from _awq_tensors(tensors, qcfg)
+        return
+    if qcfg.get("quant_method") == "mxfp4":
+        from jaxserve.loading.mxfp4 import mxfp4_tensors
+
+        yield from mxfp4_tensors(tensors)
         return
     act_quant = _dynamic_int8_activations(qcfg)
     modules: dict[str, dict] = {}

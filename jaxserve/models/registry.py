@@ -270,8 +270,8 @@ def _gpt_oss_fixup(name: str, array) -> list[tuple[str, Any]]:
         return [(x + "down_proj.bias", array)]
     if name.startswith(x) and name.endswith(("_blocks", "_scales")):
         raise ValueError(
-            f"gpt_oss: tensor {name!r} is MXFP4; jaxserve reads gpt-oss checkpoints with bfloat16 experts "
-            "(dequantize it first, e.g. transformers' Mxfp4Config(dequantize=True) and save_pretrained)"
+            f"gpt_oss: tensor {name!r} is MXFP4, but config.json has no quantization_config with quant_method "
+            "'mxfp4' (the checkpoint's own config names it)"
         )
     return [(name, array)]
 
