@@ -369,10 +369,9 @@ def test_layer_matches_transformers_gpt_oss():
 def _mesh(topology: str) -> jax.sharding.Mesh:
     if importlib.util.find_spec("libtpu") is None:
         pytest.fail("libtpu is not installed: install the dev extra (pip install -e '.[dev]')", pytrace=False)
-    from jax.experimental import topologies
+    from jaxserve.aot import topology_devices  # sets ALLOW_MULTIPLE_LIBTPU_LOAD: the other worker may hold libtpu
 
-    devices = topologies.get_topology_desc(topology, "tpu").devices
-    return jax.sharding.Mesh(np.array(devices[:1]), ("x",))
+    return jax.sharding.Mesh(np.array(topology_devices(topology)[:1]), ("x",))
 
 
 @pytest.mark.slow

@@ -53,10 +53,9 @@ def _mesh(topology: str) -> jax.sharding.Mesh:
             "(pip install -e '.[dev]', which brings jax[tpu] and its libtpu)",
             pytrace=False,
         )
-    from jax.experimental import topologies
+    from jaxserve.aot import topology_devices  # sets ALLOW_MULTIPLE_LIBTPU_LOAD: the other worker may hold libtpu
 
-    devices = topologies.get_topology_desc(topology, "tpu").devices
-    return jax.sharding.Mesh(np.array(devices[:1]), ("x",))
+    return jax.sharding.Mesh(np.array(topology_devices(topology)[:1]), ("x",))
 
 
 def _abstract(mesh, shape, dtype):
