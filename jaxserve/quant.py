@@ -48,7 +48,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.matmul.qarray import QArray, dot_dequantized
+# The layout and its dequantization live beside the kernels that read them; re-exported here.
+from jaxserve.kernels.matmul.qarray import QArray, dequantize, dot_dequantized, group_scales, take  # noqa: F401
+from jaxserve.kernels.matmul.qarray import expand as _expand
+from jaxserve.kernels.matmul.qarray import merge_groups as _merge_groups
+from jaxserve.kernels.matmul.qarray import split_groups as _split_groups
+from jaxserve.kernels.matmul.qarray import unpack4 as _unpack4  # noqa: F401
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8", "fp8")
 INT4_GROUP = 32  # int4's group (the largest of 32, 16 that divides the contraction dim)
@@ -91,13 +96,6 @@ def pack4_host(v: np.ndarray, axis: int) -> np.ndarray:
     v = np.moveaxis(np.asarray(v, np.uint8), axis, -1)
     v = v.reshape(*v.shape[:-1], v.shape[-1] // 2, 2)
     return np.ascontiguousarray(np.moveaxis(v[..., 0] | (v[..., 1] << 4), -1, axis))
-
-
-def _unpack4(q: jax.Array, axis: int) -> jax.Array:
-    """Inverse of ``_pack4``: uint8 [..., n / 2, ...] -> int32 [..., n, ...] in [0, 15]."""
-    q = jnp.moveaxis(q, axis, -1).astype(jnp.int32)
-    v = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], 2 * q.shape[-1])
-    return jnp.moveaxis(v, -1, axis)
 
 
 def quantize(w: jax.Array, mode: str, *, axis: int = -2, group: int | None = None) -> QArray:
@@ -149,44 +147,6 @@ def _multiplier(x: jax.Array, axis: int, top: int) -> jax.Array:
     return jnp.where(m > 0, m, 1.0).astype(jnp.float32)
 
 
-def _expand(code: jax.Array, mul: jax.Array) -> jax.Array:
-    """A coded scale or zero: ``code * mul`` in float32."""
-    return code.astype(jnp.float32) * mul
-
-
-def group_scales(a: QArray) -> tuple[jax.Array, jax.Array | None]:
-    """``a``'s scales and zeros (None: none) as floats: the stored ones, or coded ones expanded (float32)."""
-    if a.scale_mul is None:
-        return a.scale, a.zero
-    return _expand(a.scale, a.scale_mul), None if a.zero is None else _expand(a.zero, a.zero_mul)
-
-
-def _split_groups(x: jax.Array, axis: int, g: int) -> jax.Array:
-    """[..., n, ...] -> [..., n / g, g, ...] (the new group axis right after ``axis``; ``axis`` negative)."""
-    ax = x.ndim + axis
-    return x.reshape(*x.shape[:ax], x.shape[ax] // g, g, *x.shape[ax + 1 :])
-
-
-def _merge_groups(x: jax.Array, axis: int) -> jax.Array:
-    """Inverse of ``_split_groups`` (``axis`` counted on the merged array)."""
-    ax = x.ndim - 1 + axis
-    return x.reshape(*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2 :])
-
-
-def dequantize(a: QArray, dtype=jnp.float32) -> jax.Array:
-    """The float weight: ``(q - offset) * scale (+ zero)`` computed in float32, then cast to ``dtype``."""
-    v = _unpack4(a.q, a.axis) if a.bits == 4 else a.q
-    v = v.astype(jnp.float32)
-    if a.offset:
-        v = v - a.offset
-    grouped = _split_groups(v, a.axis, a.group)  # the values of a group along a.axis (< 0)
-    scale, zero = group_scales(a)
-    w = grouped * jnp.expand_dims(scale.astype(jnp.float32), a.axis)
-    if zero is not None:
-        w = w + jnp.expand_dims(zero.astype(jnp.float32), a.axis)
-    return _merge_groups(w, a.axis).astype(dtype)
-
-
 def matmul(x: jax.Array, w: QArray) -> jax.Array:
     """``x @ W`` for a quantized [..., in, out] weight (``axis`` -2), or ``x @ W.T`` for the [V, D] embedding
     (``axis`` -1: the tied output projection). Accumulates in x's dtype (float32 on the CPU)."""
@@ -223,11 +183,6 @@ def _matmul_w8a8(x: jax.Array, w: QArray) -> jax.Array:
         acc = jax.lax.dot_general(xq, w.q, dims, preferred_element_type=jnp.int32)
     scale = w.scale.reshape(-1) if w.axis == -1 else w.scale.reshape(w.scale.shape[-1])
     return (acc.astype(jnp.float32) * xs * scale).astype(x.dtype)
-
-
-def take(w: QArray, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Rows ``ids`` of a quantized [V, D] embedding (``axis`` -1), dequantized: [len(ids), D]."""
-    return dequantize(jax.tree.map(lambda x: x[ids], w), dtype)  # every leaf is [V, ...]
 
 
 def weight_axis(name: str) -> int:

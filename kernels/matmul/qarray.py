@@ -76,3 +76,54 @@ def dot_dequantized(x: jax.Array, dq: jax.Array, w: QArray) -> jax.Array:
     dq = dq.T if w.axis == -1 else dq
     dtype = w.dot_dtype or x.dtype
     return jnp.dot(x.astype(dtype), dq.astype(dtype), preferred_element_type=x.dtype)
+
+
+def unpack4(q: jax.Array, axis: int) -> jax.Array:
+    """Inverse of the packing (``jaxserve.quant``): uint8 [..., n / 2, ...] -> int32 [..., n, ...] in [0, 15]."""
+    q = jnp.moveaxis(q, axis, -1).astype(jnp.int32)
+    v = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], 2 * q.shape[-1])
+    return jnp.moveaxis(v, -1, axis)
+
+
+def expand(code: jax.Array, mul: jax.Array) -> jax.Array:
+    """A coded scale or zero: ``code * mul`` in float32."""
+    return code.astype(jnp.float32) * mul
+
+
+def group_scales(a: QArray) -> tuple[jax.Array, jax.Array | None]:
+    """``a``'s scales and zeros (None: none) as floats: the stored ones, or coded ones expanded (float32)."""
+    if a.scale_mul is None:
+        return a.scale, a.zero
+    return expand(a.scale, a.scale_mul), None if a.zero is None else expand(a.zero, a.zero_mul)
+
+
+def split_groups(x: jax.Array, axis: int, g: int) -> jax.Array:
+    """[..., n, ...] -> [..., n / g, g, ...] (the new group axis right after ``axis``; ``axis`` negative)."""
+    ax = x.ndim + axis
+    return x.reshape(*x.shape[:ax], x.shape[ax] // g, g, *x.shape[ax + 1 :])
+
+
+def merge_groups(x: jax.Array, axis: int) -> jax.Array:
+    """Inverse of ``split_groups`` (``axis`` counted on the merged array)."""
+    ax = x.ndim - 1 + axis
+    return x.reshape(*x.shape[:ax], x.shape[ax] * x.shape[ax + 1], *x.shape[ax + 2 :])
+
+
+def dequantize(a: QArray, dtype=jnp.float32) -> jax.Array:
+    """The float weight: ``(q - offset) * scale (+ zero)`` computed in float32, then cast to ``dtype``."""
+    v = unpack4(a.q, a.axis) if a.bits == 4 else a.q
+    v = v.astype(jnp.float32)
+    if a.offset:
+        v = v - a.offset
+    grouped = split_groups(v, a.axis, a.group)  # the values of a group along a.axis (< 0)
+    scale, zero = group_scales(a)
+    w = grouped * jnp.expand_dims(scale.astype(jnp.float32), a.axis)
+    if zero is not None:
+        w = w + jnp.expand_dims(zero.astype(jnp.float32), a.axis)
+    return merge_groups(w, a.axis).astype(dtype)
+
+
+def take(w: QArray, ids, dtype=jnp.float32) -> jax.Array:
+    """``w[ids]`` along its leading axis, dequantized (every leaf has that axis): rows of a [V, D] embedding, or
+    the experts ``ids`` of an [E, in, out] expert stack."""
+    return dequantize(jax.tree.map(lambda x: x[ids], w), dtype)
