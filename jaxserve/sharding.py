@@ -326,9 +326,28 @@ def shard_moe(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False, im
             y = y + jnp.einsum("tk,tkd->td", weights, p["expert_down_bias"].astype(jnp.float32)[ids])
         return y.astype(h.dtype)
 
+    def leaf_specs(n, w):
+        """A parameter's spec, fitted leaf by leaf to a quantized one's values and scales (``fit_sharding``)."""
+        return jax.tree.map(lambda leaf: fit_sharding(NamedSharding(mesh, specs[n]), leaf.shape).spec, w)
+
     def moe_fn(h, p):
-        return jax.shard_map(
-            local, mesh=mesh, in_specs=(P(), {n: specs[n] for n in p}), out_specs=P(), check_vma=False
-        )(h, p)
+        in_specs = (P(), {n: leaf_specs(n, w) for n, w in p.items()})
+        return jax.shard_map(local_groups, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(h, p)
+
+    def local_groups(h, p):
+        # a quantized stack with one scale along its contraction axis (int8 per channel) keeps that scale whole
+        # while its values are split: its group is this device's part of the axis
+        p = {n: _one_group_here(w) for n, w in p.items()}
+        return local(h, p)
 
     return moe_fn
+
+
+def _one_group_here(w):
+    """A quantized weight inside ``shard_map`` whose scales have one group along its contraction axis: that group
+    is the local part of the axis (the values may be split, the scale is not). Other parameters as they are."""
+    from jaxserve.kernels.matmul.qarray import QArray
+
+    if isinstance(w, QArray) and w.scale.shape[w.axis] == 1 and w.group != w.shape[w.axis]:
+        return dataclasses.replace(w, group=w.shape[w.axis])
+    return w

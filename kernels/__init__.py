@@ -47,6 +47,7 @@ from jaxserve.kernels.attention.batch import validate_attention_inputs
 from jaxserve.kernels.cpu import ffi
 from jaxserve.kernels.kv_write import cpu as kv_write_cpu
 from jaxserve.kernels.kv_write import write_kv_gpu, write_kv_ref, write_kv_tpu
+from jaxserve.kernels.matmul.qarray import QArray, dequantize
 from jaxserve.kernels.moe import moe_blocked, moe_gathered, moe_grouped, moe_ref, route
 
 __all__ = [
@@ -222,7 +223,8 @@ def moe(
       x: [T, D] tokens.
       router: the router's logits [T, E] (routed here by ``route``: ``top_k``, ``renormalize``, ``router_bias``),
         or a routing already made, (expert ids [T, k] int, combine weights [T, k]).
-      w_gate, w_up: [E, D, F] expert stacks; w_down: [E, F, D].
+      w_gate, w_up: [E, D, F] expert stacks; w_down: [E, F, D]; float, or quantized (``QArray`` grouped along D,
+        F: dequantized inside the step to x's dtype, only the experts read where the implementation gathers).
       top_k: experts per token (with logits; taken from the ids' shape with a routing).
       renormalize: with logits, softmax over the chosen k (True) or the chosen k's softmax-over-all probabilities.
       activation: "swiglu" (silu(gate) * up) or "swiglu_clamped" (gpt-oss, with ``swiglu_alpha`` and
@@ -246,7 +248,7 @@ def moe(
     if x.ndim != 2:
         raise ValueError(f"x must be [T, D], got shape {x.shape}")
     T, D = x.shape
-    if w_gate.ndim != 3 or w_up.ndim != 3 or w_down.ndim != 3:
+    if any(len(w.shape) != 3 for w in (w_gate, w_up, w_down)):
         raise ValueError(
             f"w_gate, w_up must be [E, D, F] and w_down [E, F, D], got {w_gate.shape}, {w_up.shape}, {w_down.shape}"
         )
@@ -285,6 +287,7 @@ def moe(
     act = dict(activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
     biases = dict(b_gate=gate_bias, b_up=up_bias, b_down=down_bias)
     if impl == "reference":
+        w_gate, w_up, w_down = (dequantize(w, x.dtype) if isinstance(w, QArray) else w for w in (w_gate, w_up, w_down))
         return moe_ref(x, ids, weights, w_gate, w_up, w_down, **act, **biases)
     if impl == "auto":
         # XLA:CPU's ragged_dot runs every expert over every row (as slow as the reference): on the CPU each

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 #   "bias"       a vector added after a linear
 #   "norm"       a norm's scale (starts at 1, or 0 where the norm scales by 1 + w)
 #   "router"     a MoE router [D, E] (transposed on load like a linear; computed in float32, never quantized)
-#   "experts"    a stack of expert matrices [E, in, out] (HF and GGUF: [E, out, in], or one tensor per expert)
+#   "experts"    a stack of expert matrices [E, in, out] (HF and GGUF: [E, out, in], or one tensor per expert;
+#                quantizable: each expert's matrix grouped along its input axis, dequantized inside the MoE kernels)
 KINDS = ("embedding", "linear", "bias", "norm", "router", "experts")
 
 
@@ -92,7 +93,7 @@ class ParamSpec:
     @property
     def quantizable(self) -> bool:
         """Served quantized under ``--quantization`` (and kept quantized from a GGUF file)."""
-        return self.kind in ("embedding", "linear")
+        return self.kind in ("embedding", "linear", "experts")
 
 
 def _spec(kind: str, hf: str | None, gguf: str | None, *dims: tuple[int, str]) -> ParamSpec:
@@ -242,7 +243,7 @@ def matmul_names(schema: dict[str, ParamSpec]) -> tuple[str, ...]:
 
 
 def quantizable_names(schema: dict[str, ParamSpec]) -> tuple[str, ...]:
-    """The parameters ``--quantization`` quantizes: every matrix and the embedding."""
+    """The parameters ``--quantization`` quantizes: every matrix (expert stacks too) and the embedding."""
     return tuple(n for n, s in schema.items() if s.quantizable)
 
 

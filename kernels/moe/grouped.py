@@ -5,6 +5,10 @@ Fixed shapes: the ``T * k`` slots are all computed, in an order that depends on 
 shapes do not (no capacity factor, no token dropped). ``group_sizes [E]`` tells the grouped product which rows
 belong to which expert.
 
+Expert stacks may be quantized (``QArray``, grouped along their contraction axis): the grouped products dequantize
+a layer's stacks to the activations' dtype inside the step; the CPU's gathered and blocked forms dequantize only the
+experts they read.
+
 Two grouped products, one contract (``lhs [M, K]`` rows grouped by ``group_sizes``, ``rhs [E, K, N]``):
   ``jax.lax.ragged_dot``  portable (CPU, GPU; XLA lowers it on every backend).
   megablox ``gmm``        the Pallas TPU kernel (``jax.experimental.pallas.ops.tpu.megablox``); interpret mode
@@ -25,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jaxserve.kernels._common import cdiv
+from jaxserve.kernels.matmul.qarray import QArray, dequantize, take
 from jaxserve.kernels.moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activate
 
 
@@ -38,6 +43,16 @@ def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return order, flat[order], group_sizes
+
+
+def _float(w, dtype):
+    """An expert stack as floats: a quantized one dequantized to ``dtype`` (the activations'), else as it is."""
+    return dequantize(w, dtype) if isinstance(w, QArray) else w
+
+
+def _experts(w, ids, dtype):
+    """The expert matrices ``w[ids]`` as floats (a quantized stack: only those experts dequantized)."""
+    return take(w, ids, dtype) if isinstance(w, QArray) else w[ids]
 
 
 def _ragged(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -104,6 +119,7 @@ def moe_grouped(
     T, D = x.shape
     E, _, F = w_gate.shape
     k = ids.shape[1]
+    w_gate, w_up, w_down = (_float(w, x.dtype) for w in (w_gate, w_up, w_down))
     # An id outside [0, E) is an expert held elsewhere (expert parallelism: this device's stacks are a slice of the
     # experts): its slots sort last, join no group and contribute nothing.
     ids = jnp.where((ids >= 0) & (ids < E), ids, E)
@@ -169,16 +185,16 @@ def moe_gathered(
     E = w_gate.shape[0]
     here = (ids >= 0) & (ids < E)
     idx = jnp.where(here, ids, 0)
-    wdt = w_gate.dtype
-    xs = x.astype(wdt)
-    gate = jnp.einsum("td,tkdf->tkf", xs, w_gate[idx], preferred_element_type=jnp.float32)
-    up = jnp.einsum("td,tkdf->tkf", xs, w_up[idx], preferred_element_type=jnp.float32)
+    wg, wu, wd = (_experts(w, idx, x.dtype) for w in (w_gate, w_up, w_down))  # [T, k, ...]
+    xs = x.astype(wg.dtype)
+    gate = jnp.einsum("td,tkdf->tkf", xs, wg, preferred_element_type=jnp.float32)
+    up = jnp.einsum("td,tkdf->tkf", xs, wu, preferred_element_type=jnp.float32)
     if b_gate is not None:
         gate = gate + b_gate.astype(jnp.float32)[idx]
     if b_up is not None:
         up = up + b_up.astype(jnp.float32)[idx]
-    h = activate(gate, up, activation, alpha=alpha, limit=limit).astype(w_down.dtype)
-    out = jnp.einsum("tkf,tkfd->tkd", h, w_down[idx], preferred_element_type=jnp.float32)
+    h = activate(gate, up, activation, alpha=alpha, limit=limit).astype(wd.dtype)
+    out = jnp.einsum("tkf,tkfd->tkd", h, wd, preferred_element_type=jnp.float32)
     if b_down is not None:
         out = out + b_down.astype(jnp.float32)[idx]
     w = jnp.where(here, weights.astype(jnp.float32), 0.0)
@@ -215,13 +231,13 @@ def moe_blocked(
     M = T * k
     ids = jnp.where((ids >= 0) & (ids < E), ids, E)
     order, _, group_sizes = sort_by_expert(ids, E)  # slots of no expert here sort last, in no group: rows stay 0
-    wdt = w_gate.dtype
+    wdt = x.dtype if isinstance(w_gate, QArray) else w_gate.dtype
     rows = jnp.pad(x.astype(wdt)[order // k], ((0, block), (0, 0)))  # a block may run past the last row
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)[:-1].astype(jnp.int32)])
     zero_b = jnp.zeros((E, 1), wdt)
 
     def expert(out, e):
-        wg, wu, wd = w_gate[e], w_up[e], w_down[e]
+        wg, wu, wd = (_experts(w, e, wdt) for w in (w_gate, w_up, w_down))
         bg = (b_gate if b_gate is not None else zero_b)[e].astype(jnp.float32)
         bu = (b_up if b_up is not None else zero_b)[e].astype(jnp.float32)
         bd = (b_down if b_down is not None else zero_b)[e].astype(jnp.float32)
