@@ -189,7 +189,8 @@ def test_bfloat16_weights():
 def test_megablox_tiling():
     assert megablox_tiling(8, 2048, 768, BF16) == (16, 512, 256)
     assert megablox_tiling(4096, 2048, 768, BF16) == (128, 512, 256)
-    assert megablox_tiling(20, 2880, 2880, F32) == (24, 2880, 2880)  # gpt-oss: no 128-multiple divides 2880
+    assert megablox_tiling(20, 2880, 2880, F32) == (24, 512, 512)  # gpt-oss: no 128-multiple divides 2880
+    assert megablox_tiling(20, 320, 2880, F32) == (24, 320, 512)
 
 
 def _moe_args(T=4, D=6, F=5, E=4):

@@ -63,12 +63,14 @@ _TILES = (512, 256, 128)
 
 
 def _tile(dim: int, preferred: tuple[int, ...]) -> int:
-    """The largest of ``preferred`` (multiples of 128) that divides ``dim``, else the whole dimension (a block may
-    span a whole dimension of any size). Gpt-oss's 2880 takes the whole dimension."""
+    """The largest of ``preferred`` (multiples of 128) that divides ``dim``; else the whole dimension up to the
+    largest tile (a block may span a whole dimension of any size), and past it the largest tile, the last block
+    irregular (megablox masks the contraction's remainder and clips the output's). Gpt-oss's 2880 takes 512: a
+    whole-dimension block of 2880 x 2880 overflows a v5e core's 16 MiB of scoped VMEM."""
     for t in preferred:
         if dim % t == 0:
             return t
-    return dim
+    return dim if dim <= preferred[0] else preferred[0]
 
 
 def megablox_tiling(rows: int, k: int, n: int, dtype) -> tuple[int, int, int]:
@@ -76,7 +78,7 @@ def megablox_tiling(rows: int, k: int, n: int, dtype) -> tuple[int, int, int]:
 
     ``tm``: 128 rows, or fewer for small steps (decode: ``T * top_k`` rows), rounded up to the sublane multiple
     (8 rows, 16 for 2-byte types). ``tk`` / ``tn``: 512, 256 or 128 when one divides the dimension, else the whole
-    dimension.
+    dimension up to 512, else 512 with an irregular last block.
     """
     sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
     tm = min(128, cdiv(rows, sub) * sub)
