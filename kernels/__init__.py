@@ -224,7 +224,8 @@ def moe(
       router: the router's logits [T, E] (routed here by ``route``: ``top_k``, ``renormalize``, ``router_bias``),
         or a routing already made, (expert ids [T, k] int, combine weights [T, k]).
       w_gate, w_up: [E, D, F] expert stacks; w_down: [E, F, D]; float, or quantized (``QArray`` grouped along D,
-        F: dequantized inside the step to x's dtype, only the experts read where the implementation gathers).
+        F: dequantized inside the step to x's dtype; with fewer token slots than experts, as in decode, every
+        implementation gathers the chosen experts and dequantizes only those).
       top_k: experts per token (with logits; taken from the ids' shape with a routing).
       renormalize: with logits, softmax over the chosen k (True) or the chosen k's softmax-over-all probabilities.
       activation: "swiglu" (silu(gate) * up) or "swiglu_clamped" (gpt-oss, with ``swiglu_alpha`` and
@@ -297,6 +298,10 @@ def moe(
             impl = "gather" if x.shape[0] * ids.shape[1] < E else "blocked"
         else:
             impl = "megablox" if _platform() == "tpu" else "ragged"
+    if impl in ("ragged", "megablox") and isinstance(w_gate, QArray) and x.shape[0] * ids.shape[1] < E:
+        # a grouped product needs the layer's stacks as floats: with fewer slots than experts (decode) only the
+        # chosen experts are dequantized, so a step reads k experts' bytes per token, not the whole stack
+        impl = "gather"
     if impl == "gather":
         return moe_gathered(x, ids, weights, w_gate, w_up, w_down, **biases, **act)
     if impl == "blocked":

@@ -125,6 +125,24 @@ def test_quantized_expert_stacks_equal_the_reference_on_their_values(impl, mode)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
 
+def test_quantized_decode_dequantizes_only_the_chosen_experts():
+    """Fewer token slots than experts (2 tokens x top 2 of 6): the grouped product would dequantize the whole
+    stack, so the chosen experts are gathered and dequantized instead (no ragged_dot in the step), same values."""
+    from jaxserve import quant
+
+    T, D, F, E, k = 2, 64, 32, 6, 2
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(T, D)), F32)
+    logits = jnp.asarray(rng.normal(size=(T, E)), F32)
+    q = {n: quant.quantize(a, "int8") for n, a in _weights(rng, E, D, F).items()}
+    floats = {n: quant.dequantize(a) for n, a in q.items()}
+    ref = kernels.moe(x, logits, **floats, top_k=k, impl="reference")
+    step = functools.partial(kernels.moe, top_k=k, impl="ragged")
+    assert "ragged_dot" not in str(jax.make_jaxpr(step)(x, logits, **q))
+    assert "ragged_dot" in str(jax.make_jaxpr(step)(x, logits, **floats))
+    np.testing.assert_allclose(np.asarray(step(x, logits, **q)), np.asarray(ref), rtol=TOL, atol=TOL)
+
+
 @pytest.mark.parametrize("impl", ["ragged", "megablox", "gather", "blocked"])
 def test_experts_without_tokens_and_clamped_swiglu_with_biases(impl):
     """Every token routed to experts 1 and 4 of 7 (the others get no row, the first and the last included), gpt-oss's
@@ -191,6 +209,20 @@ def test_megablox_tiling():
     assert megablox_tiling(4096, 2048, 768, BF16) == (128, 512, 256)
     assert megablox_tiling(20, 2880, 2880, F32) == (24, 512, 512)  # gpt-oss: no 128-multiple divides 2880
     assert megablox_tiling(20, 320, 2880, F32) == (24, 320, 512)
+
+
+def test_megablox_irregular_last_blocks_equal_the_reference():
+    """A hidden size past 512 that no 128-multiple divides (gpt-oss's 2880 in miniature: 576 = 512 + 64): the
+    gate / up products mask the contraction's remainder block, the down product clips its last output block."""
+    T, D, F, E, k = 9, 576, 200, 4, 2
+    assert megablox_tiling(T * k, D, F, F32)[1:] == (512, 200) and megablox_tiling(T * k, F, D, F32)[1:] == (200, 512)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(T, D)), F32)
+    logits = jnp.asarray(rng.normal(size=(T, E)), F32)
+    w = _weights(rng, E, D, F, scale=0.05)
+    ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
+    out = kernels.moe(x, logits, **w, top_k=k, impl="megablox", interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
 
 def _moe_args(T=4, D=6, F=5, E=4):
@@ -396,16 +428,25 @@ def _mesh(topology: str) -> jax.sharding.Mesh:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
-def test_megablox_compiles_for_tpu_at_qwen3_30b_a3b_shapes(topology):
-    """Qwen3-30B-A3B's MoE (hidden 2048, moe_intermediate 768, 128 experts, top-8), bfloat16, 64 and 512 tokens."""
+@pytest.mark.parametrize(
+    "topology, shapes",
+    [
+        ("v5e:2x2", "qwen3-30b-a3b"),
+        ("v6e:2x2", "qwen3-30b-a3b"),
+        ("v5e:2x2", "gpt-oss-120b"),
+    ],
+)
+def test_megablox_compiles_for_tpu_at_real_shapes(topology, shapes):
+    """Qwen3-30B-A3B's MoE (hidden 2048, moe_intermediate 768, 128 experts, top-8), bfloat16, 64 and 512 tokens;
+    gpt-oss-120b's 16 experts a chip holds under 8-way expert parallelism (2880 x 2880, top 4: irregular blocks,
+    which whole-dimension blocks of 2880 would overflow v5e's scoped VMEM)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.aot import no_persistent_cache
 
     mesh = _mesh(topology)
-    D, F, E, k = 2048, 768, 128, 8
+    D, F, E, k = (2048, 768, 128, 8) if shapes == "qwen3-30b-a3b" else (2880, 2880, 16, 4)
 
     def a(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
