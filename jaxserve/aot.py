@@ -258,6 +258,10 @@ def _abstract_params(cfg: ModelConfig, dtype: str) -> dict:
     return {n: jax.ShapeDtypeStruct(s.shape, _np_dtype(dtype)) for n, s in param_schema(cfg).items()}
 
 
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
+
+
 def _per_chip_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
@@ -359,11 +363,8 @@ def plan(
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))
         page_bytes = probe.pool.device_page_bytes()  # with the TPU's tile padding
         weights = _per_chip_bytes((probe.state, probe.matmul_weights))
-        expert_bytes = sum(
-            math.prod(probe.param_shardings[n].shard_shape(s.shape)) * np.dtype(_np_dtype(dtype)).itemsize
-            for n, s in param_schema(probe.cfg).items()
-            if _is_expert(s)
-        )
+        experts = [n for n, s in param_schema(probe.cfg).items() if _is_expert(s) and n in probe.state]
+        expert_bytes = _per_chip_bytes([probe.state[n].get_value() for n in experts])  # quantized: values + scales
     else:
         params = _abstract_params(cfg, dtype)
         if config.quantization:
@@ -377,16 +378,10 @@ def plan(
                 else p
                 for n, p in params.items()
             }
-        weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)) // tp
+        weights = sum(_nbytes(x) for x in jax.tree.leaves(params)) // tp
         # the experts are split over the chips either way: each expert's hidden (TP) or whole experts (EP)
-        expert_bytes = (
-            sum(
-                math.prod(s.shape) * np.dtype(_np_dtype(dtype)).itemsize
-                for s in param_schema(cfg).values()
-                if _is_expert(s)
-            )
-            // tp
-        )
+        experts = [n for n, s in param_schema(cfg).items() if _is_expert(s) and n in params]
+        expert_bytes = sum(_nbytes(x) for n in experts for x in jax.tree.leaves(params[n])) // tp
     if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
         raise ValueError(
             f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "

@@ -254,3 +254,8 @@ def test_moe_plans_by_arithmetic_on_gpus_and_checks_the_expert_parallel_degree()
         plan("gpt-oss-20b", "h100:64", 64, enable_expert_parallel=True, compile=False)
     with pytest.raises(ValueError, match="gpt-oss-120b does not fit h200:1"):  # 117 B parameters in bfloat16
         plan("gpt-oss-120b", "h200:1", 1)
+    # int8 experts fit it: 1 byte a weight, a float32 scale per expert and output channel, bfloat16 biases
+    q = plan("gpt-oss-120b", "h200:1", 1, quantization="int8")
+    L, E, D = 36, 128, 2880  # gate, up [E, D, F]; down [E, F, D]; F = D
+    assert q.fits and q.expert_bytes_per_chip == L * E * (3 * D * D + 3 * D * 4 + 3 * D * 2)
+    assert q.weight_bytes_read(1) < q.weight_bytes_per_chip / 15  # 4 of 128 experts read at batch 1
