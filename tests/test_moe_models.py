@@ -242,3 +242,63 @@ def test_orbax_checkpoint_of_a_moe_restores_onto_expert_parallel_devices(checkpo
     assert llm.engine.runner.state["expert_up"].get_value().sharding.spec == P(None, "model", None, None)
     res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in res] == [list(o.token_ids) for o in one_device["gpt_oss"]]
+
+
+def _hf_with_experts(hf, experts):
+    """A copy of HF's Mixtral whose expert stacks are ``experts`` (ours: [L, E, D, F] gate / up, [L, E, F, D] down)."""
+    import copy
+
+    hf = copy.deepcopy(hf)
+    gate, up, down = (np.asarray(experts[n], np.float32) for n in ("expert_gate", "expert_up", "expert_down"))
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):  # HF: gate_up_proj [E, 2F, D] (gate first), down_proj [E, D, F]
+            gate_up = np.concatenate([gate[i], up[i]], axis=-1).transpose(0, 2, 1)
+            layer.mlp.experts.gate_up_proj.copy_(torch.from_numpy(gate_up))
+            layer.mlp.experts.down_proj.copy_(torch.from_numpy(down[i].transpose(0, 2, 1).copy()))
+    return hf
+
+
+@pytest.mark.parametrize(("mode", "tp"), [("int4", 1), ("int8", 2)])
+def test_quantized_expert_stacks_match_hf_on_their_values(mode, tp, checkpoints):
+    """Only the expert stacks quantized: served as 8 / 4-bit values (each device holding 1 / degree of them under
+    expert parallelism), tokens and logprobs those of HF with the experts set to the dequantized values."""
+    import dataclasses
+
+    import jax
+
+    from jaxserve import quant
+    from jaxserve.loading import load_model
+
+    path, hf = checkpoints["mixtral"]
+    loaded = load_model(str(path), "float32")
+    names = ("expert_gate", "expert_up", "expert_down")
+    q = {n: jax.tree.map(np.asarray, quant.quantize_param(n, loaded.params[n], mode, group=16)) for n in names}
+    llm = LLM(
+        dataclasses.replace(loaded, params={**loaded.params, **q}),
+        tensor_parallel_size=tp,
+        enable_expert_parallel=tp > 1,
+        **ENGINE,
+    )
+    served = llm.engine.runner.state["expert_down"].get_value()
+    assert isinstance(served, quant.QArray) and served.bits == int(mode[3:])
+    values = served.q
+    assert values.dtype == (np.uint8 if mode == "int4" else np.int8)
+    assert values.addressable_shards[0].data.nbytes * tp == values.nbytes
+    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    ref = _hf_with_experts(hf, {n: quant.dequantize(q[n]) for n in names})
+    _assert_matches_hf(ref, _prompts(), [o.outputs[0] for o in res])
+
+
+def test_quantization_flag_quantizes_the_experts_and_expert_parallel_keeps_its_tokens(checkpoints):
+    """``quantization="int8"`` quantizes the expert stacks with the rest: 1 byte a weight, and TP 2 with expert
+    parallelism gives one device's tokens on them."""
+    from jaxserve import quant
+
+    path, _ = checkpoints["mixtral"]
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(path), quantization="int8", tensor_parallel_size=tp, enable_expert_parallel=tp > 1, **ENGINE)
+        gate = llm.engine.runner.state["expert_gate"].get_value()
+        assert isinstance(gate, quant.QArray) and gate.q.dtype == np.int8 and gate.q.shape == (3, 8, 64, 48)
+        outs.append([list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)])
+    assert outs[0] == outs[1]
