@@ -32,6 +32,7 @@ from jaxserve.loading import load_model  # noqa: E402
 from jaxserve.loading.gguf import GGUFCheckpoint  # noqa: E402
 from jaxserve.loading.weights import params_from_hf_tensors  # noqa: E402
 from jaxserve.models.decoder import model_from_params  # noqa: E402
+from jaxserve.quant import QArray, dequantize  # noqa: E402
 
 VOCAB = 128  # the GGUF files' own token list: no tokenizer is needed for logits
 CASES = {  # case: (write_checkpoint family, GGUF architecture, overrides)
@@ -112,9 +113,9 @@ def test_wrong_expert_count_names_the_tensor(tiny, tmp_path):
         load_model(path, "float32")
 
 
-def test_quantized_experts_are_dequantized_and_logged(tiny, tmp_path, caplog):
-    """Kept quantized, a Q8_0 file's matrices stay Q8_0 blocks but its expert stacks come as float (the MoE kernel
-    takes float experts), their values the blocks' exactly, with one warning that says so."""
+def test_quantized_experts_are_served_quantized(tiny, tmp_path, caplog):
+    """Kept quantized, a Q8_0 file's expert stacks stay Q8_0 blocks as its matrices do: their values the ``gguf``
+    package's dequantizer's exactly, and the model's logits those of the same file read as floats."""
     hf, state, _ = tiny("mixtral")
     path = tmp_path / "q8.gguf"
     _write_like_llamacpp(path, "llama", hf.config, state)
@@ -144,11 +145,19 @@ def test_quantized_experts_are_dequantized_and_logged(tiny, tmp_path, caplog):
     writer.close()
     with caplog.at_level(logging.WARNING, logger="jaxserve.loading.gguf"):
         loaded = load_model(tmp_path / "q8_0.gguf", "float32", keep_quantized=True)
-    params, q8 = loaded.params, GGUFCheckpoint(tmp_path / "q8_0.gguf")
-    assert hasattr(params["wq"], "scale") and params["wq"].bits == 8
+    assert not [r for r in caplog.records if "dequantized" in r.getMessage()]
+    params = loaded.params
+    reader = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "q8_0.gguf")).tensors}
+    assert isinstance(params["wq"], QArray) and params["wq"].bits == 8
     for param, tensor in (("expert_gate", "ffn_gate_exps"), ("expert_up", "ffn_up_exps")):
-        assert isinstance(params[param], np.ndarray), param
-        np.testing.assert_array_equal(params[param][1], np.swapaxes(q8.tensor(f"blk.1.{tensor}.weight"), -1, -2))
-    warnings = [r.getMessage() for r in caplog.records if "expert stacks" in r.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert "MoE expert stacks cannot be served quantized yet: 6 quantized expert stacks were dequantized" in warnings[0]
+        assert isinstance(params[param], QArray) and params[param].bits == 8, param
+        t = reader[f"blk.1.{tensor}.weight"]
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        np.testing.assert_array_equal(np.asarray(dequantize(params[param]))[1], np.swapaxes(want, -1, -2))
+    assert isinstance(params["expert_down"], np.ndarray)  # stored as F32
+    tokens = np.random.default_rng(2).integers(0, VOCAB, 19)
+    floats = load_model(tmp_path / "q8_0.gguf", "float32").params
+    cfg = loaded.config
+    ours = _paged_logits(*model_from_params(cfg, params), cfg, tokens, chunks=[16, 1, 1, 1])
+    ref = _paged_logits(*model_from_params(cfg, floats), cfg, tokens, chunks=[16, 1, 1, 1])
+    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import mmap
 import struct
 from collections.abc import Callable, Iterator
@@ -309,9 +310,10 @@ REPACKABLE_TYPES = tuple(_REPACK)
 
 
 def repack(
-    raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *, name: str | None = None
+    raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, ...], *, name: str | None = None
 ) -> GGUFQuantized:
-    """A Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrix's blocks as values and scales (see ``GGUFQuantized``).
+    """A Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrix's blocks as values and scales (see ``GGUFQuantized``);
+    ``shape`` [..., out, in]: an expert stack [E, out, in] keeps its leading axis.
 
     Raises:
         ValueError: another type (see ``REPACKABLE_TYPES``), or a byte count that does not match ``shape``.
@@ -322,7 +324,8 @@ def repack(
             f"{qtype.name} tensor {name!r} cannot be served quantized (served as is: "
             f"{', '.join(t.name for t in REPACKABLE_TYPES)})"
         )
-    out_dim, in_dim = (int(x) for x in shape)
+    shape = tuple(int(x) for x in shape)
+    in_dim, out_dim = shape[-1], math.prod(shape[:-1])
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if in_dim % block_size or buf.size != out_dim * in_dim // block_size * type_size:
@@ -330,9 +333,9 @@ def repack(
     bits, offset, group, fn = _REPACK[qtype]
     values, scale, zero = fn(buf.reshape(-1, type_size))
     return GGUFQuantized(
-        values.reshape(out_dim, in_dim).copy(),
-        scale.reshape(out_dim, -1).copy(),
-        None if zero is None else zero.reshape(out_dim, -1).copy(),
+        values.reshape(shape).copy(),
+        scale.reshape(*shape[:-1], -1).copy(),
+        None if zero is None else zero.reshape(*shape[:-1], -1).copy(),
         bits,
         offset,
         group,
@@ -820,9 +823,9 @@ class GGUFCheckpoint:
 
         Args:
             progress: show a tqdm bar if loading takes more than a second.
-            quantized: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K come as ``GGUFQuantized`` (their own
-                blocks, repacked) instead of float32; matrices of other types are dequantized, and logged. MoE
-                routers and expert stacks are always dequantized (a quantized expert stack is logged, once).
+            quantized: matrices and MoE expert stacks stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K come as
+                ``GGUFQuantized`` (their own blocks, repacked) instead of float32; those of other types are
+                dequantized, and logged. MoE routers are always dequantized (computed in float32).
 
         Raises:
             ValueError: unsupported architecture, tensor type, or tensor name; a router or expert stack whose
@@ -844,14 +847,14 @@ class GGUFCheckpoint:
             disable=not progress,
             leave=False,
         ) as bar:
-            fallback, experts = [], []
+            fallback = []
             for name, hf, spec in names:
                 info = self.tensors[name]
                 kind = spec.kind if spec is not None else None
-                # the router is computed in float32; expert stacks cannot be served quantized yet (jaxserve.layers.moe)
-                matrix = len(info.shape) == 2 and not name.endswith("norm.weight") and kind != "router"
-                if quantized and kind == "experts" and info.qtype not in (_Q.F32, _Q.F16, _Q.BF16):
-                    experts.append(f"{name} ({info.qtype.name})")
+                # the router is computed in float32; an expert stack [E, out, in] is served quantized as a matrix is
+                matrix = kind == "experts" or (
+                    len(info.shape) == 2 and not name.endswith("norm.weight") and kind != "router"
+                )
                 if quantized and matrix and info.qtype in _REPACK:
                     w = repack(self.raw(name), info.qtype, info.shape, name=name)
                     rows = w.map_rows
@@ -874,12 +877,4 @@ class GGUFCheckpoint:
                     self.path.name,
                     len(fallback),
                     ", ".join(fallback[:8]) + (" ..." if len(fallback) > 8 else ""),
-                )
-            if experts:
-                logger.warning(
-                    "%s: MoE expert stacks cannot be served quantized yet: %d quantized expert stacks were dequantized "
-                    "to float on load (the other matrices stay quantized): %s",
-                    self.path.name,
-                    len(experts),
-                    ", ".join(experts[:4]) + (" ..." if len(experts) > 4 else ""),
                 )

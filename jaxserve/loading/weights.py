@@ -159,12 +159,10 @@ def params_from_hf_tensors(
         if expert is not None:
             expected = expected[1:]
         if hasattr(array, "scale"):  # a pre-quantized matrix (loading.gguf.GGUFQuantized): kept quantized
-            got = array.values.T.shape if transpose else array.values.shape
+            got = np.swapaxes(array.values, -1, -2).shape if transpose else array.values.shape
             if got != expected or expert is not None:
-                raise ValueError(
-                    f"tensor {hf_name!r} has shape {array.values.shape}, expected "
-                    f"{tuple(expected[::-1] if transpose else expected)}"
-                )
+                hf_expected = (*expected[:-2], *expected[:-3:-1]) if transpose else expected
+                raise ValueError(f"tensor {hf_name!r} has shape {array.values.shape}, expected {tuple(hf_expected)}")
             quantized.setdefault(name, {})[layer] = _quantized_parts(array, transpose)
             filled[name].add(layer)
             continue
@@ -215,15 +213,15 @@ def _model_layer(spec: ParamSpec, index: int) -> int:
 
 
 def _quantized_parts(q, transpose: bool) -> dict:
-    """A ``GGUFQuantized`` matrix (GGUF blocks, or a compressed-tensors / AWQ weight: [out, in], grouped along in) as
-    ``QArray`` fields in our layout: linear weights [in, out] grouped along axis -2, the embedding [V, D] grouped
-    along axis -1; 4-bit values packed."""
+    """A ``GGUFQuantized`` matrix (GGUF blocks, or a compressed-tensors / AWQ weight: [..., out, in], grouped along
+    in) as ``QArray`` fields in our layout: linear weights and expert stacks [..., in, out] grouped along axis -2,
+    the embedding [V, D] grouped along axis -1; 4-bit values packed."""
     from jaxserve.quant import pack4_host
 
     axis = -2 if transpose else -1
     leaves = {"q": q.values, "scale": q.scale, "zero": q.zero}
     if transpose:
-        leaves = {k: None if v is None else np.ascontiguousarray(v.T) for k, v in leaves.items()}
+        leaves = {k: None if v is None else np.ascontiguousarray(np.swapaxes(v, -1, -2)) for k, v in leaves.items()}
     if q.bits == 4:
         leaves["q"] = pack4_host(leaves["q"], axis)
     return dict(leaves, bits=q.bits, group=q.group, offset=q.offset, axis=axis, act_quant=q.act_quant)
