@@ -176,6 +176,7 @@ class ModelRunner:
             name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, fit_sharding(s, x.shape)), value)
             for name, value in params.items()
         }
+        placed = self._split_expert_groups(placed, schema, dtype)
         if quantization not in (None, "gguf"):  # "gguf": the checkpoint's own quantized weights, as loaded
             if platform is None:  # compiling for another platform (jaxserve.aot) checks its chip itself
                 quant.check_backend(quantization)
@@ -236,6 +237,40 @@ class ModelRunner:
         self.inputs = InputBatch(
             self.page_size, self.token_buckets, self.page_buckets, self.max_seqs, self.num_speculative_tokens
         )
+
+    def _split_expert_groups(self, params: dict, schema: dict, dtype) -> dict:
+        """A checkpoint's quantized expert stack whose groups tensor parallelism would cut (gpt-oss's MXFP4 down
+        stack: groups of 32 along 2880 inputs, 360 a device at TP 8) cannot be dequantized inside the MoE's
+        ``shard_map`` from the device's own part: it is dequantized to the model's dtype on its devices, logged.
+        Expert parallelism (whole experts per device) never cuts a group."""
+        out = dict(params)
+        for name, w in params.items():
+            if not quant.is_quantized(w) or schema[name].kind != "experts" or w.scale.shape[w.axis] == 1:
+                continue
+            spec = tuple(self.param_shardings[name].spec)
+            dim = len(w.shape) + w.axis
+            ways = self.mesh.shape[spec[dim]] if dim < len(spec) and spec[dim] is not None else 1
+            if ways == 1 or (w.shape[dim] // ways) % w.group == 0:
+                continue
+            logger.warning(
+                "%s: quantized in groups of %d along its %d input channels, which tensor_parallel_size=%d splits "
+                "into %d a device: served as %s (enable_expert_parallel keeps whole experts on each device, "
+                "quantized)",
+                name,
+                w.group,
+                w.shape[dim],
+                ways,
+                w.shape[dim] // ways,
+                jnp.dtype(dtype).name,
+            )
+            fn = functools.partial(quant.dequantize, dtype=dtype)
+            sharding = self.param_shardings[name]
+            out[name] = (
+                jax.ShapeDtypeStruct(w.shape, dtype, sharding=sharding)
+                if self.abstract
+                else jax.jit(fn, out_shardings=sharding)(w)
+            )
+        return out
 
     def _quantize(self, params: dict, schema: dict, mode: str) -> dict:
         """The float weights the schema calls quantizable quantized on their devices, one at a time, each
