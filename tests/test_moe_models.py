@@ -141,13 +141,20 @@ def write_mxfp4_checkpoint(path, seed=0):
 def test_dequantized_mxfp4_equals_transformers():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from jaxserve.loading.mxfp4 import dequantize_mxfp4
+    from jaxserve.loading.mxfp4 import dequantize_mxfp4, mxfp4_as_int8
+    from jaxserve.loading.weights import _quantized_parts
+    from jaxserve.quant import QArray, dequantize
 
     rng = np.random.default_rng(1)
     blocks = rng.integers(0, 256, size=(3, 40, 4, 16), dtype=np.uint8)
     scales = rng.integers(100, 140, size=(3, 40, 4), dtype=np.uint8)
     ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
     np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales), ref.numpy())
+    # served: int8 values (twice the FP4 ones) and power-of-two scales, the same weights exactly
+    q = mxfp4_as_int8(blocks, scales)
+    assert q.values.dtype == np.int8 and q.values.shape == (3, 40, 128) and np.abs(q.values).max() <= 12
+    served = QArray(**_quantized_parts(q, transpose=True))  # [E, in, out], grouped by 32 along in
+    np.testing.assert_array_equal(np.asarray(dequantize(served)), ref.numpy())
     with pytest.raises(ValueError, match=r"blocks of shape \(3, 40, 4, 16\) do not match scales of shape"):
         dequantize_mxfp4(blocks, scales[:, :, :3])
 
@@ -159,11 +166,33 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path, default_model_path, caplo
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
     ).eval()
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         llm = LLM(str(tmp_path), **ENGINE)
-    assert "MXFP4 expert weights are dequantized on load" in caplog.text
+    assert "MXFP4 expert weights are served as int8 in groups of 32" in caplog.text
+    for name in ("expert_gate", "expert_up", "expert_down"):
+        w = llm.engine.runner.state[name].get_value()
+        assert w.q.dtype == np.int8 and w.group == 32, name
     res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     _assert_matches_hf(hf, _prompts(), [o.outputs[0] for o in res])
+
+
+def test_mxfp4_stacks_split_by_tensor_parallelism_are_served_as_floats(tmp_path, default_model_path, caplog):
+    """At TP 2 each device holds 32 of gpt-oss's 64 down-projection inputs: whole groups of 32, served quantized.
+    A stack whose groups a degree would cut is served dequantized, logged; expert parallelism keeps it quantized.
+    Either way one device's tokens."""
+    write_mxfp4_checkpoint(tmp_path)
+    orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
+    one = LLM(str(tmp_path), **ENGINE).generate(_prompts(), GREEDY, use_tqdm=False)
+    for tp, ep, quantized in ((2, False, True), (4, False, False), (4, True, True)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            llm = LLM(str(tmp_path), tensor_parallel_size=tp, enable_expert_parallel=ep, **ENGINE)
+        down = llm.engine.runner.state["expert_down"].get_value()
+        assert hasattr(down, "scale") == quantized, (tp, ep)
+        if not quantized:
+            assert "expert_down: quantized in groups of 32 along its 64 input channels" in caplog.text
+        res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in res] == [o.outputs[0].token_ids for o in one], (tp, ep)
 
 
 def test_mxfp4_blocks_without_their_scales_are_named(tmp_path):

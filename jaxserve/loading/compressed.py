@@ -1,5 +1,5 @@
-"""Pre-quantized HF directories (compressed-tensors, AutoAWQ), served quantized (never dequantized to floats; gpt-oss's
-MXFP4 experts, the one exception, are ``jaxserve.loading.mxfp4``'s).
+"""Pre-quantized HF directories (compressed-tensors, AutoAWQ), served quantized (never dequantized to floats); gpt-oss's
+MXFP4 experts are ``jaxserve.loading.mxfp4``'s, served as int8.
 
 llm-compressor writes this format (its W4A16, W8A16, W8A8 and FP8 schemes, and GPTQ / AWQ runs saved through it),
 vLLM serves it, and ``config.json`` names it: ``"quantization_config": {"quant_method": "compressed-tensors"}``.

@@ -253,10 +253,18 @@ def _gpt_oss_hf(hf, fields) -> dict[str, Any]:
 
 def _gpt_oss_fixup(name: str, array) -> list[tuple[str, Any]]:
     """gpt-oss's expert stacks ([E, in, out], gate and up interleaved column by column in one ``gate_up_proj``) as
-    the schema's stacked [E, out, in] tensors and [E, out] biases."""
+    the schema's stacked [E, out, in] tensors and [E, out] biases. MXFP4 stacks come quantized, already [E, out, in]
+    (``loading.mxfp4``): their output rows are split the same way."""
     import numpy as np
 
     x = "mlp.experts."
+    if hasattr(array, "scale") and name == x + "gate_up_proj":
+        return [
+            (x + "gate_proj.weight", array.map_rows(lambda v: v[:, ::2])),
+            (x + "up_proj.weight", array.map_rows(lambda v: v[:, 1::2])),
+        ]
+    if hasattr(array, "scale") and name == x + "down_proj":
+        return [(x + "down_proj.weight", array)]
     if name == x + "gate_up_proj":
         return [
             (x + "gate_proj.weight", np.swapaxes(array[..., ::2], 1, 2)),
