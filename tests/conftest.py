@@ -52,6 +52,7 @@ FAST_FILES = {
     "test_gguf.py",
     "test_deploy.py",
     "test_wire.py",
+    "test_pipeline.py",
 }
 FAST_TESTS = {"test_default_model.py::test_greedy_matches_hf_token_for_token"}
 

@@ -1,4 +1,4 @@
-"""The host side (scheduler, block manager, requests, sampling parameters) must not import jax."""
+"""The host side (scheduler, block manager, requests, sampling parameters, the pipeline split) must not import jax."""
 
 import subprocess
 import sys
@@ -6,7 +6,8 @@ import sys
 
 def test_host_modules_import_no_jax():
     code = (
-        "import sys, jaxserve.scheduler, jaxserve.block_manager, jaxserve.request, jaxserve.sampling_params; "
+        "import sys, jaxserve.scheduler, jaxserve.block_manager, jaxserve.request, jaxserve.sampling_params, "
+        "jaxserve.pipeline; "
         "from jaxserve import SamplingParams; "
         "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]; "
         "assert not bad, bad"
