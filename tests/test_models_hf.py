@@ -590,6 +590,35 @@ def test_moe_presets_are_their_hub_configs(preset):
         assert ours.attention_sinks and ours.o_bias and ours.moe_activation == "swiglu_clamped"
 
 
+def test_llama_405b_preset_is_its_hub_config():
+    """configs/llama-3.1-405b.json (pipeline parallelism's plans) is our HF reader's view of the hub's config.json
+    as transformers' LlamaConfig writes it."""
+    from jaxserve.config import ModelConfig, load_preset
+
+    hub = dict(
+        vocab_size=128256,
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+    )
+    assert ModelConfig.from_hf(transformers.LlamaConfig(**hub).to_dict()) == load_preset("llama-3.1-405b")
+
+
 def test_unknown_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
     with pytest.raises(ValueError, match="unknown architecture.*mamba"):
