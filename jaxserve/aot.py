@@ -133,6 +133,8 @@ class Plan:
     num_experts: int = 0
     experts_per_tok: int = 0
     expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
+    stage_layer_counts: tuple[int, ...] = ()  # layers of each stage (pipeline parallel)
 
     @property
     def kv_bytes_per_chip(self) -> int:
@@ -163,11 +165,19 @@ class Plan:
         dense = self.weight_bytes_per_chip - self.expert_bytes_per_chip
         return dense + self.expert_bytes_per_chip * self.experts_read(batch) / self.num_experts
 
-    def decode_tokens_per_s(self, batch: int | None = None) -> float:
+    def decode_tokens_per_s(self, batch: int | None = None, in_flight: int | None = None) -> float:
         """Roofline of a decode step of ``batch`` sequences (default: max_num_seqs) at ``seq_len``: each chip reads
         its weights once (a MoE's: see ``weight_bytes_read``) and its share of every sequence's KV, at its published
-        bandwidth, or computes each token's active weights, if that takes longer."""
-        batch = self.decode_batch(batch)
+        bandwidth, or computes each token's active weights, if that takes longer.
+
+        Pipeline parallel: a tick is that step on the largest stage's chips; with ``in_flight`` batches (default:
+        one per stage) sharing the pool, a tick yields ``in_flight / stages`` batches' tokens: with one batch in
+        flight the other stages idle (the bubble)."""
+        stages = self.pipeline_parallel_size
+        in_flight = stages if in_flight is None else in_flight
+        if not 1 <= in_flight <= stages:
+            raise ValueError(f"in_flight must be in [1, {stages}], got {in_flight}")
+        batch = min(self.decode_batch(batch), max(self.max_sequences // in_flight, 1))
         kv_token_bytes = self.page_bytes_per_chip / self.page_size
         read = self.weight_bytes_read(batch) + batch * self.seq_len * kv_token_bytes
         active = self.weight_bytes_per_chip
@@ -175,15 +185,23 @@ class Plan:
             active -= self.expert_bytes_per_chip * (1 - self.experts_per_tok / self.num_experts)
         flops = 2 * batch * active / np.dtype(_np_dtype(self.dtype)).itemsize
         step_s = max(read / self.chip.hbm_bytes_per_s, flops / self.chip.bf16_flops)
-        return batch / step_s
+        return batch * in_flight / (stages * step_s)
 
     def summary(self) -> str:
         hbm = self.chip.hbm_bytes
         ep = ", experts: expert parallel" if self.expert_parallel and self.num_experts else ""
+        pp = self.pipeline_parallel_size
+        stages = f"{pp} pipeline stages x " if pp > 1 else ""
         lines = [
-            f"{self.model} on {self.topology} ({self.chip.name}, {self.tensor_parallel_size}-way tensor parallel{ep}, "
-            f"{self.dtype})",
+            f"{self.model} on {self.topology} ({self.chip.name}, {stages}{self.tensor_parallel_size}-way tensor "
+            f"parallel{ep}, {self.dtype})",
         ]
+        if pp > 1:
+            counts = self.stage_layer_counts
+            lines.append(
+                f"  stages                {pp} of {'/'.join(map(str, counts))} layers (the first also the "
+                "embedding, the last the output head); per chip: the largest stage's"
+            )
         if self.total_params:
             lines.append(
                 f"  parameters            {self.total_params / 1e9:8.2f} B"
@@ -204,8 +222,15 @@ class Plan:
             f"  HBM per chip          {hbm / GiB:8.2f} GiB (pool sized to {self.kv_cache_memory_fraction:.0%} of it)",
             f"  fits: {'yes' if self.fits else 'NO'}; {self.max_sequences} sequences of {self.seq_len} tokens at once",
         ]
+        if pp > 1:
+            b = min(self.decode_batch(), max(self.max_sequences // pp, 1))
+            lines.append(
+                f"  decode roofline, {pp} batches of {b} in flight, {self.seq_len} tokens of context: "
+                f"{self.decode_tokens_per_s(b):,.0f} tokens/s; one batch of {b} in flight: "
+                f"{self.decode_tokens_per_s(b, in_flight=1):,.0f} tokens/s (the bubble: {pp - 1} of {pp} stages idle)"
+            )
         batches = sorted({1, self.decode_batch()}) if self.num_experts else [self.decode_batch()]
-        for b in batches:
+        for b in batches if pp == 1 else ():
             line = f"  decode roofline at batch {b}, {self.seq_len} tokens of context: {self.decode_tokens_per_s(b):,.0f} tokens/s"
             if self.num_experts:
                 line += (
@@ -294,6 +319,8 @@ def plan(
     seq_len: int | None = None,
     variants: str = "corners",
     compile: bool = True,
+    pipeline_parallel_size: int = 1,
+    num_slices: int = 1,
     **settings,
 ) -> Plan:
     """Plans (and on a TPU topology, compiles) one engine replica over ``tensor_parallel_size`` chips.
@@ -308,6 +335,10 @@ def plan(
         variants: "corners" (the largest mixed and decode-only buckets), "decode" (the largest decode-only one)
             or "all" (every bucket the runner compiles at warm-up).
         compile: False plans by arithmetic only (as for GPUs).
+        pipeline_parallel_size: stages the layers are split over (``jaxserve.pipeline.stage_layers``), each on
+            ``tensor_parallel_size`` chips: planned by arithmetic (the pipelined step is not built yet).
+        num_slices: copies of ``topology`` joined over the data-center network (TPU multislice), e.g. two v5e-8
+            slices for 2 stages of 8 chips.
 
     Raises:
         ValueError: an unknown topology or model, a degree the model or the topology cannot take, or a model
@@ -317,14 +348,26 @@ def plan(
 
     from jaxserve.engine import DEFAULT_MAX_MODEL_LEN
     from jaxserve.models.schema import param_schema
+    from jaxserve.pipeline import holds, stage_layers
     from jaxserve.runner import ModelRunner
     from jaxserve.sharding import MESH_AXES, kv_heads_for, make_mesh, rules_for
 
     name, cfg = _model_config(model)
     chip, num_chips = parse_topology(topology)
-    tp = tensor_parallel_size or num_chips
-    if tp > num_chips:
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} chips, but {topology} has {num_chips}")
+    if not isinstance(num_slices, int) or num_slices < 1:
+        raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
+    num_chips *= num_slices
+    if num_slices > 1:
+        topology = f"{num_slices} x {topology}"
+    pp = pipeline_parallel_size
+    stages = stage_layers(cfg.num_layers, pp)
+    tp = tensor_parallel_size or num_chips // pp
+    if tp * pp > num_chips or tp < 1:
+        raise ValueError(
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} chips, but {topology} has "
+            f"{num_chips}"
+        )
+    compile = compile and pp == 1 and num_slices == 1
     kv_heads = kv_heads_for(cfg, tp)  # the degree must suit the heads
     config = EngineConfig.from_settings(config, **settings)
     if config.quantization == "gguf":
@@ -357,7 +400,7 @@ def plan(
 
     kv = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype))
     row_bytes = cfg.head_dim * kv.itemsize + (4 if kv == np.int8 else 0)  # int8 rows carry a float32 scale
-    page_bytes = 2 * cfg.num_layers * config.page_size * (kv_heads // tp) * row_bytes
+    page_bytes = 2 * max(map(len, stages)) * config.page_size * (kv_heads // tp) * row_bytes
     compiled: list[Variant] = []
     if compile:
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))
@@ -378,13 +421,27 @@ def plan(
                 else p
                 for n, p in params.items()
             }
-        weights = sum(_nbytes(x) for x in jax.tree.leaves(params)) // tp
+        schema = param_schema(cfg)
+
+        def stage_bytes(n: str, layers: range) -> int:
+            """Parameter n's bytes on the stage holding ``layers`` (the whole of it without pipeline stages)."""
+            spec, nbytes = schema[n], sum(_nbytes(x) for x in jax.tree.leaves(params[n]))
+            if not spec.per_layer:
+                return nbytes if holds(n, layers, cfg.num_layers, cfg.tie_word_embeddings) else 0
+            held = sum(1 for layer in (spec.layers or range(cfg.num_layers)) if layer in layers)
+            return nbytes * held // spec.num_stacked
+
         # the experts are split over the chips either way: each expert's hidden (TP) or whole experts (EP)
-        experts = [n for n, s in param_schema(cfg).items() if _is_expert(s) and n in params]
-        expert_bytes = sum(_nbytes(x) for n in experts for x in jax.tree.leaves(params[n])) // tp
+        experts = [n for n, s in schema.items() if _is_expert(s) and n in params]
+        weights, expert_bytes = max(
+            (sum(stage_bytes(n, layers) for n in params) // tp, sum(stage_bytes(n, layers) for n in experts) // tp)
+            for layers in stages
+        )
     if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
         raise ValueError(
-            f"{name} does not fit {topology} at tensor_parallel_size={tp}: its weights alone take "
+            f"{name} does not fit {topology} at tensor_parallel_size={tp}"
+            + (f" x pipeline_parallel_size={pp}" if pp > 1 else "")
+            + ": its weights alone take "
             f"{weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
             f"larger chip"
         )
@@ -414,6 +471,8 @@ def plan(
         cfg.num_experts,
         cfg.num_experts_per_tok,
         config.enable_expert_parallel and cfg.is_moe,
+        pp,
+        tuple(map(len, stages)) if pp > 1 else (),
     )
     if not result.fits:
         raise ValueError(

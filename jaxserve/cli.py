@@ -160,8 +160,8 @@ def cmd_plan(args) -> int:
     from jaxserve.aot import parse_topology, plan
     from jaxserve.config import EngineConfig
 
-    chips = parse_topology(args.topology)[1]
-    settings = vars(args) | {"tensor_parallel_size": args.tensor_parallel_size or chips}
+    chips = parse_topology(args.topology)[1] * args.num_slices
+    settings = vars(args) | {"tensor_parallel_size": args.tensor_parallel_size or chips // args.pipeline_parallel_size}
     config = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
     result = plan(
         args.model,
@@ -171,6 +171,8 @@ def cmd_plan(args) -> int:
         seq_len=args.seq_len,
         compile=not args.no_compile,
         variants="all" if args.all_variants else "corners",
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        num_slices=args.num_slices,
     )
     print(result.summary())
     return 0
@@ -222,6 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq-len", type=int, default=None, help="context per sequence (default: --max-model-len)")
     pl.add_argument("--all-variants", action="store_true", help="compile every bucket (default: the largest ones)")
     pl.add_argument("--no-compile", action="store_true", help="arithmetic only")
+    pl.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="stages the layers are split over, each on --tensor-parallel-size chips (planned by arithmetic)",
+    )
+    pl.add_argument(
+        "--num-slices", type=int, default=1, help="copies of --topology joined over the data-center network"
+    )
     EngineConfig.add_cli_args(pl, tensor_parallel_size=0, dtype="bfloat16")
     pl.set_defaults(func=cmd_plan)
 

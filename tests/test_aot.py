@@ -259,3 +259,30 @@ def test_moe_plans_by_arithmetic_on_gpus_and_checks_the_expert_parallel_degree()
     L, E, D = 36, 128, 2880  # gate, up [E, D, F]; down [E, F, D]; F = D
     assert q.fits and q.expert_bytes_per_chip == L * E * (3 * D * D + 3 * D * 4 + 3 * D * 2)
     assert q.weight_bytes_read(1) < q.weight_bytes_per_chip / 15  # 4 of 128 experts read at batch 1
+
+
+def test_pipeline_parallel_plans_by_arithmetic():
+    """Llama-3.1-70B as 2 stages x TP 8 over two v5e-8 slices: each chip holds 40 layers' eighth (the first stage
+    also the embedding, the last the final norm and output head: the larger), their KV pages, and the decode
+    roofline counts the bubble. Checked against the sizes by hand."""
+    D, N, K, H, F, V = 8192, 64, 8, 128, 28672, 128256
+    layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D  # q, k, v, o, gate / up / down, 2 norms
+    p = plan("llama-3.1-70b", "v5e:2x4", 8, compile=False, pipeline_parallel_size=2, num_slices=2)
+    assert (p.pipeline_parallel_size, p.stage_layer_counts, p.topology) == (2, (40, 40), "2 x v5e:2x4")
+    assert p.weight_bytes_per_chip == (40 * layer + D + V * D) * 2 // 8
+    assert p.page_bytes_per_chip == 2 * 40 * 16 * 1 * H * 2  # 40 layers, one KV head per chip, K and V
+    assert p.fits and not p.variants
+    # 2 batches of 8 in flight: twice the tokens a tick of one batch yields (the other stage idles)
+    assert p.decode_tokens_per_s(8) == pytest.approx(2 * p.decode_tokens_per_s(8, in_flight=1), rel=1e-12)
+    one = plan("llama-3.1-70b", "v5e:4x4", 16, compile=False)  # the same 16 chips as one TP 16 replica
+    assert p.weight_bytes_per_chip == pytest.approx(one.weight_bytes_per_chip, rel=0.01)
+    assert "the bubble: 1 of 2 stages idle" in p.summary()
+
+
+def test_pipeline_parallel_degrees_are_checked():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 x pipeline_parallel_size=2 needs 16 chips"):
+        plan("llama-3.1-70b", "v5e:2x4", 8, compile=False, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=31 exceeds the model's 30 layers"):
+        plan("smollm2-135m", "v5e:2x4", 1, compile=False, pipeline_parallel_size=31)
+    p = plan("smollm2-135m", "v5e:2x4", 1, compile=False, pipeline_parallel_size=4)  # 30 layers: 8, 8, 7, 7
+    assert p.stage_layer_counts == (8, 8, 7, 7) and p.page_bytes_per_chip == 2 * 8 * 16 * 3 * 64 * 2
