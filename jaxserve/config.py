@@ -404,13 +404,18 @@ class SchedulerConfig:
     # Steps scheduled while the previous one runs: each sampled token is counted pending until its step's results are
     # read (``jaxserve.step_policy.AsyncPolicy``), and the runner feeds it to the next step on the device.
     async_scheduling: bool = False
+    # Pipeline parallelism's batches in flight (one per stage, ``jaxserve.step_policy.PipelinePolicy``): each holds at
+    # most max_num_seqs sequences, and the running requests at most this many times that.
+    pipeline_stages: int = 1
 
     @property
     def num_speculative_tokens(self) -> int:
         return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     def __post_init__(self):
-        _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "pipeline_stages")
+        if self.pipeline_stages > 1 and self.speculative is not None:
+            raise ValueError("SchedulerConfig: pipeline stages do not schedule speculative proposals")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"SchedulerConfig.policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.async_scheduling and self.speculative is not None:

@@ -267,6 +267,8 @@ class Scheduler:
             if self.step_policy.is_ending(request):
                 ending += 1
                 continue
+            if self.step_policy.is_busy(request) or len(chunks) >= self.config.max_num_seqs:
+                continue
             n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if n <= 0:
                 continue
@@ -287,7 +289,14 @@ class Scheduler:
                 budget -= n
 
         # Admit waiting requests, unless memory was so tight that someone was just preempted.
-        while not preempted and self.waiting and budget > 0 and len(self.running) - ending < self.config.max_num_seqs:
+        seqs = self.config.max_num_seqs
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(chunks) < seqs
+            and len(self.running) - ending < seqs * self.config.pipeline_stages
+        ):
             request = self.waiting[0]
             if not self.step_policy.may_resume(request):
                 break

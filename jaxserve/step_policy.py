@@ -41,6 +41,10 @@ class SyncPolicy:
         """Whether a waiting (preempted) request may be admitted now."""
         return True
 
+    def is_busy(self, request: Request) -> bool:
+        """A running request that sits this step out (pipeline stages: its next token is still in flight)."""
+        return False
+
     def scheduled(self, scheduled: list[ScheduledRequest]) -> None:
         """Bookkeeping once a step is scheduled, before it runs."""
 
@@ -136,6 +140,20 @@ class AsyncPolicy(SyncPolicy):
         return finished
 
 
+class PipelinePolicy(AsyncPolicy):
+    """Pipeline parallelism (``SchedulerConfig.pipeline_stages`` S): up to S steps in flight, one per stage, each a
+    batch of at most ``max_num_seqs`` sequences; the running requests, up to S times that, take turns. A request
+    whose sampled token is in flight is not scheduled again until that token is read (its next chunk needs the
+    value: unlike async scheduling, the token leaves the last stage S - 1 steps later than the next step starts).
+    A prompt's chunks that sample nothing follow one another step by step: a stage writes one chunk's KV before the
+    next chunk reaches it. Tokens are counted pending and confirmed as async scheduling's are."""
+
+    def is_busy(self, request: Request) -> bool:
+        return request.num_pending > 0
+
+
 def step_policy(scheduler: Scheduler) -> SyncPolicy:
     """The policy the scheduler's config asks for."""
+    if scheduler.config.pipeline_stages > 1:
+        return PipelinePolicy(scheduler)
     return AsyncPolicy(scheduler) if scheduler.config.async_scheduling else SyncPolicy(scheduler)

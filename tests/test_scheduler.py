@@ -542,3 +542,115 @@ def test_async_prefix_cache_hashes_known_tokens_only():
     assert len(bm.hash_to_page) == 2
     sched.update_from_output(second, second_tokens)
     assert r.num_pending == 0 and len(bm.hash_to_page) == 2  # position 4's page is not full
+
+
+def run_pipelined(sched, runner, stages, max_ticks=10_000, abort=None):
+    """Drives the scheduler as pipeline stages do: each tick launches a step into the first stage, and the step
+    launched ``stages - 1`` ticks earlier leaves the last one at the end of the tick (its tokens reach the
+    scheduler then). ``abort``: (tick, request id) aborted before that tick's step. Returns (finished requests,
+    ticks until the last step that computed anything left, steps that computed anything)."""
+    from collections import deque
+
+    finished, in_flight, last_exit, steps = {}, deque(), -1, 0
+    for tick in range(max_ticks):
+        if not sched.has_unfinished_requests() and not any(o.scheduled for o, _ in in_flight):
+            return finished, last_exit + 1, steps
+        if abort is not None and tick == abort[0]:
+            sched.abort_request(abort[1])
+        out = sched.schedule()
+        sampling = {s.req_id for o, _ in in_flight for s in o.scheduled if s.sample}
+        assert not sampling & {s.req_id for s in out.scheduled}, "a request with a token in flight was scheduled"
+        assert len(out.scheduled) <= sched.config.max_num_seqs
+        assert not any(s.from_previous_step for s in out.scheduled)
+        in_flight.append((out, runner(out)))
+        steps += bool(out.scheduled)
+        if len(in_flight) == stages:
+            done, tokens = in_flight.popleft()
+            finished.update((r.request_id, r) for r in sched.update_from_output(done, tokens))
+            if done.scheduled:
+                last_exit = tick
+        sched.block_manager.check_invariants()
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_pipeline_keeps_a_batch_on_every_stage(stages):
+    """S batches of 2 requests, each request 1 prefill + 5 decode steps: S x 6 steps launched back to back take
+    S x 6 + S - 1 ticks (each tick one step enters, the pipeline drains once); exact tokens."""
+    sched, runner = make(max_num_seqs=2, pipeline_stages=stages)
+    reqs = [Request(f"r{i}", prompt(4, 10 * i), SP(max_tokens=6, seed=i), ()) for i in range(2 * stages)]
+    sched.add_requests(reqs)
+    finished, ticks, steps = run_pipelined(sched, runner, stages)
+    check_done(sched, finished, reqs)
+    assert steps == stages * 6 and ticks == steps + stages - 1
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_one_batch_in_flight_shows_the_bubble(stages):
+    """One batch of 2 requests: each of its 6 steps waits for the previous one's tokens, S ticks apart: 6 x S
+    ticks, S - 1 of every S idle."""
+    sched, runner = make(max_num_seqs=2, pipeline_stages=stages)
+    reqs = [Request(f"r{i}", prompt(4, 10 * i), SP(max_tokens=6, seed=i), ()) for i in range(2)]
+    sched.add_requests(reqs)
+    finished, ticks, steps = run_pipelined(sched, runner, stages)
+    check_done(sched, finished, reqs)
+    assert steps == 6 and ticks == 6 * stages
+
+
+def test_pipeline_prompt_chunks_follow_one_another():
+    """A long prompt's chunks sample nothing until the last: they go into consecutive steps, not S apart."""
+    sched, runner = make(max_num_batched_tokens=8, pipeline_stages=3)
+    r = Request("long", prompt(30), SP(max_tokens=2, seed=3), ())
+    sched.add_request(r)
+    starts = []
+    for _ in range(4):  # chunks of 8, 8, 8, 6: the last samples
+        out = sched.schedule()
+        runner(out)
+        starts.append([(s.start_pos, s.sample) for s in out.scheduled])
+    assert starts == [[(0, False)], [(8, False)], [(16, False)], [(24, True)]]
+    assert sched.schedule().scheduled == []  # its token is in flight
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=10),
+    stages=st.sampled_from([2, 3, 5]),
+    caching=st.booleans(),
+    page_size=st.sampled_from([1, 2, 4]),
+    spare_pages=st.integers(0, 20),
+    budget=st.integers(1, 40),
+    max_seqs=st.integers(1, 5),
+    abort=st.integers(-1, 9),
+)
+def test_pipeline_generates_what_one_step_at_a_time_does(
+    lengths, stages, caching, page_size, spare_pages, budget, max_seqs, abort
+):
+    """Against ``reference``: every request's tokens and finish reason with S steps in flight, with stops (EOS 5 of
+    12), preemption in small pools, shared prefixes, chunked prompts and one request aborted mid-flight; all pages
+    freed."""
+    max_len, vocab, eos = 48, 12, (5,)
+    sched, runner = make(
+        num_pages=1 + -(-max_len // page_size) + spare_pages,
+        page_size=page_size,
+        caching=caching,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
+        pipeline_stages=stages,
+    )
+    runner = FakeRunner(sched.block_manager, vocab)
+    reqs = [
+        Request(f"r{i}", prompt(n, 7 * (i % 2)), SP(max_tokens, min_tokens=m, seed=i), eos)
+        for i, (n, max_tokens, m) in enumerate(lengths)
+    ]
+    sched.add_requests(reqs)
+    aborted = reqs[abort] if 0 <= abort < len(reqs) else None
+    finished, _, _ = run_pipelined(sched, runner, stages, abort=aborted and (2, aborted.request_id))
+    bm = sched.block_manager
+    assert bm.num_free_pages == bm.num_usable_pages and not bm.page_tables and not sched.requests
+    for r in reqs:
+        if r is aborted and r.finish_reason == "abort":  # (unless it had finished before tick 2)
+            assert r.num_pending == 0 and r.request_id not in finished
+            continue
+        assert finished[r.request_id] is r and r.num_pending == 0
+        assert (r.output_token_ids, r.finish_reason) == reference(r, max_len, vocab), r
