@@ -381,7 +381,7 @@ def plan(
     compile = compile and chip.tpu
     mesh = make_mesh(tp, topology_devices(topology)[:tp]) if compile else None
     # the expert-parallel degree must divide the experts (checked on an abstract mesh when nothing compiles)
-    rules_for(cfg, mesh or AbstractMesh((1, tp), MESH_AXES), config.enable_expert_parallel)
+    rules_for(cfg, mesh or AbstractMesh((1, 1, tp), MESH_AXES), config.enable_expert_parallel)
 
     def runner(num_pages: int):
         cache = dataclasses.replace(config.cache_config(), num_pages=num_pages)

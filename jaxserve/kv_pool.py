@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve import kernels
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
-from jaxserve.sharding import KV_POOL_SPEC, KV_SCALES_SPEC
+from jaxserve.sharding import kv_pool_specs
 from jaxserve.utils import cdiv
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
@@ -86,9 +86,10 @@ class KVPool:
         # The pool row-major, as the kernels read it, from allocation on: left to itself XLA:TPU gives a pool with
         # small trailing dims another layout and copies the whole pool in and out of every step (AOT showed
         # 2.8x the pool in temporaries for SmolLM2 and Llama-3-8B shapes).
-        self.format = Format(Layout(tuple(range(5))), NamedSharding(mesh, KV_POOL_SPEC))
+        pool_spec, scales_spec = kv_pool_specs(mesh)  # split over KV heads (and over layers by pipeline stage)
+        self.format = Format(Layout(tuple(range(5))), NamedSharding(mesh, pool_spec))
         if self.int8:
-            scales = Format(Layout(tuple(range(4))), NamedSharding(mesh, KV_SCALES_SPEC))
+            scales = Format(Layout(tuple(range(4))), NamedSharding(mesh, scales_spec))
             self.format = kernels.Int8Pages(self.format, scales)
         platform = platform or jax.default_backend()
         if self.dtype != jnp.float32 and platform == "cpu" and attention_impl != "pallas" and not cpp_attention:

@@ -59,10 +59,12 @@ from jaxserve.sharding import (
     kv_heads_for,
     make_mesh,
     param_shardings,
+    pipeline_scan,
     replicate_kv_heads,
     rules_for,
     shard_kernels,
     shard_moe,
+    stages,
 )
 from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
@@ -325,6 +327,7 @@ class ModelRunner:
             impl = {"tpu": "megablox", "gpu": "ragged"}.get(self.platform, "auto")
             interpret = False if self.platform == "tpu" else None
             moe = shard_moe(self.cfg, self.mesh, expert_parallel=self.expert_parallel, impl=impl, interpret=interpret)
+        scan = pipeline_scan(self.mesh) if stages(self.mesh) > 1 else None  # the layers over pipeline stages
 
         def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
             per_shard = jax.lax.with_sharding_constraint(
@@ -337,7 +340,7 @@ class ModelRunner:
             # still on the device when this step was packed.
             tokens = jnp.where(fed_index >= 0, fed[jnp.clip(fed_index, 0, fed.shape[0] - 1)], tokens)
             model = nnx.merge(graphdef, state)
-            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe)
+            hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
             plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)

@@ -1,6 +1,6 @@
 """The device mesh, logical-axis rules, and how parameters, the KV pool and the kernels are laid over it.
 
-One engine replica runs one SPMD program over a ``Mesh`` with axes ``("data", "model")``:
+One engine replica runs one SPMD program over a ``Mesh`` with axes ``("stage", "data", "model")``:
 
 * ``model`` is tensor parallelism. Attention heads, the MLP hidden and the vocabulary are split over it
   (Megatron style): the q/k/v and gate/up products are column-parallel, the output and down products are
@@ -8,7 +8,8 @@ One engine replica runs one SPMD program over a ``Mesh`` with axes ``("data", "m
   before sampling. The KV pool is split over KV heads, so each device stores and reads only its heads.
 * ``data`` is reserved for data parallelism inside one program; today data-parallel replicas are separate
   programs on disjoint sub-meshes (see ``jaxserve.engine``), so a replica's mesh has ``data`` of size 1.
-  ``expert`` and ``stage`` would be further axes.
+* ``stage`` is pipeline parallelism: the layer stacks and the KV pool split over it by layer
+  (``pipeline_scan``), each stage's devices holding their layers' weights and pages. Size 1 without it.
 
 Every parameter is declared once with logical axes (``jaxserve.models.schema``); ``DEFAULT_RULES``
 maps logical axes to mesh axes. The custom kernels (Pallas, the CPU's C++ FFI calls) are not partitionable by
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 
-MESH_AXES = ("data", "model")
+MESH_AXES = ("stage", "data", "model")
 
 # logical axis -> mesh axis (None: replicated)
 DEFAULT_RULES: Mapping[str, str | None] = {
@@ -57,24 +58,72 @@ HEADS_SPEC = P(None, "model", None)
 VOCAB_SPEC = P(None, "model")  # [rows, vocab] logits
 
 
-def check_parallelism(tensor_parallel_size: int, data_parallel_size: int = 1, num_devices: int | None = None) -> None:
+def check_parallelism(
+    tensor_parallel_size: int,
+    data_parallel_size: int = 1,
+    num_devices: int | None = None,
+    pipeline_parallel_size: int = 1,
+) -> None:
     """Raises ValueError when the degrees (positive ints, as ``EngineConfig`` checks) need more devices than exist
     (before anything loads)."""
     num_devices = jax.device_count() if num_devices is None else num_devices
-    need = tensor_parallel_size * data_parallel_size
+    need = tensor_parallel_size * data_parallel_size * pipeline_parallel_size
     if need > num_devices:
+        pp = f" x pipeline_parallel_size={pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
+            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size}{pp} "
             f"needs {need} devices, but {num_devices} {jax.default_backend()} device(s) exist"
         )
 
 
-def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
-    """A ("data", "model") mesh of ``tensor_parallel_size`` devices (default: the first ones of ``jax.devices()``)."""
-    devices = list(jax.devices()[:tensor_parallel_size] if devices is None else devices)
-    if len(devices) != tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices, got {len(devices)}")
-    grid = np.array(devices, dtype=object).reshape(1, tensor_parallel_size)
+def check_pipeline(
+    cfg: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int = 1, dtype: str | None = None
+) -> None:
+    """Raises ValueError, before any weight is read, for what the engine cannot split over that many stages: more
+    stages than layers, layers the stages do not divide (planned by ``jaxserve plan``, not served yet), dense and
+    MoE layers in separate stacks, and the two programs XLA aborts on (a SIGABRT, not an error, so refused here):
+    tensor parallelism within a stage (the SPMD partitioner's IsManualSubgroup check on a tensor-parallel KV write
+    inside the stage's conditional) and non-float32 weights on the CPU ("Invalid binary instruction opcode copy")."""
+    from jaxserve.models.schema import block_layers
+    from jaxserve.pipeline import stage_layers
+
+    pp = pipeline_parallel_size
+    if pp == 1:
+        return
+    stage_layers(cfg.num_layers, pp)  # more stages than layers: named there
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} runs with tensor_parallel_size=1 for now (got {tensor_parallel_size}): "
+            "XLA aborts compiling a tensor-parallel stage; data_parallel_size replicates whole pipelines"
+        )
+    if dtype not in (None, "float32") and jax.default_backend() == "cpu":
+        raise ValueError(
+            f"pipeline_parallel_size={pp} on the CPU runs float32 weights (got dtype={dtype!r}): XLA:CPU aborts "
+            "compiling other dtypes inside the pipeline"
+        )
+    if cfg.num_layers % pp:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} must divide the model's {cfg.num_layers} layers: uneven stages are "
+            "planned (jaxserve plan) but not served yet"
+        )
+    if any(layers not in (None, ()) for layers in block_layers(cfg)):
+        raise ValueError(
+            "pipeline_parallel_size > 1 does not serve a model whose dense and MoE layers are stacked apart "
+            "(mlp_only_layers, decoder_sparse_step) yet"
+        )
+
+
+def make_mesh(tensor_parallel_size: int = 1, devices=None, pipeline_parallel_size: int = 1) -> Mesh:
+    """A ("stage", "data", "model") mesh of ``pipeline_parallel_size`` x ``tensor_parallel_size`` devices (default:
+    the first ones of ``jax.devices()``), stage by stage."""
+    n = tensor_parallel_size * pipeline_parallel_size
+    devices = list(jax.devices()[:n] if devices is None else devices)
+    if len(devices) != n:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} needs "
+            f"{n} devices, got {len(devices)}"
+        )
+    grid = np.array(devices, dtype=object).reshape(pipeline_parallel_size, 1, tensor_parallel_size)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
@@ -201,11 +250,89 @@ def param_shardings(
     }
 
 
+def stages(mesh) -> int:
+    """The mesh's pipeline stages (1 without a ``stage`` axis)."""
+    return dict(mesh.shape).get("stage", 1)
+
+
+def kv_pool_specs(mesh) -> tuple[P, P]:
+    """(pool spec, int8 scales spec) on ``mesh``: split over KV heads, and over layers by pipeline stage."""
+    if stages(mesh) == 1:
+        return KV_POOL_SPEC, KV_SCALES_SPEC
+    return P("stage", *KV_POOL_SPEC[1:]), P("stage", *KV_SCALES_SPEC[1:])
+
+
 def pool_spec(cache):
     """The partition spec of a K or V pool: ``KV_POOL_SPEC``, or for an ``Int8Pages`` one per leaf."""
     from jaxserve.kernels import Int8Pages
 
     return Int8Pages(KV_POOL_SPEC, KV_SCALES_SPEC) if isinstance(cache, Int8Pages) else KV_POOL_SPEC
+
+
+def _shard_map(f, mesh: Mesh, in_specs, out_specs):
+    """``jax.shard_map`` of ``f`` over ``mesh``; inside a region already manual over some axes (the pipeline's
+    stages, ``pipeline_scan``), over the context mesh's other axes, the manual ones dropped from the specs."""
+    ctx = jax.sharding.get_abstract_mesh()
+    manual = set() if ctx.empty else {n for n, t in zip(ctx.axis_names, ctx.axis_types) if t == AxisType.Manual}
+    if not manual:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def drop(spec):
+        return spec if spec is None else P(*(None if a in manual else a for a in spec))
+
+    def specs(tree):
+        return jax.tree.map(drop, tree, is_leaf=lambda x: x is None or isinstance(x, P))
+
+    return jax.shard_map(
+        f,
+        mesh=ctx,
+        in_specs=specs(in_specs),
+        out_specs=specs(out_specs),
+        axis_names=set(ctx.axis_names) - manual,
+        check_vma=False,
+    )
+
+
+def pipeline_scan(mesh: Mesh):
+    """The layer scan over pipeline stages: ``scan(layer, (x, k_cache, v_cache), (params, layer_ids, windows))`` as
+    ``jax.lax.scan`` computes it, where the layer stacks and the pools are split over the mesh's ``stage`` axis by
+    layer (S stages of L / S layers). Inside one ``shard_map`` manual over ``stage`` (tensor parallelism stays
+    automatic within a stage), stage s runs its layers on the hidden states stage s - 1 passed it (``ppermute``),
+    its own cache entries indexed locally; the last stage's result is then on every stage. One batch in flight:
+    S - 1 stages wait while one works (the bubble of docs/parallelism.md)."""
+    num_stages = stages(mesh)
+
+    def scan(layer, carry, xs):
+        x, k_cache, v_cache = carry
+        params, layer_ids, windows = xs
+
+        def body(x, k_cache, v_cache, params, layer_ids, windows):
+            s = jax.lax.axis_index("stage")
+            local = (params, layer_ids, windows, jnp.arange(layer_ids.shape[0], dtype=jnp.int32))
+
+            def run(args):
+                (x, k, v), _ = jax.lax.scan(layer, args, local)
+                return x, k, v
+
+            for i in range(num_stages):
+                x, k_cache, v_cache = jax.lax.cond(s == i, run, lambda a: a, (x, k_cache, v_cache))
+                if i < num_stages - 1:  # stage i's output to stage i + 1 (the others receive zeros, unused)
+                    x = jax.lax.ppermute(x, "stage", [(j, j + 1) for j in range(num_stages - 1)])
+            x = jax.lax.psum(jnp.where(s == num_stages - 1, x, jnp.zeros_like(x)), "stage")
+            return x, k_cache, v_cache
+
+        staged = P("stage")
+        every = lambda tree: jax.tree.map(lambda _: staged, tree)  # noqa: E731
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), every(k_cache), every(v_cache), every(params), staged, staged),
+            out_specs=(P(), every(k_cache), every(v_cache)),
+            axis_names={"stage"},
+            check_vma=False,
+        )(x, k_cache, v_cache, params, layer_ids, windows)
+
+    return scan
 
 
 def shard_kernels(attention, write_kv, mesh: Mesh):
@@ -236,22 +363,20 @@ def shard_kernels(attention, write_kv, mesh: Mesh):
             )
 
         sinks_spec = None if sinks is None else P("model")  # one per query head, split as the heads are
-        return jax.shard_map(
+        return _shard_map(
             local,
-            mesh=mesh,
+            mesh,
             in_specs=(HEADS_SPEC, kv, kv, rep, batch_specs(batch), rep, sinks_spec),
             out_specs=HEADS_SPEC,
-            check_vma=False,
         )(q, k_cache, v_cache, layer, batch, sliding_window, sinks)
 
     def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, batch):
         kv = pool_spec(k_cache)
-        return jax.shard_map(
+        return _shard_map(
             write_kv,
-            mesh=mesh,
+            mesh,
             in_specs=(kv, kv, rep, HEADS_SPEC, HEADS_SPEC, batch_specs(batch)),
             out_specs=(kv, kv),
-            check_vma=False,
         )(k_cache, v_cache, layer, new_k, new_v, batch)
 
     return sharded_attention, sharded_write_kv
@@ -259,20 +384,22 @@ def shard_kernels(attention, write_kv, mesh: Mesh):
 
 def rules_for(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> Mapping[str, str | None]:
     """The logical-axis rules of ``cfg`` on ``mesh``: ``DEFAULT_RULES``, or ``EXPERT_PARALLEL_RULES`` (whole
-    experts on each device of the "model" axis) for a MoE model under ``expert_parallel``.
+    experts on each device of the "model" axis) for a MoE model under ``expert_parallel``; with pipeline stages,
+    the layer stacks split over them.
 
     Raises:
         ValueError: expert parallelism whose degree does not divide the experts, naming both.
     """
-    if not (expert_parallel and cfg.is_moe):
-        return DEFAULT_RULES
-    tp = mesh.shape["model"]
-    if cfg.num_experts % tp:
-        raise ValueError(
-            f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's {cfg.num_experts} experts "
-            "(each device holds num_experts / tensor_parallel_size whole experts)"
-        )
-    return EXPERT_PARALLEL_RULES
+    rules = DEFAULT_RULES
+    if expert_parallel and cfg.is_moe:
+        tp = mesh.shape["model"]
+        if cfg.num_experts % tp:
+            raise ValueError(
+                f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's {cfg.num_experts} "
+                "experts (each device holds num_experts / tensor_parallel_size whole experts)"
+            )
+        rules = EXPERT_PARALLEL_RULES
+    return {**rules, "layers": "stage"} if stages(mesh) > 1 else rules
 
 
 def shard_moe(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False, impl: str = "auto", interpret=None):
@@ -296,7 +423,7 @@ def shard_moe(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False, im
     if tp == 1:
         return functools.partial(moe_mlp, spec=spec, impl=impl, interpret=interpret)
     rules = rules_for(cfg, mesh, expert_parallel)
-    expert_parallel = rules is EXPERT_PARALLEL_RULES
+    expert_parallel = rules["experts"] == "model"
     per_expert = spec.num_experts // tp if expert_parallel else spec.num_experts
     # each parameter's spec for one layer (the stacked layer axis dropped)
     specs = {n: logical_spec(n, s.shape[1:], s.axes[1:], mesh, rules) for n, s in moe_block(cfg).items()}
@@ -332,7 +459,7 @@ def shard_moe(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False, im
 
     def moe_fn(h, p):
         in_specs = (P(), {n: leaf_specs(n, w) for n, w in p.items()})
-        return jax.shard_map(local_groups, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(h, p)
+        return _shard_map(local_groups, mesh, in_specs=in_specs, out_specs=P())(h, p)
 
     def local_groups(h, p):
         # a quantized stack with one scale along its contraction axis (int8 per channel) keeps that scale whole

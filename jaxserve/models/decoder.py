@@ -89,12 +89,15 @@ class Decoder(nnx.Module):
         policy: MatmulPolicy = PLAIN,
         copies: dict[str, jax.Array] | None = None,
         moe_fn: MoeFn | None = None,
+        scan_fn=None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the decoder over the step's tokens. Returns (hidden [T, D] after the final norm, k, v caches).
 
         ``policy`` decides how each matrix product runs, with ``copies`` (from :meth:`matmul_weights`) the
         bfloat16 copies it may use. ``moe_fn`` runs a MoE layer's block (default: ``jaxserve.layers.moe.moe_mlp``
-        on one device; the runner passes it sharded over the mesh).
+        on one device; the runner passes it sharded over the mesh). ``scan_fn(layer, carry, (params, layer ids,
+        windows))`` runs the layers (default: one ``lax.scan``; pipeline stages: ``sharding.pipeline_scan``); a
+        layer's inputs end with the index of its entry in the caches it is given.
         """
         cfg = self.cfg
         T = tokens.shape[0]
@@ -154,7 +157,7 @@ class Decoder(nnx.Module):
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
-            p, layer_idx, window = xs
+            p, layer_idx, window, cache_idx = xs  # cache_idx: the layer's entry in these caches (a stage's own)
 
             def mul(h: jax.Array, name: str) -> jax.Array:
                 return policy.product(h, name, p, whole, layer_idx)
@@ -171,13 +174,13 @@ class Decoder(nnx.Module):
             else:
                 c, s = jnp.where(window > 0, local[0], cos), jnp.where(window > 0, local[1], sin)
                 q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-            k_cache, v_cache = write_kv_fn(k_cache, v_cache, layer_idx, k, v, batch)
+            k_cache, v_cache = write_kv_fn(k_cache, v_cache, cache_idx, k, v, batch)
             sinks = {"sinks": p["sinks"]} if cfg.attention_sinks else {}
             attn = attention_fn(
                 q,
                 k_cache,
                 v_cache,
-                layer_idx,
+                cache_idx,
                 batch,
                 sm_scale=cfg.attn_scale,
                 sliding_window=window,
@@ -197,7 +200,12 @@ class Decoder(nnx.Module):
             return (x + m, k_cache, v_cache), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
+        if scan_fn is None:
+            (x, k_cache, v_cache), _ = jax.lax.scan(
+                layer, (x, k_cache, v_cache), (layer_params, layer_ids, windows, layer_ids)
+            )
+        else:
+            x, k_cache, v_cache = scan_fn(layer, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
         return rms_norm(x, self.final_norm[...], eps, off), k_cache, v_cache
 
     def logits(
