@@ -73,8 +73,9 @@ def parse_topology(topology: str) -> tuple[Chip, int]:
     return chip, math.prod(dims)
 
 
-def topology_devices(topology: str) -> list:
-    """The devices of a TPU slice description (no TPU needed; libtpu is)."""
+def topology_devices(topology: str, num_slices: int = 1) -> list:
+    """The devices of a TPU slice description, or of ``num_slices`` such slices joined over the data-center network,
+    slice by slice (no TPU needed; libtpu is)."""
     import os
 
     from jax.experimental import topologies
@@ -82,7 +83,8 @@ def topology_devices(topology: str) -> list:
     # libtpu takes a machine-wide lock meant for real TPUs; describing a topology touches no TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        return list(topologies.get_topology_desc(topology, "tpu").devices)
+        extra = {"num_slices": num_slices} if num_slices > 1 else {}
+        return list(topologies.get_topology_desc(topology, "tpu", **extra).devices)
     except Exception as e:  # noqa: BLE001 - libtpu missing, or a shape it does not know
         raise ValueError(
             f"cannot describe TPU topology {topology!r} (needs libtpu: pip install 'jax[tpu]'): {e}"
@@ -199,8 +201,8 @@ class Plan:
         if pp > 1:
             counts = self.stage_layer_counts
             lines.append(
-                f"  stages                {pp} of {'/'.join(map(str, counts))} layers (the first also the "
-                "embedding, the last the output head); per chip: the largest stage's"
+                f"  stages                {pp} of {'/'.join(map(str, counts))} layers (the embedding and output "
+                "head on each); per chip: the largest stage's"
             )
         if self.total_params:
             lines.append(
@@ -319,7 +321,6 @@ def plan(
     seq_len: int | None = None,
     variants: str = "corners",
     compile: bool = True,
-    pipeline_parallel_size: int = 1,
     num_slices: int = 1,
     **settings,
 ) -> Plan:
@@ -329,14 +330,14 @@ def plan(
         model: a preset name, an HF config.json (or its directory), or a ModelConfig; no weights are read.
         topology: "v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v5e:4x4", ... or a GPU "h100:8" (arithmetic only).
         tensor_parallel_size: chips per replica (default: all of the topology's).
-        config / settings: the engine's settings (``EngineConfig``); dtype defaults to bfloat16,
+        config / settings: the engine's settings (``EngineConfig``; ``pipeline_parallel_size`` splits the layers
+            over stages of ``tensor_parallel_size`` chips, compiled where the engine serves the split, by arithmetic
+            where it does not: uneven stages); dtype defaults to bfloat16,
             ``max_model_len`` to the model's (at most 2048).
         seq_len: context length for "how many sequences fit" and the roofline (default: max_model_len).
         variants: "corners" (the largest mixed and decode-only buckets), "decode" (the largest decode-only one)
             or "all" (every bucket the runner compiles at warm-up).
         compile: False plans by arithmetic only (as for GPUs).
-        pipeline_parallel_size: stages the layers are split over (``jaxserve.pipeline.stage_layers``), each on
-            ``tensor_parallel_size`` chips: planned by arithmetic (the pipelined step is not built yet).
         num_slices: copies of ``topology`` joined over the data-center network (TPU multislice), e.g. two v5e-8
             slices for 2 stages of 8 chips.
 
@@ -348,28 +349,26 @@ def plan(
 
     from jaxserve.engine import DEFAULT_MAX_MODEL_LEN
     from jaxserve.models.schema import param_schema
-    from jaxserve.pipeline import holds, stage_layers
+    from jaxserve.pipeline import stage_layers
     from jaxserve.runner import ModelRunner
-    from jaxserve.sharding import MESH_AXES, kv_heads_for, make_mesh, rules_for
+    from jaxserve.sharding import MESH_AXES, check_pipeline, kv_heads_for, make_mesh, rules_for
 
     name, cfg = _model_config(model)
     chip, num_chips = parse_topology(topology)
     if not isinstance(num_slices, int) or num_slices < 1:
         raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
     num_chips *= num_slices
+    slice_topology = topology
     if num_slices > 1:
         topology = f"{num_slices} x {topology}"
-    pp = pipeline_parallel_size
+    config = EngineConfig.from_settings(config, **settings)
+    pp = config.pipeline_parallel_size
     stages = stage_layers(cfg.num_layers, pp)
     tp = tensor_parallel_size or num_chips // pp
     if tp * pp > num_chips or tp < 1:
-        raise ValueError(
-            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} chips, but {topology} has "
-            f"{num_chips}"
-        )
-    compile = compile and pp == 1 and num_slices == 1
+        stages_x = f" x pipeline_parallel_size={pp}" if pp > 1 else ""
+        raise ValueError(f"tensor_parallel_size={tp}{stages_x} needs {tp * pp} chips, but {topology} has {num_chips}")
     kv_heads = kv_heads_for(cfg, tp)  # the degree must suit the heads
-    config = EngineConfig.from_settings(config, **settings)
     if config.quantization == "gguf":
         raise ValueError("quantization='gguf' serves a GGUF file's weights; plan reads no weights: use int8 or int4")
     if config.quantization == "fp8" and not chip.fp8:
@@ -379,9 +378,14 @@ def plan(
     sched_cfg = config.scheduler_config(max_model_len, "tpu" if chip.tpu else "gpu", chip.hbm_bytes)
     seq_len = seq_len or max_model_len
     compile = compile and chip.tpu
-    mesh = make_mesh(tp, topology_devices(topology)[:tp]) if compile else None
+    if compile and pp > 1:
+        try:
+            check_pipeline(cfg, pp, tp)
+        except ValueError:  # a split the engine does not serve yet (uneven, tensor parallel): planned by arithmetic
+            compile = False
+    mesh = make_mesh(tp, topology_devices(slice_topology, num_slices)[: tp * pp], pp) if compile else None
     # the expert-parallel degree must divide the experts (checked on an abstract mesh when nothing compiles)
-    rules_for(cfg, mesh or AbstractMesh((1, 1, tp), MESH_AXES), config.enable_expert_parallel)
+    rules_for(cfg, mesh or AbstractMesh((pp, 1, tp), MESH_AXES), config.enable_expert_parallel)
 
     def runner(num_pages: int):
         cache = dataclasses.replace(config.cache_config(), num_pages=num_pages)
@@ -426,8 +430,8 @@ def plan(
         def stage_bytes(n: str, layers: range) -> int:
             """Parameter n's bytes on the stage holding ``layers`` (the whole of it without pipeline stages)."""
             spec, nbytes = schema[n], sum(_nbytes(x) for x in jax.tree.leaves(params[n]))
-            if not spec.per_layer:
-                return nbytes if holds(n, layers, cfg.num_layers, cfg.tie_word_embeddings) else 0
+            if not spec.per_layer:  # the embedding, final norm and head: on every stage
+                return nbytes
             held = sum(1 for layer in (spec.layers or range(cfg.num_layers)) if layer in layers)
             return nbytes * held // spec.num_stacked
 

@@ -171,7 +171,6 @@ def cmd_plan(args) -> int:
         seq_len=args.seq_len,
         compile=not args.no_compile,
         variants="all" if args.all_variants else "corners",
-        pipeline_parallel_size=args.pipeline_parallel_size,
         num_slices=args.num_slices,
     )
     print(result.summary())
@@ -224,12 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq-len", type=int, default=None, help="context per sequence (default: --max-model-len)")
     pl.add_argument("--all-variants", action="store_true", help="compile every bucket (default: the largest ones)")
     pl.add_argument("--no-compile", action="store_true", help="arithmetic only")
-    pl.add_argument(
-        "--pipeline-parallel-size",
-        type=int,
-        default=1,
-        help="stages the layers are split over, each on --tensor-parallel-size chips (planned by arithmetic)",
-    )
     pl.add_argument(
         "--num-slices", type=int, default=1, help="copies of --topology joined over the data-center network"
     )

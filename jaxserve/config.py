@@ -628,6 +628,12 @@ class EngineConfig:
         "independent replicas (each on its own tensor_parallel_size devices) that requests are balanced over",
         type=int,
     )
+    pipeline_parallel_size: int = _setting(
+        1,
+        "stages the layers are split over, each on its own tensor_parallel_size devices holding its layers' "
+        "weights and KV pages (one batch in flight: the stages take turns)",
+        type=int,
+    )
     enable_expert_parallel: bool = _setting(
         False,
         "a mixture of experts' whole experts placed on the tensor-parallel devices (num_experts / "
@@ -661,7 +667,7 @@ class EngineConfig:
             value, choices = getattr(self, name), self._meta(name)["choices"]
             if value not in choices and not (value is None and defaults[name] is None):  # None: where it is the default
                 raise ValueError(f"EngineConfig.{name} must be one of {', '.join(choices)}, got {value!r}")
-        _positive(self, "page_size", "tensor_parallel_size", "data_parallel_size")
+        _positive(self, "page_size", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")
         for name in ("num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive(self, name)

@@ -33,7 +33,7 @@ from jaxserve.request import RequestStatus
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
-from jaxserve.sharding import check_parallelism, checkpoint_shardings, kv_heads_for, make_mesh
+from jaxserve.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.structured import StructuredOutputs
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -138,15 +138,20 @@ class LLMEngine:
         if config.compilation_cache:
             enable_compilation_cache()
         t0 = time.perf_counter()
-        tp, dp = config.tensor_parallel_size, config.data_parallel_size
-        check_parallelism(tp, dp)
+        tp, dp, pp = config.tensor_parallel_size, config.data_parallel_size, config.pipeline_parallel_size
+        check_parallelism(tp, dp, pipeline_parallel_size=pp)
+        if pp > 1 and multi_process():
+            raise ValueError("pipeline_parallel_size > 1 runs in one process for now (stages across hosts: not yet)")
+        if pp > 1 and config.speculative_config is not None:
+            raise ValueError("pipeline_parallel_size > 1 does not run speculative decoding")
         if multi_process() and tp * dp != jax.device_count():
             raise ValueError(
                 f"under {jax.process_count()} processes, the replicas use every device: tensor_parallel_size x "
                 f"data_parallel_size must be {jax.device_count()} (got {tp} x {dp})"
             )
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        meshes = [make_mesh(tp, devices[i * tp : (i + 1) * tp]) for i in range(dp)]  # disjoint, one per replica
+        n = tp * pp  # each replica's devices, stage by stage
+        meshes = [make_mesh(tp, devices[i * n : (i + 1) * n], pp) for i in range(dp)]  # disjoint, one per replica
         # Several processes: the replicas this process runs (its group's); process 0 stands in for the others.
         groups = replica_groups(meshes) if multi_process() else [((0,), list(range(dp)))]
         me = jax.process_index()
@@ -164,8 +169,13 @@ class LLMEngine:
                     "whose products multiply int8 activations by int8 weights"
                 )
             quant.check_backend(config.quantization)
+
+        def check(cfg):
+            kv_heads_for(cfg, tp)
+            check_pipeline(cfg, pp, tp, dtype)
+
         if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
-            kv_heads_for(model.config, tp)
+            check(model.config)
             if config.quantization == "gguf" and not any(quant.is_quantized(v) for v in model.params.values()):
                 raise ValueError(
                     "quantization='gguf' serves the quantized weights of a GGUF file: load it with "
@@ -176,7 +186,7 @@ class LLMEngine:
             loaded = load_model(
                 model,
                 dtype,
-                check_config=lambda cfg: kv_heads_for(cfg, tp),
+                check_config=check,
                 shardings=lambda cfg: checkpoint_shardings(cfg, meshes[local[0]], config.enable_expert_parallel),
                 keep_quantized=config.quantization == "gguf",
             )

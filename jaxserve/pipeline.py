@@ -1,7 +1,7 @@
 """Pipeline parallelism's split of a model's layers over stages (plain Python, no tensor library).
 
-Each stage holds a contiguous run of layers, their weights and their KV pages; stage 0 also holds the embedding and
-the last stage the final norm and the output head (both, for tied embeddings). Layer counts the stages do not divide
+Each stage holds a contiguous run of layers, their weights and their KV pages; the embedding, the final norm and the
+output head are on every stage (replicated: 2.1 B of Llama-3.1-70B's 70.6 B parameters). Layer counts the stages do not divide
 split as evenly as possible: the first ``num_layers % stages`` stages take one layer more (30 over 4: 8, 8, 7, 7).
 """
 
@@ -27,11 +27,3 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
-
-
-def holds(name: str, layers: range, num_layers: int, tied_embeddings: bool) -> bool:
-    """Whether the stage holding ``layers`` holds non-layer parameter ``name``: the embedding on the first stage
-    (and on the last too when the output head is the tied embedding), every other one (final norm, output head) on
-    the last."""
-    first, last = layers.start == 0, layers.stop == num_layers
-    return (first or (tied_embeddings and last)) if name == "embed" else last

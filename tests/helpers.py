@@ -131,8 +131,10 @@ def first_layers(loaded, num_layers: int = 2):
     return dataclasses.replace(loaded, name=f"{loaded.name}-first-{num_layers}", config=config, params=params)
 
 
-def tiny_model(tokenizer_path, num_heads: int = 8, num_kv_heads: int = 2, intermediate_size: int = 96, **cfg):
-    """A 2-layer random model (hidden 64, head_dim 16) with SmolLM2's vocabulary, for tests of the machinery around
+def tiny_model(
+    tokenizer_path, num_heads: int = 8, num_kv_heads: int = 2, intermediate_size: int = 96, num_layers: int = 2, **cfg
+):
+    """A 2-layer (``num_layers``) random model (hidden 64, head_dim 16) with SmolLM2's vocabulary, for tests of the machinery around
     the model (sharding, several processes, the step wire): norms 1, other weights N(0, 0.1), seed 0. The default
     intermediate size divides over 2, 3 and 4 devices."""
     import numpy as np
@@ -145,7 +147,7 @@ def tiny_model(tokenizer_path, num_heads: int = 8, num_kv_heads: int = 2, interm
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=intermediate_size,
-        num_layers=2,
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=16,

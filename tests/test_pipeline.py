@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.pipeline import holds, stage_layers
+from jaxserve.pipeline import stage_layers
 
 
 @pytest.mark.parametrize(
@@ -21,11 +21,3 @@ def test_layers_split_as_evenly_as_possible(layers, stages, counts):
 def test_bad_degrees_are_named(stages, match):
     with pytest.raises(ValueError, match=match):
         stage_layers(30, stages)
-
-
-def test_the_first_stage_embeds_and_the_last_projects():
-    first, middle, last = stage_layers(30, 3)
-    assert [holds("embed", s, 30, False) for s in (first, middle, last)] == [True, False, False]
-    assert [holds("embed", s, 30, True) for s in (first, middle, last)] == [True, False, True]  # tied: the head too
-    assert [holds("lm_head", s, 30, False) for s in (first, middle, last)] == [False, False, True]
-    assert [holds("final_norm", s, 30, False) for s in (first, middle, last)] == [False, False, True]

@@ -1,0 +1,84 @@
+"""Pipeline parallelism through the engine on the fake CPU devices of conftest.py: the layer stacks and the KV pool
+split over stages (``sharding.pipeline_scan``), against the same model on one device (greedy tokens identical,
+logprobs within 1e-5), the bytes each device holds, no recompiles in steady state, and the bad degrees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import DEFAULT_ENGINE, tiny_model
+
+from jaxserve import LLM, SamplingParams
+
+ENGINE = dict(num_pages=64, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, dtype="float32")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 40, 11)]  # one over the 32-token budget: chunked prefill
+
+
+@pytest.fixture(scope="module")
+def tiny(default_model_path):
+    """A random model of 30 layers (2, 3 and 5 stages divide it) and its tokens on one device."""
+    model = tiny_model(default_model_path, num_layers=30)
+    return model, LLM(model, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def _same_outputs(got, want, atol=1e-5):
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert list(g.token_ids) == list(w.token_ids)
+        np.testing.assert_allclose(
+            [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)],
+            [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)],
+            atol=atol,
+        )
+
+
+@pytest.mark.parametrize(("pp", "tp", "dp"), [(2, 1, 1), (3, 1, 1), (5, 1, 1), (2, 1, 2)])
+def test_stages_give_one_devices_tokens_and_hold_only_their_layers(tiny, pp, tp, dp):
+    model, want = tiny
+    llm = LLM(model, pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE)
+    for replica in llm.engine.replicas:
+        runner = replica.runner
+        assert dict(runner.mesh.shape) == {"stage": pp, "data": 1, "model": tp}
+        for name in ("wq", "w_down", "attn_norm"):  # a layer stack: 30 / pp layers on each device
+            w = runner.state[name].get_value()
+            assert w.sharding.spec[0] == "stage" and w.addressable_shards[0].data.shape[0] == 30 // pp, name
+        wq = runner.state["wq"].get_value()
+        assert wq.addressable_shards[0].data.nbytes * pp * tp == wq.nbytes
+        for pool in (runner.k_cache, runner.v_cache):  # the pool: each stage its layers' pages
+            assert pool.addressable_shards[0].data.shape[0] == 30 // pp and pool.shape[0] == 30
+    _same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want)
+    compiled = llm.engine.runner.num_compilations
+    llm.generate([p[::-1] for p in PROMPTS], GREEDY, use_tqdm=False)  # steady state: the same buckets
+    assert llm.engine.runner.num_compilations == compiled
+
+
+def test_default_model_over_two_stages(default_loaded, default_llm):
+    """SmolLM2-135M's 30 layers over 2 stages: the single device's tokens."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    want = default_llm.generate(prompts, sp, use_tqdm=False)
+    got = LLM(default_loaded, pipeline_parallel_size=2, **DEFAULT_ENGINE).generate(prompts, sp, use_tqdm=False)
+    _same_outputs(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (dict(pipeline_parallel_size=7), r"pipeline_parallel_size=7 exceeds the model's 6 layers"),
+        (dict(pipeline_parallel_size=4), r"pipeline_parallel_size=4 must divide the model's 6 layers"),
+        (
+            dict(pipeline_parallel_size=3, tensor_parallel_size=4),
+            r"tensor_parallel_size=4 x data_parallel_size=1 x pipeline_parallel_size=3 needs 12 devices",
+        ),
+        (dict(pipeline_parallel_size=0), r"pipeline_parallel_size must be a positive int"),
+        (  # XLA aborts on these programs: refused, not crashed
+            dict(pipeline_parallel_size=2, tensor_parallel_size=2),
+            r"pipeline_parallel_size=2 runs with tensor_parallel_size=1 for now \(got 2\)",
+        ),
+        (dict(pipeline_parallel_size=2, dtype="bfloat16"), r"on the CPU runs float32 weights \(got dtype='bfloat16'\)"),
+    ],
+)
+def test_bad_degrees_are_refused_before_loading(default_model_path, settings, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model(default_model_path, num_layers=6), **{**ENGINE, **settings})
