@@ -407,6 +407,29 @@ class AsyncFakeRunner(FakeRunner):
             del self._update
 
 
+MAX_LEN, VOCAB, EOS = 48, 12, (5,)
+
+
+def _small_pool_case(runner_cls, lengths, caching, page_size, spare_pages, budget, max_seqs, **cfg):
+    """The scheduler, fake runner and requests of the property tests: prompts of two families (shared prefixes), stops
+    (EOS 5 in a vocabulary of 12, min_tokens), a pool of one longest sequence plus ``spare_pages`` (preemption)."""
+    sched, _ = make(
+        num_pages=1 + -(-MAX_LEN // page_size) + spare_pages,
+        page_size=page_size,
+        caching=caching,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_LEN,
+        **cfg,
+    )
+    reqs = [
+        Request(f"r{i}", prompt(n, 7 * (i % 2)), SP(max_tokens, min_tokens=m, seed=i), EOS, priority=i % 3)
+        for i, (n, max_tokens, m) in enumerate(lengths)
+    ]
+    sched.add_requests(reqs)
+    return sched, runner_cls(sched.block_manager, VOCAB), reqs
+
+
 def run_async(sched, runner, max_steps=10_000):
     """Each step scheduled before the previous one's tokens reach the scheduler, as the engine does."""
     finished, in_flight = {}, None
@@ -439,24 +462,18 @@ def run_async(sched, runner, max_steps=10_000):
 def test_async_scheduling_generates_what_sync_does(lengths, policy, caching, page_size, spare_pages, budget, max_seqs):
     """Against ``reference`` (the chain without pages): every request's tokens and finish reason, with stops
     (EOS 5 in a vocabulary of 12, min_tokens), preemption in small pools, shared prefixes; all pages freed."""
-    max_len, vocab, eos = 48, 12, (5,)
-    sched, runner = make(
-        num_pages=1 + -(-max_len // page_size) + spare_pages,
-        page_size=page_size,
-        caching=caching,
+    sched, runner, reqs = _small_pool_case(
+        AsyncFakeRunner,
+        lengths,
+        caching,
+        page_size,
+        spare_pages,
+        budget,
+        max_seqs,
         policy=policy,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=max_len,
         async_scheduling=True,
     )
-    runner = AsyncFakeRunner(sched.block_manager, vocab)
-    reqs = [
-        Request(f"r{i}", prompt(n, 7 * (i % 2)), SP(max_tokens, min_tokens=m, seed=i), eos, priority=i % 3)
-        for i, (n, max_tokens, m) in enumerate(lengths)
-    ]
-    for r in reqs:
-        sched.add_request(r)
+    max_len, vocab = MAX_LEN, VOCAB
     done = run_async(sched, runner)
     bm = sched.block_manager
     assert bm.num_free_pages == bm.num_usable_pages and not bm.page_tables and not sched.requests
@@ -628,22 +645,10 @@ def test_pipeline_generates_what_one_step_at_a_time_does(
     """Against ``reference``: every request's tokens and finish reason with S steps in flight, with stops (EOS 5 of
     12), preemption in small pools, shared prefixes, chunked prompts and one request aborted mid-flight; all pages
     freed."""
-    max_len, vocab, eos = 48, 12, (5,)
-    sched, runner = make(
-        num_pages=1 + -(-max_len // page_size) + spare_pages,
-        page_size=page_size,
-        caching=caching,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=max_len,
-        pipeline_stages=stages,
+    sched, runner, reqs = _small_pool_case(
+        FakeRunner, lengths, caching, page_size, spare_pages, budget, max_seqs, pipeline_stages=stages
     )
-    runner = FakeRunner(sched.block_manager, vocab)
-    reqs = [
-        Request(f"r{i}", prompt(n, 7 * (i % 2)), SP(max_tokens, min_tokens=m, seed=i), eos)
-        for i, (n, max_tokens, m) in enumerate(lengths)
-    ]
-    sched.add_requests(reqs)
+    max_len, vocab = MAX_LEN, VOCAB
     aborted = reqs[abort] if 0 <= abort < len(reqs) else None
     finished, _, _ = run_pipelined(sched, runner, stages, abort=aborted and (2, aborted.request_id))
     bm = sched.block_manager
