@@ -1,14 +1,17 @@
-"""Tensor and data parallelism on simulated CPU devices: the plumbing, then the throughput workload.
+"""Tensor, data and pipeline parallelism on simulated CPU devices: the plumbing, then the throughput workload.
 
-Part 1, "plumbing, not speed": a random Llama-shaped model (8 query and 8 KV heads) on 8 simulated CPU devices
-sharing this machine's cores, for TP 1/2/4/8 and TP x DP 1x2, 2x2, 4x2. It reports per-device bytes of the weights
-and of the KV pool (they must fall as 1/TP) and the decode step time (the same cores do all devices' work, so a
-higher degree adds collectives and per-device overhead without adding compute: expect it to rise).
+Part 1, "plumbing, not speed": a random Llama-shaped model (8 query and 8 KV heads, 4 layers) on 8 simulated CPU
+devices sharing this machine's cores, for TP 1/2/4/8, TP x DP 1x2, 2x2, 4x2 and pipeline stages PP 2, 4 and PP 2 x
+DP 2. It reports per-device bytes of the weights and of the KV pool (they must fall as 1/TP, and the layers' and
+pool's as 1/PP) and the decode step time (the same cores do all devices' work, so a higher degree adds collectives
+and per-device overhead without adding compute: expect it to rise; one batch in flight, a step's stages take S
+ticks in turn).
 
 Part 2: bench/throughput.py's workload (default model, greedy) at TP 1 and TP 3 in the same invocation; TP 2 is
 impossible for SmolLM2-135M's 9 query heads. Token agreement with TP 1 is reported.
 
-    python bench/scaling.py [--skip-plumbing] [--skip-throughput] [--num-requests 64] [--output-len 128]
+    python bench/scaling.py [--skip-plumbing] [--skip-throughput] [--layouts 1x1x1 1x1x2] [--num-requests 64]
+                            [--output-len 128]
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-LAYOUTS = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2)]  # (tensor_parallel_size, data_parallel_size)
+# (tensor_parallel_size, data_parallel_size, pipeline_parallel_size)
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (8, 1, 1), (1, 2, 1), (2, 2, 1), (4, 2, 1), (1, 1, 2), (1, 1, 4), (1, 2, 2)]
 
 
 def _per_device_bytes(tree) -> int:
@@ -64,14 +68,15 @@ def plumbing(args) -> None:
         f"\n## Plumbing: {cfg.num_layers} layers, D={cfg.hidden_size}, 8 q / 8 kv heads, V={cfg.vocab_size}; "
         f"16 prompts x 128 tokens, 32 output tokens; 8 simulated devices on {os.cpu_count()} cores\n"
     )
-    print("| TP x DP | weights / device (MiB) | KV pool / device (MiB) | decode step (ms) | tokens = TP 1 |")
+    print("| TP x DP x PP | weights / device (MiB) | KV pool / device (MiB) | decode step (ms) | tokens = TP 1 |")
     print("|---|---|---|---|---|")
     reference = None
-    for tp, dp in LAYOUTS:
+    for tp, dp, pp in [x for x in LAYOUTS if args.layouts is None or "x".join(map(str, x)) in args.layouts]:
         llm = LLM(
             model,
             tensor_parallel_size=tp,
             data_parallel_size=dp,
+            pipeline_parallel_size=pp,
             num_pages=256,
             max_num_seqs=16,
             max_num_batched_tokens=256,
@@ -87,7 +92,7 @@ def plumbing(args) -> None:
         steps = sum(r.runner.decode_steps for r in llm.engine.replicas)
         secs = sum(r.runner.decode_device_seconds for r in llm.engine.replicas)
         print(
-            f"| {tp} x {dp} | {_per_device_bytes(runner.state) / 2**20:.1f} | "
+            f"| {tp} x {dp} x {pp} | {_per_device_bytes(runner.state) / 2**20:.1f} | "
             f"{_per_device_bytes((runner.k_cache, runner.v_cache)) / 2**20:.1f} | {1e3 * secs / max(steps, 1):.1f} | "
             f"{'yes' if outs == reference else 'NO'} |",
             flush=True,
@@ -124,6 +129,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-plumbing", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--layouts", nargs="*", default=None, help="plumbing layouts TPxDPxPP to run (default: all)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     args = p.parse_args()
