@@ -127,8 +127,8 @@ class ModelRunner:
             bfloat16 inputs with float32 accumulation (about 2x faster); norms, residuals, attention, the KV
             cache and the sampler stay float32. Quantized weights are not copied: the products that dequantize
             whole matrices do it to bfloat16 (``QArray.dot_dtype``).
-        mesh: the ("data", "model") mesh the step runs over (default: the first device); its "model" size is
-            the tensor-parallel degree.
+        mesh: the ("stage", "data", "model") mesh the step runs over (default: the first device); its "model" size
+            is the tensor-parallel degree, its "stage" size the pipeline stages (``sharding.pipeline_scan``).
         platform: None (the platform JAX runs on), or "tpu" / "gpu" to build the steps for that platform without
             running them (``jaxserve.aot``; then ``params`` may be ``jax.ShapeDtypeStruct``s).
         quantization: None, or "int8" / "int4" / "w8a8" / "fp8" to quantize the float weights on their devices,
