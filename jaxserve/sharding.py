@@ -81,9 +81,8 @@ def check_pipeline(
 ) -> None:
     """Raises ValueError, before any weight is read, for what the engine cannot split over that many stages: more
     stages than layers, layers the stages do not divide (planned by ``jaxserve plan``, not served yet), dense and
-    MoE layers in separate stacks, and the two programs XLA aborts on (a SIGABRT, not an error, so refused here):
-    tensor parallelism within a stage (the SPMD partitioner's IsManualSubgroup check on a tensor-parallel KV write
-    inside the stage's conditional) and non-float32 weights on the CPU ("Invalid binary instruction opcode copy")."""
+    MoE layers in separate stacks, and a program XLA aborts on (a SIGABRT, not an error, so refused here):
+    weights other than float32 on the CPU ("Invalid binary instruction opcode copy")."""
     from jaxserve.models.schema import block_layers
     from jaxserve.pipeline import stage_layers
 
@@ -91,11 +90,6 @@ def check_pipeline(
     if pp == 1:
         return
     stage_layers(cfg.num_layers, pp)  # more stages than layers: named there
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            f"pipeline_parallel_size={pp} runs with tensor_parallel_size=1 for now (got {tensor_parallel_size}): "
-            "XLA aborts compiling a tensor-parallel stage; data_parallel_size replicates whole pipelines"
-        )
     if dtype not in (None, "float32") and jax.default_backend() == "cpu":
         raise ValueError(
             f"pipeline_parallel_size={pp} on the CPU runs float32 weights (got dtype={dtype!r}): XLA:CPU aborts "
@@ -294,43 +288,50 @@ def _shard_map(f, mesh: Mesh, in_specs, out_specs):
 
 
 def pipeline_scan(mesh: Mesh):
-    """The layer scan over pipeline stages: ``scan(layer, (x, k_cache, v_cache), (params, layer_ids, windows))`` as
-    ``jax.lax.scan`` computes it, where the layer stacks and the pools are split over the mesh's ``stage`` axis by
-    layer (S stages of L / S layers). Inside one ``shard_map`` manual over ``stage`` (tensor parallelism stays
-    automatic within a stage), stage s runs its layers on the hidden states stage s - 1 passed it (``ppermute``),
-    its own cache entries indexed locally; the last stage's result is then on every stage. One batch in flight:
-    S - 1 stages wait while one works (the bubble of docs/parallelism.md)."""
+    """The layer scan over pipeline stages: ``scan(layer_on, batch, (x, k_cache, v_cache), (params, layer_ids,
+    windows))`` computes what ``jax.lax.scan(partial(layer_on, batch), ...)`` does, where the layer stacks and the
+    pools are split over the mesh's ``stage`` axis by layer (S stages of L / S layers). Inside one ``shard_map``
+    manual over ``stage`` (tensor parallelism stays automatic within a stage), S ticks: in tick i every stage runs its
+    layers on the hidden states it holds and passes them on (``ppermute``), but only stage i's are the step's: the
+    others write no K/V (their slot mapping is -1, the padding tokens' mark) and their outputs are overwritten
+    before use. The last stage's result is then on every stage. One batch in flight: the other stages' work is the
+    bubble of docs/parallelism.md, done rather than skipped (a ``lax.cond`` around a stage's layers made XLA's
+    partitioner abort under tensor parallelism), the shape micro-batches will fill."""
     num_stages = stages(mesh)
 
-    def scan(layer, carry, xs):
+    def scan(layer_on, batch, carry, xs):
         x, k_cache, v_cache = carry
         params, layer_ids, windows = xs
 
-        def body(x, k_cache, v_cache, params, layer_ids, windows):
+        def body(x, k_cache, v_cache, params, layer_ids, windows, batch):
             s = jax.lax.axis_index("stage")
             local = (params, layer_ids, windows, jnp.arange(layer_ids.shape[0], dtype=jnp.int32))
-
-            def run(args):
-                (x, k, v), _ = jax.lax.scan(layer, args, local)
-                return x, k, v
-
             for i in range(num_stages):
-                x, k_cache, v_cache = jax.lax.cond(s == i, run, lambda a: a, (x, k_cache, v_cache))
+                mine = dataclasses.replace(batch, slot_mapping=jnp.where(s == i, batch.slot_mapping, -1))
+                (x, k_cache, v_cache), _ = jax.lax.scan(functools.partial(layer_on, mine), (x, k_cache, v_cache), local)
                 if i < num_stages - 1:  # stage i's output to stage i + 1 (the others receive zeros, unused)
                     x = jax.lax.ppermute(x, "stage", [(j, j + 1) for j in range(num_stages - 1)])
             x = jax.lax.psum(jnp.where(s == num_stages - 1, x, jnp.zeros_like(x)), "stage")
             return x, k_cache, v_cache
 
         staged = P("stage")
-        every = lambda tree: jax.tree.map(lambda _: staged, tree)  # noqa: E731
+        every = lambda tree, spec: jax.tree.map(lambda _: spec, tree)  # noqa: E731
         return jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(P(), every(k_cache), every(v_cache), every(params), staged, staged),
-            out_specs=(P(), every(k_cache), every(v_cache)),
+            in_specs=(
+                P(),
+                every(k_cache, staged),
+                every(v_cache, staged),
+                every(params, staged),
+                staged,
+                staged,
+                every(batch, P()),
+            ),
+            out_specs=(P(), every(k_cache, staged), every(v_cache, staged)),
             axis_names={"stage"},
             check_vma=False,
-        )(x, k_cache, v_cache, params, layer_ids, windows)
+        )(x, k_cache, v_cache, params, layer_ids, windows, batch)
 
     return scan
 

@@ -95,9 +95,10 @@ class Decoder(nnx.Module):
 
         ``policy`` decides how each matrix product runs, with ``copies`` (from :meth:`matmul_weights`) the
         bfloat16 copies it may use. ``moe_fn`` runs a MoE layer's block (default: ``jaxserve.layers.moe.moe_mlp``
-        on one device; the runner passes it sharded over the mesh). ``scan_fn(layer, carry, (params, layer ids,
-        windows))`` runs the layers (default: one ``lax.scan``; pipeline stages: ``sharding.pipeline_scan``); a
-        layer's inputs end with the index of its entry in the caches it is given.
+        on one device; the runner passes it sharded over the mesh). ``scan_fn(layer_on, batch, carry, (params,
+        layer ids, windows))`` runs the layers (default: one ``lax.scan`` of ``layer_on`` on ``batch``; pipeline
+        stages: ``sharding.pipeline_scan``); a layer's inputs end with the index of its entry in the caches it is
+        given.
         """
         cfg = self.cfg
         T = tokens.shape[0]
@@ -155,7 +156,7 @@ class Decoder(nnx.Module):
 
         flags_arr = jnp.asarray(flags)
 
-        def layer(carry, xs):
+        def layer_on(batch, carry, xs):  # one layer on this step's tokens, its K/V written where ``batch`` says
             x, k_cache, v_cache = carry
             p, layer_idx, window, cache_idx = xs  # cache_idx: the layer's entry in these caches (a stage's own)
 
@@ -202,10 +203,10 @@ class Decoder(nnx.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if scan_fn is None:
             (x, k_cache, v_cache), _ = jax.lax.scan(
-                layer, (x, k_cache, v_cache), (layer_params, layer_ids, windows, layer_ids)
+                functools.partial(layer_on, batch), (x, k_cache, v_cache), (layer_params, layer_ids, windows, layer_ids)
             )
         else:
-            x, k_cache, v_cache = scan_fn(layer, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
+            x, k_cache, v_cache = scan_fn(layer_on, batch, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
         return rms_norm(x, self.final_norm[...], eps, off), k_cache, v_cache
 
     def logits(
