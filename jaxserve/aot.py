@@ -365,9 +365,9 @@ def plan(
     pp = config.pipeline_parallel_size
     stages = stage_layers(cfg.num_layers, pp)
     tp = tensor_parallel_size or num_chips // pp
+    layout = f"tensor_parallel_size={tp}" + (f" x pipeline_parallel_size={pp}" if pp > 1 else "")
     if tp * pp > num_chips or tp < 1:
-        stages_x = f" x pipeline_parallel_size={pp}" if pp > 1 else ""
-        raise ValueError(f"tensor_parallel_size={tp}{stages_x} needs {tp * pp} chips, but {topology} has {num_chips}")
+        raise ValueError(f"{layout} needs {tp * pp} chips, but {topology} has {num_chips}")
     kv_heads = kv_heads_for(cfg, tp)  # the degree must suit the heads
     if config.quantization == "gguf":
         raise ValueError("quantization='gguf' serves a GGUF file's weights; plan reads no weights: use int8 or int4")
@@ -380,8 +380,8 @@ def plan(
     compile = compile and chip.tpu
     if compile and pp > 1:
         try:
-            check_pipeline(cfg, pp, tp)
-        except ValueError:  # a split the engine does not serve yet (uneven, tensor parallel): planned by arithmetic
+            check_pipeline(cfg, pp)
+        except ValueError:  # a split the engine does not serve yet (uneven stages): planned by arithmetic
             compile = False
     mesh = make_mesh(tp, topology_devices(slice_topology, num_slices)[: tp * pp], pp) if compile else None
     # the expert-parallel degree must divide the experts (checked on an abstract mesh when nothing compiles)
@@ -443,10 +443,7 @@ def plan(
         )
     if weights > chip.hbm_bytes * config.kv_cache_memory_fraction:
         raise ValueError(
-            f"{name} does not fit {topology} at tensor_parallel_size={tp}"
-            + (f" x pipeline_parallel_size={pp}" if pp > 1 else "")
-            + ": its weights alone take "
-            f"{weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
+            f"{name} does not fit {topology} at {layout}: its weights alone take {weights / GiB:.2f} GiB per chip of {chip.hbm_bytes / GiB:.0f} GiB; use more chips or a "
             f"larger chip"
         )
     activations = 0
@@ -480,7 +477,7 @@ def plan(
     )
     if not result.fits:
         raise ValueError(
-            f"{name} does not fit {topology} at tensor_parallel_size={tp}: per chip {weights / GiB:.2f} GiB of "
+            f"{name} does not fit {topology} at {layout}: per chip {weights / GiB:.2f} GiB of "
             f"weights and {activations / GiB:.2f} GiB of activations leave {max(budget, 0) / GiB:.2f} GiB of "
             f"{chip.hbm_bytes / GiB:.0f} GiB ({config.kv_cache_memory_fraction:.0%}) for the KV cache, less than "
             f"one {seq_len}-token sequence ({cdiv(seq_len, config.page_size) * page_bytes / GiB:.2f} GiB); "

@@ -172,7 +172,7 @@ class LLMEngine:
 
         def check(cfg):
             kv_heads_for(cfg, tp)
-            check_pipeline(cfg, pp, tp, dtype)
+            check_pipeline(cfg, pp, dtype)
 
         if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
             check(model.config)

@@ -1,8 +1,9 @@
 """Pipeline parallelism's split of a model's layers over stages (plain Python, no tensor library).
 
 Each stage holds a contiguous run of layers, their weights and their KV pages; the embedding, the final norm and the
-output head are on every stage (replicated: 2.1 B of Llama-3.1-70B's 70.6 B parameters). Layer counts the stages do not divide
-split as evenly as possible: the first ``num_layers % stages`` stages take one layer more (30 over 4: 8, 8, 7, 7).
+output head are on every stage (replicated: 2.1 B of Llama-3.1-70B's 70.6 B parameters). Layer counts the stages do
+not divide split as evenly as possible: the first ``num_layers % stages`` stages take one layer more (30 over 4: 8,
+8, 7, 7).
 """
 
 from __future__ import annotations

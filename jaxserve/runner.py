@@ -249,9 +249,7 @@ class ModelRunner:
         for name, w in params.items():
             if not quant.is_quantized(w) or schema[name].kind != "experts" or w.scale.shape[w.axis] == 1:
                 continue
-            spec = tuple(self.param_shardings[name].spec)
-            dim = len(w.shape) + w.axis
-            ways = self.mesh.shape[spec[dim]] if dim < len(spec) and spec[dim] is not None else 1
+            dim, ways = len(w.shape) + w.axis, self._split_ways(name, len(w.shape), w.axis)
             if ways == 1 or (w.shape[dim] // ways) % w.group == 0:
                 continue
             logger.warning(
@@ -274,6 +272,12 @@ class ModelRunner:
             )
         return out
 
+    def _split_ways(self, name: str, ndim: int, axis: int) -> int:
+        """How many devices parameter ``name``'s axis ``axis`` (of ``ndim``) is split over (1: whole on each)."""
+        spec = tuple(self.param_shardings[name].spec)
+        dim = ndim + axis
+        return self.mesh.shape[spec[dim]] if dim < len(spec) and spec[dim] is not None else 1
+
     def _quantize(self, params: dict, schema: dict, mode: str) -> dict:
         """The float weights the schema calls quantizable quantized on their devices, one at a time, each
         leaf sharded as its weight (int4 groups never straddle a shard: the group divides each device's part)."""
@@ -285,10 +289,9 @@ class ModelRunner:
                 continue
             sharding = self.param_shardings[name]
             axis = quant.weight_axis(name)
-            n = w.shape[axis]
-            split = sharding.spec[len(w.shape) + axis] if len(sharding.spec) > len(w.shape) + axis else None
+            n = w.shape[axis] // self._split_ways(name, len(w.shape), axis)  # each device's part of the axis
             try:
-                group = quant.pick_group(n // tp if split else n, quant.int4_group(name)) if mode == "int4" else None
+                group = quant.pick_group(n, quant.int4_group(name)) if mode == "int4" else None
             except ValueError as e:
                 raise ValueError(f"quantization={mode!r} of {name!r} under tensor_parallel_size={tp}: {e}") from None
             fn = functools.partial(quant.quantize_param, name, mode=mode, group=group)

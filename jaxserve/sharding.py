@@ -76,9 +76,7 @@ def check_parallelism(
         )
 
 
-def check_pipeline(
-    cfg: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int = 1, dtype: str | None = None
-) -> None:
+def check_pipeline(cfg: ModelConfig, pipeline_parallel_size: int, dtype: str | None = None) -> None:
     """Raises ValueError, before any weight is read, for what the engine cannot split over that many stages: more
     stages than layers, layers the stages do not divide (planned by ``jaxserve plan``, not served yet), dense and
     MoE layers in separate stacks, and a program XLA aborts on (a SIGABRT, not an error, so refused here):
