@@ -118,6 +118,20 @@ WARMUP_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=5
 SMALL_POOL_ENGINE = dict(max_num_seqs=12, max_num_batched_tokens=256, max_model_len=1024, num_pages=24)
 
 
+def assert_same_completions(got, want, atol: float) -> None:
+    """Completions (``CompletionOutput``s sampled with ``logprobs=0``) of the same requests in two layouts or modes:
+    the same tokens, and each chosen token's logprob within ``atol``."""
+    import numpy as np
+
+    for g, w in zip(got, want, strict=True):
+        assert list(g.token_ids) == list(w.token_ids)
+        np.testing.assert_allclose(
+            [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)],
+            [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)],
+            atol=atol,
+        )
+
+
 def first_layers(loaded, num_layers: int = 2):
     """The loaded default model cut to its first ``num_layers`` layers (embedding, final norm and tied output kept):
     real tokens and text-like output (common words, punctuation: stop strings are hit) at about a quarter of the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import hf_greedy_choices
+from helpers import assert_same_completions, hf_greedy_choices
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
@@ -223,13 +223,7 @@ def test_parallel_layouts_give_one_devices_tokens(family, tp, ep, checkpoints, o
         assert local[-3:] == (experts, 64, hidden // tp)
     assert gate.addressable_shards[0].data.nbytes * tp == gate.nbytes  # 1 / degree of the stack per device
     res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
-    for got, want in zip(res, one_device[family]):
-        assert list(got.outputs[0].token_ids) == list(want.token_ids)
-        np.testing.assert_allclose(
-            [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)],
-            [lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)],
-            atol=1e-4,
-        )
+    assert_same_completions([o.outputs[0] for o in res], one_device[family], atol=1e-4)
     compiled = runner.num_compilations
     llm.generate(_prompts(seed=1), GREEDY, use_tqdm=False)  # steady state: the same buckets, nothing new
     assert runner.num_compilations == compiled

@@ -4,9 +4,8 @@ logprobs within 1e-5), the bytes each device holds, no recompiles in steady stat
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import DEFAULT_ENGINE, tiny_model
+from helpers import DEFAULT_ENGINE, assert_same_completions, tiny_model
 
 from jaxserve import LLM, SamplingParams
 
@@ -23,14 +22,7 @@ def tiny(default_model_path):
 
 
 def _same_outputs(got, want, atol=1e-5):
-    for g, w in zip(got, want):
-        g, w = g.outputs[0], w.outputs[0]
-        assert list(g.token_ids) == list(w.token_ids)
-        np.testing.assert_allclose(
-            [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)],
-            [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)],
-            atol=atol,
-        )
+    assert_same_completions([o.outputs[0] for o in got], [o.outputs[0] for o in want], atol)
 
 
 @pytest.mark.parametrize(("pp", "tp", "dp"), [(2, 1, 1), (3, 1, 1), (5, 1, 1), (2, 2, 1), (2, 1, 2)])

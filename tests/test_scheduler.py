@@ -312,6 +312,23 @@ STEP = st.tuples(st.just("step"), st.none() | st.integers(0, 30))
 OPS = st.one_of(ADD, STEP, ADD, STEP, st.tuples(st.sampled_from(["abort", "finish", "fork"]), st.integers(0, 30)))
 
 
+MAX_LEN, VOCAB, EOS = 48, 12, (5,)
+
+
+def _small_pool(caching, page_size, spare_pages, budget, max_seqs, **cfg):
+    """A scheduler over a pool of one longest sequence (MAX_LEN tokens) plus ``spare_pages``: preemption."""
+    sched, _ = make(
+        num_pages=1 + -(-MAX_LEN // page_size) + spare_pages,
+        page_size=page_size,
+        caching=caching,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_LEN,
+        **cfg,
+    )
+    return sched
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(OPS, min_size=12, max_size=60),
@@ -323,17 +340,9 @@ OPS = st.one_of(ADD, STEP, ADD, STEP, st.tuples(st.sampled_from(["abort", "finis
     max_seqs=st.integers(1, 6),
 )
 def test_random_operations_never_leak_or_lose(ops, policy, caching, page_size, spare_pages, budget, max_seqs):
-    max_len, vocab, eos = 48, 40, (5,)
-    sched, runner = make(
-        num_pages=1 + -(-max_len // page_size) + spare_pages,
-        page_size=page_size,
-        caching=caching,
-        policy=policy,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=max_len,
-    )
-    runner.vocab = vocab
+    max_len, vocab, eos = MAX_LEN, 40, EOS
+    sched = _small_pool(caching, page_size, spare_pages, budget, max_seqs, policy=policy)
+    runner = FakeRunner(sched.block_manager, vocab)
     bm, added, done, external = sched.block_manager, [], {}, set()  # external: aborted/finished by the engine
     pick = lambda i, pool: pool[i % len(pool)] if pool else None  # noqa: E731
 
@@ -407,21 +416,10 @@ class AsyncFakeRunner(FakeRunner):
             del self._update
 
 
-MAX_LEN, VOCAB, EOS = 48, 12, (5,)
-
-
 def _small_pool_case(runner_cls, lengths, caching, page_size, spare_pages, budget, max_seqs, **cfg):
     """The scheduler, fake runner and requests of the property tests: prompts of two families (shared prefixes), stops
     (EOS 5 in a vocabulary of 12, min_tokens), a pool of one longest sequence plus ``spare_pages`` (preemption)."""
-    sched, _ = make(
-        num_pages=1 + -(-MAX_LEN // page_size) + spare_pages,
-        page_size=page_size,
-        caching=caching,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=MAX_LEN,
-        **cfg,
-    )
+    sched = _small_pool(caching, page_size, spare_pages, budget, max_seqs, **cfg)
     reqs = [
         Request(f"r{i}", prompt(n, 7 * (i % 2)), SP(max_tokens, min_tokens=m, seed=i), EOS, priority=i % 3)
         for i, (n, max_tokens, m) in enumerate(lengths)
