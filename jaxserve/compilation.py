@@ -51,6 +51,32 @@ def pick(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def padded_batch(batch: AttentionBatch | None, tokens: int, seqs: int, pages: int) -> AttentionBatch:
+    """A packed step's ``AttentionBatch`` (host arrays) padded to a larger bucket, as ``InputBatch.pack`` pads:
+    padding tokens at position 0 writing no K/V (slot -1), padding sequences empty, page tables widened with the
+    null page. ``batch`` None: an empty step (every token padding)."""
+    if batch is None:
+        batch = AttentionBatch(
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int32),
+            np.zeros((0, 0), np.int32),
+            np.zeros(1, np.int32),
+            np.int32(0),
+        )
+    t, n = len(batch.positions), len(batch.kv_lens)
+    page_indices = np.full((seqs, pages), NULL_PAGE, np.int32)
+    page_indices[:n, : batch.page_indices.shape[1]] = batch.page_indices
+    return AttentionBatch(
+        positions=np.pad(batch.positions, (0, tokens - t)),
+        slot_mapping=np.pad(batch.slot_mapping, (0, tokens - t), constant_values=-1),
+        kv_lens=np.pad(batch.kv_lens, (0, seqs - n)),
+        page_indices=page_indices,
+        cu_q_lens=np.pad(batch.cu_q_lens, (0, seqs - n), mode="edge"),
+        num_seqs=batch.num_seqs,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class StepBuckets:
     """The padded shapes of a runner's steps.
@@ -152,13 +178,13 @@ class StepCompiler:
             self.num_compilations += 1  # runs once per trace
             return compute(*args)
 
-        kv, gathered = runner.pool.format, runner.replicated
+        kv, gathered, fed = runner.pool.format, runner.replicated, runner.fed_sharding
         placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
         fn = self._steps[decode_only] = jax.jit(
             step,
             donate_argnums=(2, 3),  # the KV pool, updated in place
-            out_shardings=(gathered, gathered, gathered, kv, kv),
-            in_shardings=(placed(runner.state), placed(runner.matmul_weights), kv, kv) + (gathered,) * 7,
+            out_shardings=(gathered, gathered, fed, kv, kv),
+            in_shardings=(placed(runner.state), placed(runner.matmul_weights), kv, kv) + (gathered,) * 6 + (fed,),
         )
         return fn
 
@@ -199,14 +225,11 @@ class StepCompiler:
         """Arguments of a step of an empty batch in the (tokens, pages) bucket (every token is padding)."""
         runner = self.runner
         sb = min(tokens, self.buckets.max_seqs)
-        batch = AttentionBatch(
-            positions=np.zeros(tokens, np.int32),
-            slot_mapping=np.full(tokens, -1, np.int32),
-            kv_lens=np.zeros(sb, np.int32),
-            page_indices=np.zeros((sb, pages), np.int32),
-            cu_q_lens=np.zeros(sb + 1, np.int32),
-            num_seqs=np.int32(0),
-        )
+        batch = padded_batch(None, tokens, sb, pages)
+        fed = runner.fed
+        if runner.num_stages > 1:  # a batch for each stage, and the hidden states passed between them
+            batch = jax.tree.map(lambda a: np.stack([a] * runner.num_stages), batch)
+            fed = runner.stage_buffer_struct(tokens)
         rows = max(runner.inputs.sample_rows(tokens), sb)
         meta = runner.sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
         return (
@@ -220,7 +243,7 @@ class StepCompiler:
             np.zeros(rows, np.int32),  # logits_indices
             meta,
             np.full(tokens, -1, np.int32),  # next_tokens: no prompt logprobs
-            runner.fed,
+            fed,
         )
 
     def lower_step(self, tokens: int, pages: int, decode_only: bool = False):

@@ -631,7 +631,7 @@ class EngineConfig:
     pipeline_parallel_size: int = _setting(
         1,
         "stages the layers are split over, each on its own tensor_parallel_size devices holding its layers' "
-        "weights and KV pages (one batch in flight: the stages take turns)",
+        "weights and KV pages; up to that many batches in flight, one in each stage",
         type=int,
     )
     enable_expert_parallel: bool = _setting(
@@ -707,6 +707,7 @@ class EngineConfig:
             spec,
             async_scheduling=spec is None
             and (platform != "cpu" if self.async_scheduling is None else self.async_scheduling),
+            pipeline_stages=self.pipeline_parallel_size,
         )
 
     # ------------------------------------------------------------------ command line

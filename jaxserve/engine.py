@@ -7,6 +7,7 @@ strings, and reports every request that made progress.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
@@ -105,6 +106,8 @@ class Replica:
     scheduler: Scheduler
     drafter: DraftProposer | None = None  # speculative decoding with a draft model
     in_flight: tuple | None = None  # async scheduling: (SchedulerOutput, runner InFlight) of the step running now
+    # Pipeline stages: the steps in flight, oldest first, up to one per stage (``LLMEngine._step_pipeline``).
+    pipeline: collections.deque = dataclasses.field(default_factory=collections.deque)
 
     def load(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -433,7 +436,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while some added request has not finished, or a step is in flight (``step()`` has work)."""
-        return bool(self._tracked) or any(r.in_flight is not None for r in self.replicas)
+        return bool(self._tracked) or any(r.in_flight is not None or r.pipeline for r in self.replicas)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
@@ -487,6 +490,8 @@ class LLMEngine:
     def _step_replica(self, replica: Replica) -> list[RequestOutput]:
         """One step of a replica. With async scheduling the step is scheduled and launched while the previous one
         runs, and the outputs returned are the previous step's; otherwise this step's, after it ran."""
+        if replica.scheduler.config.pipeline_stages > 1:
+            return self._step_pipeline(replica)
         if not replica.scheduler.config.async_scheduling:
             return self._finish(replica, *self._launch(replica))
         outputs: list[RequestOutput] = []
@@ -503,6 +508,20 @@ class LLMEngine:
         if previous is not None:
             outputs += self._finish(replica, *previous)
         return outputs
+
+    def _step_pipeline(self, replica: Replica) -> list[RequestOutput]:
+        """One step of a replica over S pipeline stages: a step is scheduled and launched (one tick of the
+        pipeline: each step in it moves one stage on), and once S steps are in flight, or none could be scheduled
+        (every running request waits for a token in flight), the oldest one's outputs are read: with S in flight,
+        the one that just left the last stage; otherwise the pipeline drains until it does."""
+        launched = self._launch(replica)
+        if launched[1] is not None:
+            replica.pipeline.append(launched)
+        if replica.pipeline and (
+            len(replica.pipeline) >= replica.scheduler.config.pipeline_stages or launched[1] is None
+        ):
+            return self._finish(replica, *replica.pipeline.popleft())
+        return []
 
     def _must_wait(self, replica: Replica) -> bool:
         """Whether the next step needs the step in flight's tokens on the host: a request with a pending token

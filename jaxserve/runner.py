@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import kernels, quant
-from jaxserve.compilation import StepBuckets, StepCompiler
+from jaxserve.compilation import StepBuckets, StepCompiler, padded_batch
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.kernels.attention import cpu as attention_cpu
@@ -55,11 +55,11 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import (
     VOCAB_SPEC,
+    PipelineTick,
     fit_sharding,
     kv_heads_for,
     make_mesh,
     param_shardings,
-    pipeline_scan,
     replicate_kv_heads,
     rules_for,
     shard_kernels,
@@ -103,6 +103,9 @@ class InFlight:
     out: object  # the sampler's output, on the device
     plp: object  # prompt logprobs, on the device (None when no position wanted them)
     started: float  # perf_counter() when the step was handed to the device
+    # Pipeline stages: (tokens, batch, logits_indices, sampling metadata maker) as packed, for the ticks that take
+    # it through the stages; ``out`` is set by the tick that takes it out of the last one.
+    packed: tuple | None = None
 
 
 # The sampler arrays as wide as the vocabulary or the history; the others are a few words a row.
@@ -128,7 +131,7 @@ class ModelRunner:
             cache and the sampler stay float32. Quantized weights are not copied: the products that dequantize
             whole matrices do it to bfloat16 (``QArray.dot_dtype``).
         mesh: the ("stage", "data", "model") mesh the step runs over (default: the first device); its "model" size
-            is the tensor-parallel degree, its "stage" size the pipeline stages (``sharding.pipeline_scan``).
+            is the tensor-parallel degree, its "stage" size the pipeline stages (``sharding.PipelineTick``).
         platform: None (the platform JAX runs on), or "tpu" / "gpu" to build the steps for that platform without
             running them (``jaxserve.aot``; then ``params`` may be ``jax.ShapeDtypeStruct``s).
         quantization: None, or "int8" / "int4" / "w8a8" / "fp8" to quantize the float weights on their devices,
@@ -225,10 +228,17 @@ class ModelRunner:
         self.num_speculative_tokens = sched_cfg.num_speculative_tokens  # rows sampled per sequence: up to 1 + this
         # The last step's sampled tokens, kept on the device at a fixed width (every bucket samples at most this
         # many rows): async scheduling feeds them into the next step before the host has read them.
+        # Pipeline stages: ``fed`` is instead the hidden states each stage passes the next ([S, T, D], split over
+        # "stage"), and ``_stages`` the launched steps in each stage (``_tick``).
+        self.num_stages, self.dtype = stages(self.mesh), dtype
+        self.fed_sharding = NamedSharding(self.mesh, P("stage")) if self.num_stages > 1 else self.replicated
         fed = jax.ShapeDtypeStruct(
             (self.max_seqs * (1 + self.num_speculative_tokens),), jnp.int32, sharding=self.replicated
         )
-        self.fed = fed if self.abstract else jax.device_put(np.zeros(fed.shape, np.int32), self.replicated)
+        if self.num_stages > 1:
+            fed = self.stage_buffer_struct(buckets.token_buckets[0])
+        self.fed = fed if self.abstract else jax.device_put(np.zeros(fed.shape, fed.dtype), self.fed_sharding)
+        self._stages: list[InFlight | None] = [None] * self.num_stages
         self._fed_rows: dict[str, int] = {}  # request id -> its row in ``fed``
         self._constants: dict[tuple, jax.Array] = {}  # ``_on_device``'s copies of constant sampler arrays
         self.attention_impl = attention_impl
@@ -308,6 +318,7 @@ class ModelRunner:
     def reset_timers(self) -> None:
         self.num_tokens_computed = 0  # real (unpadded) tokens run through the model
         self.num_steps = 0
+        self.num_ticks = 0  # pipeline stages: ticks run (each moves every step in the pipeline one stage on)
         self.pack_seconds = 0.0  # host: building the padded arrays and sampling metadata
         self.device_seconds = 0.0  # dispatch to results back on the host
         self.decode_steps = 0  # steps where every sequence computes one token, and their device seconds
@@ -330,7 +341,7 @@ class ModelRunner:
             impl = {"tpu": "megablox", "gpu": "ragged"}.get(self.platform, "auto")
             interpret = False if self.platform == "tpu" else None
             moe = shard_moe(self.cfg, self.mesh, expert_parallel=self.expert_parallel, impl=impl, interpret=interpret)
-        scan = pipeline_scan(self.mesh) if stages(self.mesh) > 1 else None  # the layers over pipeline stages
+        pipelined = self.num_stages > 1
 
         def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
             per_shard = jax.lax.with_sharding_constraint(
@@ -339,14 +350,19 @@ class ModelRunner:
             return jax.lax.with_sharding_constraint(per_shard, gathered)
 
         def step(state, mm, k_cache, v_cache, tokens, fed_index, batch, logits_indices, meta, next_tokens, fed):
-            # Async scheduling: a position with fed_index r >= 0 takes row r of the previous step's samples (``fed``),
-            # still on the device when this step was packed.
-            tokens = jnp.where(fed_index >= 0, fed[jnp.clip(fed_index, 0, fed.shape[0] - 1)], tokens)
+            scan = None
+            if pipelined:  # one tick (``_tick``): ``fed`` the hidden states passed between stages, not tokens
+                scan = PipelineTick(self.mesh, fed)
+            else:  # async scheduling: a position with fed_index r >= 0 takes row r of the previous step's samples
+                # (``fed``), still on the device when this step was packed.
+                tokens = jnp.where(fed_index >= 0, fed[jnp.clip(fed_index, 0, fed.shape[0] - 1)], tokens)
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
             plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)
+            if pipelined:
+                return out, plp, scan.passed, k_cache, v_cache
             feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
             return out, plp, feed, k_cache, v_cache
 
@@ -406,12 +422,12 @@ class ModelRunner:
                     "on the host: it cannot be scheduled before the previous step's results are read"
                 )
         # A proposal's row samples as plain decoding would at that output index (its own draw, its min_tokens).
-        meta = self.sampling_metadata(
+        meta = functools.partial(  # of pad_to, the rows the step samples
+            self.sampling_metadata,
             [params[i] for i, _ in rows],
             steps=[reqs[i].num_output_tokens + reqs[i].pending + j for i, j in rows],
             prompt_ids=[reqs[i].prompt_token_ids for i, _ in rows],
             output_ids=[reqs[i].output_token_ids for i, _ in rows],
-            pad_to=len(logits_indices),
             token_mask=mask,
         )
         want_plp = [
@@ -423,7 +439,16 @@ class ModelRunner:
         t1 = time.perf_counter()
         decode_only = all(s.num_tokens == 1 for s in sched.scheduled)
         self._publish(sched, token_masks)
-        out, plp = self._launch(copy, (decode_only, tokens, fed_index, batch, logits_indices, meta, next_tokens))
+        flight = InFlight(sched, reqs, want_plp, next_tokens, decode_only, None, None, t1)
+        if self.num_stages > 1:
+            flight.packed = (tokens, batch, logits_indices, meta)
+            self._launch(copy, None)
+            self._tick(flight)
+        else:
+            meta = meta(pad_to=len(logits_indices))
+            step = (decode_only, tokens, fed_index, batch, logits_indices, meta, next_tokens)
+            flight.out, plp = self._launch(copy, step)
+            flight.plp = plp if any(want_plp) else None
         self.pack_seconds += t1 - t0
         self._fed_rows = {}  # where each request's sample of this step is in the step's fed-forward tokens
         for k, (i, j) in enumerate(rows):
@@ -431,13 +456,62 @@ class ModelRunner:
                 reqs[i].pending += 1
                 self._fed_rows[sched.scheduled[i].req_id] = k
         self._uncollected += 1
-        return InFlight(sched, reqs, want_plp, next_tokens, decode_only, out, plp if any(want_plp) else None, t1)
+        return flight
+
+    def _tick(self, entering: InFlight | None) -> None:
+        """Pipeline stages: one tick. Every launched step in the pipeline moves one stage on, ``entering`` (None: an
+        empty step, to drain it) into the first; each stage computes its step's layers (``sharding.PipelineTick``),
+        and the step leaving the last one samples: its ``out`` is set. The stages' batches are padded to one bucket,
+        the largest of theirs."""
+        self._stages = [entering, *self._stages[:-1]]
+        self.num_ticks += 1
+        live = [f for f in self._stages if f is not None]
+        tb = max(len(f.packed[0]) for f in live)
+        sb = max(min(tb, self.max_seqs), *(len(f.packed[1].kv_lens) for f in live))
+        pb = max(f.packed[1].page_indices.shape[1] for f in live)
+        batches = [padded_batch(None if f is None else f.packed[1], tb, sb, pb) for f in self._stages]
+        batch = jax.tree.map(lambda *a: np.stack(a), *batches)
+        tokens = np.zeros(tb, np.int32)
+        if entering is not None:
+            tokens[: len(entering.packed[0])] = entering.packed[0]
+        rows = max(self.inputs.sample_rows(tb), sb)
+        leaving = self._stages[-1]
+        logits_indices, next_tokens = np.zeros(rows, np.int32), _no_targets(tb)
+        if leaving is None:
+            meta = self.sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
+        else:
+            _, _, indices, make_meta = leaving.packed
+            logits_indices[: len(indices)] = indices
+            next_tokens[: len(leaving.next_tokens)] = leaving.next_tokens
+            meta = make_meta(pad_to=rows)
+        if self.fed.shape[1] != tb:  # the passed hidden states to this tick's bucket (their tokens all fit it)
+            self.fed = self._resize_passed(self.fed, tb)
+        decode_only = all(f.decode_only for f in live)
+        out, plp = self._launch(None, (decode_only, tokens, _no_targets(tb), batch, logits_indices, meta, next_tokens))
+        if leaving is not None:
+            leaving.out, leaving.plp = out, plp if any(leaving.want_plp) else None
+
+    @functools.cached_property
+    def _resize_passed(self):
+        def resize(passed, tokens):
+            keep = min(tokens, passed.shape[1])
+            return jnp.pad(passed[:, :keep], ((0, 0), (0, tokens - keep), (0, 0)))
+
+        return jax.jit(resize, static_argnums=1, out_shardings=self.fed_sharding)
+
+    def stage_buffer_struct(self, tokens: int) -> jax.ShapeDtypeStruct:
+        """Pipeline stages: the hidden states the stages pass on, for a bucket of ``tokens``."""
+        shape = (self.num_stages, tokens, self.cfg.hidden_size)
+        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.fed_sharding)
 
     def collect(self, flight: InFlight | None) -> RunnerOutput:
-        """Waits for a launched step and reads its results (``launch``)."""
+        """Waits for a launched step and reads its results (``launch``). Pipeline stages: a step still in the
+        pipeline is first taken out of it, by ticks that take in no new step."""
         result = RunnerOutput({}, {})
         if flight is None:
             return result
+        while flight.out is None:
+            self._tick(None)
         self._uncollected -= 1
         out, plp = _fetch((flight.out, flight.plp))
         t2 = time.perf_counter()

@@ -9,7 +9,7 @@ One engine replica runs one SPMD program over a ``Mesh`` with axes ``("stage", "
 * ``data`` is reserved for data parallelism inside one program; today data-parallel replicas are separate
   programs on disjoint sub-meshes (see ``jaxserve.engine``), so a replica's mesh has ``data`` of size 1.
 * ``stage`` is pipeline parallelism: the layer stacks and the KV pool split over it by layer
-  (``pipeline_scan``), each stage's devices holding their layers' weights and pages. Size 1 without it.
+  (``PipelineTick``), each stage's devices holding their layers' weights and pages. Size 1 without it.
 
 Every parameter is declared once with logical axes (``jaxserve.models.schema``); ``DEFAULT_RULES``
 maps logical axes to mesh axes. The custom kernels (Pallas, the CPU's C++ FFI calls) are not partitionable by
@@ -263,7 +263,7 @@ def pool_spec(cache):
 
 def _shard_map(f, mesh: Mesh, in_specs, out_specs):
     """``jax.shard_map`` of ``f`` over ``mesh``; inside a region already manual over some axes (the pipeline's
-    stages, ``pipeline_scan``), over the context mesh's other axes, the manual ones dropped from the specs."""
+    stages, ``PipelineTick``), over the context mesh's other axes, the manual ones dropped from the specs."""
     ctx = jax.sharding.get_abstract_mesh()
     manual = set() if ctx.empty else {n for n, t in zip(ctx.axis_names, ctx.axis_types) if t == AxisType.Manual}
     if not manual:
@@ -285,53 +285,58 @@ def _shard_map(f, mesh: Mesh, in_specs, out_specs):
     )
 
 
-def pipeline_scan(mesh: Mesh):
-    """The layer scan over pipeline stages: ``scan(layer_on, batch, (x, k_cache, v_cache), (params, layer_ids,
-    windows))`` computes what ``jax.lax.scan(partial(layer_on, batch), ...)`` does, where the layer stacks and the
-    pools are split over the mesh's ``stage`` axis by layer (S stages of L / S layers). Inside one ``shard_map``
-    manual over ``stage`` (tensor parallelism stays automatic within a stage), S ticks: in tick i every stage runs its
-    layers on the hidden states it holds and passes them on (``ppermute``), but only stage i's are the step's: the
-    others write no K/V (their slot mapping is -1, the padding tokens' mark) and their outputs are overwritten
-    before use. The last stage's result is then on every stage. One batch in flight: the other stages' work is the
-    bubble of docs/parallelism.md, done rather than skipped (a ``lax.cond`` around a stage's layers made XLA's
-    partitioner abort under tensor parallelism), the shape micro-batches will fill."""
-    num_stages = stages(mesh)
+class PipelineTick:
+    """One tick of the pipeline, as the decoder's ``scan_fn``: every stage runs its layers on its own batch. The layer
+    stacks and the pools are split over the mesh's ``stage`` axis by layer (S stages of L / S layers), and the step's
+    ``batch`` stacks S batches, stage s's being the one that entered the pipeline s ticks ago (an empty one, every
+    slot -1, where none did). Stage 0 takes the embedded tokens of the batch entering now; stage s > 0 the hidden
+    states stage s - 1 passed it at the end of the previous tick, held in ``passed`` ([S, T, D], split over
+    ``stage``). Inside one ``shard_map`` manual over ``stage`` (tensor parallelism stays automatic within a stage):
+    each stage scans its layers, passes its output on (``ppermute``; what stage S - 1 computed, the batch leaving
+    the pipeline, is summed onto every stage and returned) and ``self.passed`` becomes the next tick's.
 
-    def scan(layer_on, batch, carry, xs):
+    Every stage computes every tick, on an empty batch while the pipeline fills or drains: the bubble of
+    docs/parallelism.md (a ``lax.cond`` around a stage's layers made XLA's partitioner abort under tensor
+    parallelism)."""
+
+    def __init__(self, mesh: Mesh, passed: jax.Array):
+        self.mesh, self.passed = mesh, passed
+
+    def __call__(self, layer_on, step, carry, xs):
+        num_stages = stages(self.mesh)
         x, k_cache, v_cache = carry
         params, layer_ids, windows = xs
 
-        def body(x, k_cache, v_cache, params, layer_ids, windows, batch):
+        def body(x, passed, k_cache, v_cache, params, layer_ids, windows, step):
             s = jax.lax.axis_index("stage")
+            mine = jax.tree.map(lambda a: a[s], step)  # this stage's batch and rotary tables
+            h = jnp.where(s == 0, x, passed[0])
             local = (params, layer_ids, windows, jnp.arange(layer_ids.shape[0], dtype=jnp.int32))
-            for i in range(num_stages):
-                mine = dataclasses.replace(batch, slot_mapping=jnp.where(s == i, batch.slot_mapping, -1))
-                (x, k_cache, v_cache), _ = jax.lax.scan(functools.partial(layer_on, mine), (x, k_cache, v_cache), local)
-                if i < num_stages - 1:  # stage i's output to stage i + 1 (the others receive zeros, unused)
-                    x = jax.lax.ppermute(x, "stage", [(j, j + 1) for j in range(num_stages - 1)])
-            x = jax.lax.psum(jnp.where(s == num_stages - 1, x, jnp.zeros_like(x)), "stage")
-            return x, k_cache, v_cache
+            (h, k_cache, v_cache), _ = jax.lax.scan(functools.partial(layer_on, mine), (h, k_cache, v_cache), local)
+            out = jax.lax.psum(jnp.where(s == num_stages - 1, h, jnp.zeros_like(h)), "stage")
+            passed = jax.lax.ppermute(h, "stage", [(j, j + 1) for j in range(num_stages - 1)])  # stage 0 gets zeros
+            return out, passed[None], k_cache, v_cache
 
         staged = P("stage")
         every = lambda tree, spec: jax.tree.map(lambda _: spec, tree)  # noqa: E731
-        return jax.shard_map(
+        x, self.passed, k_cache, v_cache = jax.shard_map(
             body,
-            mesh=mesh,
+            mesh=self.mesh,
             in_specs=(
                 P(),
+                staged,
                 every(k_cache, staged),
                 every(v_cache, staged),
                 every(params, staged),
                 staged,
                 staged,
-                every(batch, P()),
+                every(step, P()),
             ),
-            out_specs=(P(), every(k_cache, staged), every(v_cache, staged)),
+            out_specs=(P(), staged, every(k_cache, staged), every(v_cache, staged)),
             axis_names={"stage"},
             check_vma=False,
-        )(x, k_cache, v_cache, params, layer_ids, windows, batch)
-
-    return scan
+        )(x, self.passed, k_cache, v_cache, params, layer_ids, windows, step)
+        return x, k_cache, v_cache
 
 
 def shard_kernels(attention, write_kv, mesh: Mesh):

@@ -1,5 +1,5 @@
 """Pipeline parallelism through the engine on the fake CPU devices of conftest.py: the layer stacks and the KV pool
-split over stages (``sharding.pipeline_scan``), against the same model on one device (greedy tokens identical,
+split over stages (``sharding.PipelineTick``), against the same model on one device (greedy tokens identical,
 logprobs within 1e-5), the bytes each device holds, no recompiles in steady state, and the bad degrees."""
 
 from __future__ import annotations
@@ -43,6 +43,20 @@ def test_stages_give_one_devices_tokens_and_hold_only_their_layers(tiny, pp, tp,
     compiled = llm.engine.runner.num_compilations
     llm.generate([p[::-1] for p in PROMPTS], GREEDY, use_tqdm=False)  # steady state: the same buckets
     assert llm.engine.runner.num_compilations == compiled
+
+
+def test_a_batch_in_flight_on_every_stage(tiny):
+    """PP 2, two sequences a step, four requests of 8 tokens: two batches in flight, one in each stage at every
+    tick. 16 steps take 17 ticks (N + S - 1: the last one drains the pipeline); one batch of all four takes 2 ticks
+    a step (the bubble: 8 steps, 16 ticks). Tokens: one device's either way."""
+    model, _ = tiny
+    prompts = [[5 + i, 9, 2 * i + 1] for i in range(4)]
+    want = LLM(model, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    for seqs, steps, ticks in ((2, 16, 17), (4, 8, 16)):
+        llm = LLM(model, pipeline_parallel_size=2, **{**ENGINE, "max_num_seqs": seqs})
+        _same_outputs(llm.generate(prompts, GREEDY, use_tqdm=False), want)
+        runner = llm.engine.runner
+        assert (runner.num_steps, runner.num_ticks) == (steps, ticks), seqs
 
 
 def test_default_model_over_two_stages(default_loaded, default_llm):

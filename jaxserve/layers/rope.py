@@ -106,9 +106,9 @@ class Rope:
         return mscale(rs.factor)
 
     def tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(cos, sin), each [T, H/2] float32, for the tokens' absolute ``positions`` [T]; computed once per step
-        and shared by every layer of this kind."""
-        pos = positions.astype(jnp.float32)[:, None]
+        """(cos, sin), each [..., T, H/2] float32, for the tokens' absolute ``positions`` [..., T] (pipeline stages
+        stack one step's per stage); computed once per step and shared by every layer of this kind."""
+        pos = positions.astype(jnp.float32)[..., None]
         freqs = pos * jnp.asarray(self.inv_freq(), jnp.float32)[None, :]
         rs = self.scaling
         if rs is not None and rs.rope_type == "longrope":

@@ -95,18 +95,25 @@ class Decoder(nnx.Module):
 
         ``policy`` decides how each matrix product runs, with ``copies`` (from :meth:`matmul_weights`) the
         bfloat16 copies it may use. ``moe_fn`` runs a MoE layer's block (default: ``jaxserve.layers.moe.moe_mlp``
-        on one device; the runner passes it sharded over the mesh). ``scan_fn(layer_on, batch, carry, (params,
-        layer ids, windows))`` runs the layers (default: one ``lax.scan`` of ``layer_on`` on ``batch``; pipeline
-        stages: ``sharding.pipeline_scan``); a layer's inputs end with the index of its entry in the caches it is
+        on one device; the runner passes it sharded over the mesh). ``scan_fn(layer_on, step, carry, (params,
+        layer ids, windows))`` runs the layers (default: one ``lax.scan`` of ``layer_on`` on ``step``; pipeline
+        stages: ``sharding.PipelineTick``), where ``step`` is what a layer reads of the step besides its weights:
+        (batch, rotary tables, local rotary tables or None); under pipeline stages ``batch`` stacks one step per
+        stage and each stage reads its own. A layer's inputs end with the index of its entry in the caches it is
         given.
         """
         cfg = self.cfg
         T = tokens.shape[0]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
-        cos, sin = Rope.of(cfg).tables(batch.positions)  # [T, H/2] each, shared by the layers
-        if cfg.local_rope_theta is not None:  # the sliding-window layers' own (Gemma 3), picked per layer
-            local = Rope(cfg.rotary_dim, cfg.local_rope_theta).tables(batch.positions)
+        # What a layer reads of the step besides its weights: the batch and its rotary tables ([T, H/2] each, shared
+        # by the layers; Gemma 3's sliding-window layers have their own, picked per layer).
+        local_rope = None if cfg.local_rope_theta is None else Rope(cfg.rotary_dim, cfg.local_rope_theta)
+        tables = lambda positions: (  # noqa: E731
+            Rope.of(cfg).tables(positions),
+            None if local_rope is None else local_rope.tables(positions),
+        )
+        step = (batch, *tables(batch.positions))
 
         embed = self.embed.get_value()
         if isinstance(embed, quant.QArray):  # dequantized rows, in the dtype of the rest of the model
@@ -156,7 +163,8 @@ class Decoder(nnx.Module):
 
         flags_arr = jnp.asarray(flags)
 
-        def layer_on(batch, carry, xs):  # one layer on this step's tokens, its K/V written where ``batch`` says
+        def layer_on(step, carry, xs):  # one layer on this step's tokens, its K/V written where ``batch`` says
+            batch, (cos, sin), local = step
             x, k_cache, v_cache = carry
             p, layer_idx, window, cache_idx = xs  # cache_idx: the layer's entry in these caches (a stage's own)
 
@@ -203,10 +211,10 @@ class Decoder(nnx.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if scan_fn is None:
             (x, k_cache, v_cache), _ = jax.lax.scan(
-                functools.partial(layer_on, batch), (x, k_cache, v_cache), (layer_params, layer_ids, windows, layer_ids)
+                functools.partial(layer_on, step), (x, k_cache, v_cache), (layer_params, layer_ids, windows, layer_ids)
             )
         else:
-            x, k_cache, v_cache = scan_fn(layer_on, batch, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
+            x, k_cache, v_cache = scan_fn(layer_on, step, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
         return rms_norm(x, self.final_norm[...], eps, off), k_cache, v_cache
 
     def logits(
