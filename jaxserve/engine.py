@@ -143,14 +143,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         tp, dp, pp = config.tensor_parallel_size, config.data_parallel_size, config.pipeline_parallel_size
         check_parallelism(tp, dp, pipeline_parallel_size=pp)
-        if pp > 1 and multi_process():
-            raise ValueError("pipeline_parallel_size > 1 runs in one process for now (stages across hosts: not yet)")
         if pp > 1 and config.speculative_config is not None:
             raise ValueError("pipeline_parallel_size > 1 does not run speculative decoding")
-        if multi_process() and tp * dp != jax.device_count():
+        if multi_process() and tp * dp * pp != jax.device_count():
+            names, got = ("", "") if pp == 1 else (" x pipeline_parallel_size", f" x {pp}")
             raise ValueError(
                 f"under {jax.process_count()} processes, the replicas use every device: tensor_parallel_size x "
-                f"data_parallel_size must be {jax.device_count()} (got {tp} x {dp})"
+                f"data_parallel_size{names} must be {jax.device_count()} (got {tp} x {dp}{got})"
             )
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         n = tp * pp  # each replica's devices, stage by stage

@@ -510,6 +510,9 @@ class ModelRunner:
         result = RunnerOutput({}, {})
         if flight is None:
             return result
+        if flight.out is None and self.channel is not None and self.channel.leader:
+            # The ticks that drain it are programs over every process' devices: the others run them now too.
+            self.channel.send(("collect", self._uncollected - 1))
         while flight.out is None:
             self._tick(None)
         self._uncollected -= 1
@@ -586,6 +589,10 @@ class ModelRunner:
                 while in_flight:
                     self.collect(in_flight.popleft())
                 return payload[0]
+            if kind == "collect":  # pipeline stages: process 0 drains the pipeline down to this many steps
+                while len(in_flight) > payload[0]:
+                    self.collect(in_flight.popleft())
+                continue
             wire, leader_in_flight = payload
             while len(in_flight) > leader_in_flight:
                 self.collect(in_flight.popleft())

@@ -1,6 +1,6 @@
 """One process of a jax.distributed group (tests/test_multiprocess.py starts several).
 
-    python tests/multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID MODEL_DIR TP [DP]
+    python tests/multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID MODEL_DIR TP [DP [PP]]
 
 Generates greedily through ``LLM``, with default options otherwise (async scheduling with $JAXSERVE_TEST_ASYNC),
 for the prompts in $JAXSERVE_TEST_PROMPTS (JSON token-id lists) and prints the tokens as one JSON line prefixed
@@ -17,6 +17,7 @@ import sys
 
 coordinator, num_processes, process_id, model_dir, tp = sys.argv[1:6]
 dp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+pp = int(sys.argv[7]) if len(sys.argv) > 7 else 1
 
 from jaxserve.distributed import initialize  # noqa: E402
 
@@ -27,7 +28,7 @@ from jaxserve import LLM, SamplingParams  # noqa: E402
 settings = {"max_num_seqs": 4} if os.environ.get("JAXSERVE_TEST_MAX_NUM_SEQS_ON") == process_id else {}
 if os.environ.get("JAXSERVE_TEST_ASYNC"):
     settings["async_scheduling"] = True  # the CPU's default is off; GPUs' and TPUs' is on
-llm = LLM(model_dir, tensor_parallel_size=int(tp), data_parallel_size=dp, **settings)
+llm = LLM(model_dir, tensor_parallel_size=int(tp), data_parallel_size=dp, pipeline_parallel_size=pp, **settings)
 prompts = json.loads(os.environ["JAXSERVE_TEST_PROMPTS"])
 params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 outs = llm.generate(prompts, params, use_tqdm=False)

@@ -1,8 +1,9 @@
 """Several processes on localhost, one jax.distributed group over gloo, with default engine options: one
 tensor-parallel replica over every device (2 processes x 2 CPU devices, and 3 x 1), or data-parallel replicas over
-groups of processes (4 x 1 as DP 2 x TP 2, 2 x 2 as DP 2 x TP 2); process 0 scheduling, the others following its
-steps. The reference is one process on one device. And every fault ends the whole group, non-zero and
-in bounded time: a process that raises, one started with other settings, a signal to a follower, a process lost.
+groups of processes (4 x 1 as DP 2 x TP 2, 2 x 2 as DP 2 x TP 2), or pipeline stages over processes (2 x 2 as
+PP 2 x TP 2); process 0 scheduling, the others following its steps. The reference is one process on one device. And
+every fault ends the whole group, non-zero and in bounded time: a process that raises, one started with other
+settings, a signal to a follower, a process lost.
 """
 
 from __future__ import annotations
@@ -275,11 +276,16 @@ def test_three_processes_default_command_serves_and_a_signalled_follower_ends_al
 
 
 @pytest.mark.parametrize("victim", [1, 0])
-def test_losing_a_process_ends_the_other_non_zero(tiny_ckpt, tmp_path, victim):
+def test_two_pipeline_stages_serve_like_one_and_losing_either_ends_the_other(tiny_ckpt, reference, tmp_path, victim):
+    """2 processes x 2 devices as pipeline parallelism 2 x tensor parallelism 2: each process holds one stage (one
+    of the 2 layers, its half of the pool); the hidden states cross from process 0's devices to process 1's every
+    step. Then a process is killed: the other ends non-zero."""
     port = _free_port()
-    procs = _group(_serve_cmd(tiny_ckpt, port, 2, 4, "--no-warmup"), 2, tmp_path, "kill", HEARTBEAT_S)
+    serve = _serve_cmd(tiny_ckpt, port, 2, 2, "--no-warmup", "--pipeline-parallel-size", "2")
+    procs = _group(serve, 2, tmp_path, "kill", HEARTBEAT_S)
     try:
         _wait_healthy(port, procs, tmp_path, "kill")
+        assert _served_texts(port) == reference[1]
         time.sleep(1)  # process 1 is following by now (it announced it in its log before /health came up)
         procs[victim].send_signal(signal.SIGKILL)
         survivor = 1 - victim
