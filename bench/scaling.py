@@ -3,9 +3,10 @@
 Part 1, "plumbing, not speed": a random Llama-shaped model (8 query and 8 KV heads, 4 layers) on 8 simulated CPU
 devices sharing this machine's cores, for TP 1/2/4/8, TP x DP 1x2, 2x2, 4x2 and pipeline stages PP 2, 4 and PP 2 x
 DP 2. It reports per-device bytes of the weights and of the KV pool (they must fall as 1/TP, and the layers' and
-pool's as 1/PP) and the decode step time (the same cores do all devices' work, so a higher degree adds collectives
-and per-device overhead without adding compute: expect it to rise; one batch in flight, a step's stages take S
-ticks in turn).
+pool's as 1/PP), the steps and, with pipeline stages, the ticks, and output tokens/s (the same cores do all
+devices' work, so a higher degree adds collectives and per-device overhead without adding compute: expect it to
+fall). Pipeline layouts run twice: the 16 requests, which the scheduler spreads over S batches in flight (about one
+tick a step), then one request alone, one batch in flight (S ticks a step: the bubble).
 
 Part 2: bench/throughput.py's workload (default model, greedy) at TP 1 and TP 3 in the same invocation; TP 2 is
 impossible for SmolLM2-135M's 9 query heads. Token agreement with TP 1 is reported.
@@ -68,8 +69,11 @@ def plumbing(args) -> None:
         f"\n## Plumbing: {cfg.num_layers} layers, D={cfg.hidden_size}, 8 q / 8 kv heads, V={cfg.vocab_size}; "
         f"16 prompts x 128 tokens, 32 output tokens; 8 simulated devices on {os.cpu_count()} cores\n"
     )
-    print("| TP x DP x PP | weights / device (MiB) | KV pool / device (MiB) | decode step (ms) | tokens = TP 1 |")
-    print("|---|---|---|---|---|")
+    print(
+        "| TP x DP x PP | requests | weights / device (MiB) | KV pool / device (MiB) | steps | ticks | "
+        "output tok/s | tokens = TP 1 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     reference = None
     for tp, dp, pp in [x for x in LAYOUTS if args.layouts is None or "x".join(map(str, x)) in args.layouts]:
         llm = LLM(
@@ -84,19 +88,22 @@ def plumbing(args) -> None:
             compilation_cache=False,
         )
         llm.engine.warmup()
-        for r in llm.engine.replicas:
-            r.runner.reset_timers()
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        reference = reference or outs
         runner = llm.engine.runner
-        steps = sum(r.runner.decode_steps for r in llm.engine.replicas)
-        secs = sum(r.runner.decode_device_seconds for r in llm.engine.replicas)
-        print(
-            f"| {tp} x {dp} x {pp} | {_per_device_bytes(runner.state) / 2**20:.1f} | "
-            f"{_per_device_bytes((runner.k_cache, runner.v_cache)) / 2**20:.1f} | {1e3 * secs / max(steps, 1):.1f} | "
-            f"{'yes' if outs == reference else 'NO'} |",
-            flush=True,
-        )
+        weights, pool = _per_device_bytes(runner.state), _per_device_bytes((runner.k_cache, runner.v_cache))
+        for n in (16, 1) if pp > 1 else (16,):
+            for r in llm.engine.replicas:
+                r.runner.reset_timers()
+            t0 = time.perf_counter()
+            outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], greedy, use_tqdm=False)]
+            rate = sum(map(len, outs)) / (time.perf_counter() - t0)
+            reference = reference or outs
+            steps = sum(r.runner.num_steps for r in llm.engine.replicas)
+            ticks = sum(r.runner.num_ticks for r in llm.engine.replicas) if pp > 1 else "-"
+            print(
+                f"| {tp} x {dp} x {pp} | {n} | {weights / 2**20:.1f} | {pool / 2**20:.1f} | {steps} | {ticks} | "
+                f"{rate:.0f} | {'yes' if outs == reference[:n] else 'NO'} |",
+                flush=True,
+            )
 
 
 def throughput(args) -> None:
