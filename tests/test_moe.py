@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxserve.kernels.moe.grouped import megablox_tiling, sort_by_expert
-from jaxserve.kernels.moe.reference import route
+from jaxserve.kernels.moe.reference import route, route_grouped
 
 from jaxserve import kernels
 from jaxserve.layers.moe import MoeSpec, moe_mlp, moe_param_shapes
@@ -70,6 +70,61 @@ def test_routing_matches_numpy(renormalize, with_bias):
     np.testing.assert_array_equal(np.asarray(ids), ids_np)
     np.testing.assert_allclose(np.asarray(w), w_np, rtol=1e-6, atol=1e-7)
     assert ids.dtype == jnp.int32 and w.dtype == F32
+
+
+@pytest.mark.parametrize(
+    ("groups", "top_groups", "renormalize", "scaling"), [(4, 2, True, 2.5), (8, 3, False, 1.0), (1, 1, True, 1.0)]
+)
+def test_grouped_sigmoid_routing_matches_deepseek_v3s_router(groups, top_groups, renormalize, scaling):
+    """DeepSeek-V3's routing against transformers' DeepseekV3TopkRouter, whose weights and correction bias are
+    random (the bias of the order of the scores, so that it changes choices): the same experts per token (HF's
+    top-k is unsorted: compared as sets) with the same weights within 1e-6."""
+    torch = pytest.importorskip("torch")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    T, E, D, k = 29, 32, 16, 6
+    cfg = DeepseekV3Config(
+        hidden_size=D,
+        n_routed_experts=E,
+        num_experts_per_tok=k,
+        n_group=groups,
+        topk_group=top_groups,
+        norm_topk_prob=renormalize,
+        routed_scaling_factor=scaling,
+    )
+    router = DeepseekV3TopkRouter(cfg)
+    rng = np.random.default_rng(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor(rng.normal(size=(E, D)), dtype=torch.float32))
+        router.e_score_correction_bias.copy_(torch.tensor(rng.normal(scale=0.3, size=E), dtype=torch.float32))
+        x = torch.tensor(rng.normal(size=(T, D)), dtype=torch.float32)
+        logits, hf_w, hf_ids = router(x)
+    bias = jnp.asarray(router.e_score_correction_bias.numpy())
+    ids, w = route_grouped(
+        jnp.asarray(logits.numpy()),
+        k,
+        num_groups=groups,
+        top_groups=top_groups,
+        correction_bias=bias,
+        renormalize=renormalize,
+        scaling=scaling,
+    )
+    ids, w, hf_ids, hf_w = np.asarray(ids), np.asarray(w), hf_ids.numpy(), hf_w.numpy()
+    unbiased = np.asarray(route_grouped(jnp.asarray(logits.numpy()), k, num_groups=groups, top_groups=top_groups)[0])
+    assert any(set(a) != set(b) for a, b in zip(ids, unbiased))  # the bias moved some choice
+    for t in range(T):
+        assert set(ids[t]) == set(hf_ids[t]), t
+        mine, theirs = dict(zip(ids[t], w[t])), dict(zip(hf_ids[t], hf_w[t]))
+        np.testing.assert_allclose([mine[e] for e in theirs], list(theirs.values()), rtol=1e-6, atol=1e-7)
+
+
+def test_grouped_routing_refuses_groups_that_do_not_divide_the_experts():
+    logits = jnp.zeros((2, 10), F32)
+    with pytest.raises(ValueError, match=r"num_groups=4 must divide the 10 experts"):
+        route_grouped(logits, 2, num_groups=4, top_groups=2)
+    with pytest.raises(ValueError, match=r"top_k=6 exceeds the 1 open groups' 5 experts"):
+        route_grouped(logits, 6, num_groups=2, top_groups=1)
 
 
 def test_routing_ties_pick_the_lower_expert():

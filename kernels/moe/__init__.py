@@ -2,7 +2,7 @@
 products run on ``lax.ragged_dot`` (portable) or megablox ``gmm`` (Pallas TPU)."""
 
 from jaxserve.kernels.moe.grouped import megablox_tiling, moe_blocked, moe_gathered, moe_grouped, sort_by_expert
-from jaxserve.kernels.moe.reference import ACTIVATIONS, activate, combine_matrix, moe_ref, route
+from jaxserve.kernels.moe.reference import ACTIVATIONS, activate, combine_matrix, moe_ref, route, route_grouped
 
 __all__ = [
     "ACTIVATIONS",
@@ -14,5 +14,6 @@ __all__ = [
     "moe_grouped",
     "moe_ref",
     "route",
+    "route_grouped",
     "sort_by_expert",
 ]

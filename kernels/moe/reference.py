@@ -50,6 +50,49 @@ def route(
     return ids.astype(jnp.int32), weights
 
 
+def route_grouped(
+    logits: jax.Array,
+    top_k: int,
+    *,
+    num_groups: int = 1,
+    top_groups: int = 1,
+    correction_bias: jax.Array | None = None,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's routing (Kimi-K2's too): logits [T, E] -> (expert ids [T, k] int32, combine weights [T, k]
+    float32), on sigmoid scores rather than a softmax.
+
+    The choice: the scores plus ``correction_bias`` [E] (the checkpoint's ``e_score_correction_bias``, a load-balancing
+    offset that moves the choice, never the weights); the E experts fall in ``num_groups`` groups of consecutive ids
+    (``n_group``), each group scored by the sum of its two best, and only the ``top_groups`` best groups
+    (``topk_group``) are open to the top-k. The weights: the chosen experts' plain sigmoid scores, divided by their sum
+    when ``renormalize`` (``norm_topk_prob``), times ``scaling`` (``routed_scaling_factor``). Ties go to the lower
+    group and expert id (``lax.top_k``); the order of the k chosen is by descending biased score.
+    """
+    logits = logits.astype(jnp.float32)
+    num_tokens, num_experts = logits.shape
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"num_groups={num_groups} must divide the {num_experts} experts")
+    if not 1 <= top_groups <= num_groups:
+        raise ValueError(f"top_groups={top_groups} must be in [1, num_groups={num_groups}]")
+    per_group = num_experts // num_groups
+    if top_k > top_groups * per_group:
+        raise ValueError(f"top_k={top_k} exceeds the {top_groups} open groups' {top_groups * per_group} experts")
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if top_groups < num_groups:
+        best = jax.lax.top_k(choice.reshape(num_tokens, num_groups, per_group), min(2, per_group))[0]
+        _, groups = jax.lax.top_k(best.sum(-1), top_groups)  # [T, top_groups]
+        open_ = jnp.zeros((num_tokens, num_groups), bool).at[jnp.arange(num_tokens)[:, None], groups].set(True)
+        choice = jnp.where(jnp.repeat(open_, per_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * scaling
+
+
 def activate(
     gate: jax.Array,
     up: jax.Array,
