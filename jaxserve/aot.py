@@ -403,8 +403,9 @@ def plan(
         )
 
     kv = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype))
-    row_bytes = cfg.head_dim * kv.itemsize + (4 if kv == np.int8 else 0)  # int8 rows carry a float32 scale
-    page_bytes = 2 * max(map(len, stages)) * config.page_size * (kv_heads // tp) * row_bytes
+    # K and V rows (MLA: the latent, and no V); int8 rows carry a float32 scale
+    row_bytes = sum(d * kv.itemsize + (4 if kv == np.int8 else 0) for d in cfg.kv_cache_dims)
+    page_bytes = max(map(len, stages)) * config.page_size * (kv_heads // tp) * row_bytes
     compiled: list[Variant] = []
     if compile:
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))

@@ -107,6 +107,23 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     moe_router_bias: bool = False  # gpt-oss
     moe_expert_bias: bool = False  # gpt-oss: biases on each expert's gate, up and down products
+    # DeepSeek-V3 / Kimi-K2 routing ("grouped_sigmoid", ``kernels.moe.route_grouped``): sigmoid scores, a
+    # score-correction bias moving the choice, the experts in ``n_group`` groups of which ``topk_group`` are open,
+    # the weights times ``routed_scaling_factor``; "softmax" (``kernels.route``) for every other family.
+    moe_routing: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # DeepSeek: shared experts, a dense MLP beside the routed ones
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), on when ``kv_lora_rank`` > 0: the pool holds one
+    # latent per token, [c (kv_lora_rank) ; k_pe (qk_rope_head_dim)]; ``head_dim`` is the query / key head's
+    # qk_nope_head_dim + qk_rope_head_dim, ``v_head_dim`` the value head's; ``q_lora_rank`` None: a direct q_proj;
+    # ``num_kv_heads`` is 1 (the pool's copies of the latent: one per device under tensor parallelism).
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rotary dims stored as interleaved pairs (DeepSeek's checkpoints)
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
 
@@ -166,6 +183,32 @@ class ModelConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
         self._check_moe()
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        if not self.is_mla:
+            if self.q_lora_rank is not None or self.qk_rope_head_dim or self.v_head_dim:
+                raise ValueError(
+                    f"ModelConfig: q_lora_rank={self.q_lora_rank} / qk_rope_head_dim={self.qk_rope_head_dim} / "
+                    f"v_head_dim={self.v_head_dim} are multi-head latent attention's and need kv_lora_rank > 0"
+                )
+            return
+        _positive(self, "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+        if self.q_lora_rank is not None:
+            _positive(self, "q_lora_rank")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim >= self.head_dim:
+            raise ValueError(
+                f"ModelConfig.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and below head_dim "
+                f"({self.head_dim} = qk_nope_head_dim + qk_rope_head_dim)"
+            )
+        unsupported = [
+            n for n in ("attention_bias", "qk_norm", "sandwich_norms", "attention_sinks", "o_bias") if getattr(self, n)
+        ]
+        if unsupported or self.sliding_window is not None or self.attn_logit_softcap is not None:
+            raise ValueError(
+                f"ModelConfig: multi-head latent attention does not combine with {unsupported or 'sliding windows'}"
+                " / soft caps"
+            )
 
     def _check_moe(self) -> None:
         if self.num_experts == 0:
@@ -190,6 +233,21 @@ class ModelConfig:
                 )
             if not any(self.moe_layers):
                 raise ValueError("ModelConfig.moe_layers marks no layer MoE; a dense model has num_experts=0")
+        if self.moe_routing not in ("softmax", "grouped_sigmoid"):
+            raise ValueError(
+                f"ModelConfig.moe_routing must be 'softmax' or 'grouped_sigmoid', got {self.moe_routing!r}"
+            )
+        _positive(self, "n_group", "topk_group")
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(
+                f"ModelConfig: n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and be >= "
+                f"topk_group ({self.topk_group})"
+            )
+        if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
+                f"topk_group={self.topk_group} open groups"
+            )
         if self.moe_activation not in ("swiglu", "swiglu_clamped"):
             raise ValueError(
                 f"ModelConfig.moe_activation must be 'swiglu' or 'swiglu_clamped', got {self.moe_activation!r}"
@@ -215,13 +273,37 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dims of each head that rope rotates (the rest pass through)."""
+        """The leading dims of each head that rope rotates (the rest pass through); MLA: its decoupled rotary dims."""
+        if self.is_mla:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int]:
+        """The pool's (K, V) row widths per KV head: (head_dim, head_dim); MLA: the latent (kv_lora_rank +
+        qk_rope_head_dim) in the K pool and nothing in the V pool."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.head_dim, self.head_dim
 
     @property
     def attn_scale(self) -> float:
         base = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
-        return 1.0 / math.sqrt(base)
+        scale = 1.0 / math.sqrt(base)
+        rs = self.rope_scaling
+        if self.is_mla and rs is not None and rs.rope_type == "yarn" and rs.mscale_all_dim and rs.factor > 1:
+            # DeepSeek scales q . k by YaRN's mscale(factor, mscale_all_dim) squared, the non-rotary dims too.
+            mscale = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0
+            scale *= mscale * mscale
+        return scale
 
     def layer_windows(self) -> tuple[int, ...]:
         """Sliding window per layer, 0 meaning full attention."""

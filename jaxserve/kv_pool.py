@@ -3,7 +3,9 @@ copy-on-write.
 
 The pool is two arrays (K and V) of ``[layers, pages, page_size, kv_heads, head_dim]`` (or ``kernels.Int8Pages``:
 int8 values and one float32 scale per token and KV head), split over KV heads on the ``model`` mesh axis and laid
-out row-major. The arrays move with every step (the step donates and returns them), so the runner holds them;
+out row-major. Multi-head latent attention (``ModelConfig.is_mla``) keeps one latent a token in the K array,
+``[layers, pages, page_size, copies, kv_lora_rank + qk_rope_head_dim]``, one copy per device of the ``model`` axis
+(every device's heads read the whole latent), and an empty V array (last dim 0): ``ModelConfig.kv_cache_dims``. The arrays move with every step (the step donates and returns them), so the runner holds them;
 this module decides everything else about them.
 """
 
@@ -83,6 +85,11 @@ class KVPool:
         self.dtype = kv_dtype(cache_cfg.dtype, weights_dtype)  # default: the weights' dtype
         # int8 pages travel as kernels.Int8Pages: the values and one float32 scale per token and KV head.
         self.int8 = self.dtype == jnp.int8
+        if self.int8 and cfg.is_mla:
+            raise ValueError(
+                "kv_cache_dtype='int8' is not supported for multi-head latent attention (the latent pool); use "
+                "the weights' dtype, bfloat16 or an fp8 dtype"
+            )
         # The pool row-major, as the kernels read it, from allocation on: left to itself XLA:TPU gives a pool with
         # small trailing dims another layout and copies the whole pool in and out of every step (AOT showed
         # 2.8x the pool in temporaries for SmolLM2 and Llama-3-8B shapes).
@@ -122,29 +129,31 @@ class KVPool:
         """(k, v) pools of ``num_pages``, allocated already split over KV heads (``abstract``: shapes and
         shardings only, for ``jaxserve.aot``)."""
         if abstract:
-            pool = jax.tree.map(
-                lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f.sharding),
-                jax.eval_shape(self.zeros(self.num_pages)),
-                self.format,
+            return tuple(
+                jax.tree.map(
+                    lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f.sharding),
+                    jax.eval_shape(self.zeros(self.num_pages, value)),
+                    self.format,
+                )
+                for value in (False, True)
             )
-            return pool, pool
-        zeros = self.zeros(self.num_pages)
-        return zeros(), zeros()
+        return self.zeros(self.num_pages)(), self.zeros(self.num_pages, value=True)()
 
     def page_bytes(self) -> int:
         """Bytes of one page of the K and V pools over every layer (before any device's padding)."""
         c = self.cfg
-        row = c.head_dim * self.dtype.itemsize + (4 if self.int8 else 0)  # + an int8 row's float32 scale
-        return 2 * c.num_layers * self.page_size * c.num_kv_heads * row
+        rows = sum(d * self.dtype.itemsize + (4 if self.int8 else 0) for d in c.kv_cache_dims)  # int8: + a scale
+        return c.num_layers * self.page_size * c.num_kv_heads * rows
 
-    def shape(self, num_pages: int) -> tuple[int, ...]:
+    def shape(self, num_pages: int, value: bool = False) -> tuple[int, ...]:
+        """The K pool's shape (``value``: the V pool's)."""
         c = self.cfg
-        return c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.head_dim
+        return c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.kv_cache_dims[value]
 
-    def zeros(self, num_pages: int):
-        """A jitted allocation of one (K or V) pool, split over KV heads and laid out row-major (int8: an
+    def zeros(self, num_pages: int, value: bool = False):
+        """A jitted allocation of the K (``value``: V) pool, split over KV heads and laid out row-major (int8: an
         ``Int8Pages`` of zero values and scales)."""
-        shape = self.shape(num_pages)
+        shape = self.shape(num_pages, value)
 
         def zeros():
             values = jnp.zeros(shape, self.dtype)
@@ -157,8 +166,11 @@ class KVPool:
         pool's two minor dims (KV heads per device, head_dim) to its tiles, e.g. one bfloat16 KV head to two."""
         pages = 64
         with jax.set_mesh(self.mesh):  # a topology's devices (jaxserve.aot) compile inside their mesh
-            out = self.zeros(pages).lower().compile().memory_analysis().output_size_in_bytes
-        return cdiv(2 * out, pages)
+            out = sum(
+                self.zeros(pages, value).lower().compile().memory_analysis().output_size_in_bytes
+                for value in (False, True)
+            )
+        return cdiv(out, pages)
 
     def pages_from_memory(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> int:
         """Pool size when ``num_pages`` is not given; logs the pages, tokens and bytes.

@@ -48,6 +48,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "experts": None,
     "expert_mlp": "model",
     "routes": None,
+    "latent": None,  # MLA's latent and low-rank dims: every device computes (and caches) the whole latent
 }
 EXPERT_PARALLEL_RULES: Mapping[str, str | None] = {**DEFAULT_RULES, "experts": "model", "expert_mlp": None}
 
@@ -419,7 +420,7 @@ def shard_moe(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False, im
     The down bias (gpt-oss) is added once, after the sum.
     """
     from jaxserve import kernels
-    from jaxserve.layers.moe import MoeSpec, moe_mlp, router_logits
+    from jaxserve.layers.moe import MoeSpec, moe_mlp
     from jaxserve.models.schema import moe_block
 
     spec = MoeSpec.of(cfg)
@@ -433,9 +434,7 @@ def shard_moe(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False, im
     specs = {n: logical_spec(n, s.shape[1:], s.axes[1:], mesh, rules) for n, s in moe_block(cfg).items()}
 
     def local(h, p):
-        ids, weights = kernels.route(
-            router_logits(h, p["router"]), spec.top_k, renormalize=spec.renormalize, bias=p.get("router_bias")
-        )
+        ids, weights = spec.route(h, p)
         here = ids - jax.lax.axis_index("model") * per_expert if expert_parallel else ids
         y = kernels.moe(
             h,

@@ -172,7 +172,8 @@ def write_kv(
     Args:
       k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool (or ``Int8Pages``).
       layer: int32 scalar (may be traced), the layer to write.
-      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype (``Int8Pages``: quantized per row).
+      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype (``Int8Pages``: quantized per row). A V
+        pool of head_dim 0 (multi-head latent attention's latent pool) is written by the reference scatter.
       batch: the step's ``AttentionBatch``; the write reads its slot_mapping: [T] int32, ``page * page_size +
         offset`` of token t; negative slots (padding) write nothing.
       impl, backend, interpret: see the module docstring ("xla" on the CPU: the C++ in-place write when it is
@@ -186,6 +187,8 @@ def write_kv(
       ValueError: bad impl/backend; the Pallas and C++ writes also refuse new rows that do not fit the caches.
     """
     kernel, interp = _choose(impl, backend, interpret)
+    if not is_int8_pages(v_cache) and v_cache.shape[-1] == 0:  # MLA's latent pool: K only, an empty V
+        return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, batch)
     if kernel == "xla" and jax.default_backend() == "cpu" and ffi.available():
         return kv_write_cpu.write_kv(k_cache, v_cache, layer, new_k, new_v, batch)  # in place, in C++
     if kernel in ("reference", "xla"):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import kernels
-from jaxserve.kernels.moe.reference import ACTIVATIONS
+from jaxserve.kernels.moe.reference import ACTIVATIONS, route_grouped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,8 @@ class MoeSpec:
     chosen experts' probabilities of the softmax over all (Qwen3-MoE ``norm_topk_prob=False``).
     ``activation``: "swiglu", or gpt-oss's "swiglu_clamped" with ``swiglu_alpha`` / ``swiglu_limit``.
     ``router_bias`` / ``expert_bias``: the block has a router bias / per-expert gate, up and down biases (gpt-oss).
+    ``routing``: "softmax" (``kernels.route``), or DeepSeek-V3's "grouped_sigmoid" (``kernels.moe.route_grouped``
+    with ``num_groups`` / ``top_groups`` / ``scaling`` and the layer's ``router_correction`` bias).
     """
 
     num_experts: int
@@ -51,6 +53,10 @@ class MoeSpec:
     swiglu_limit: float = 7.0
     router_bias: bool = False
     expert_bias: bool = False
+    routing: str = "softmax"
+    num_groups: int = 1
+    top_groups: int = 1
+    scaling: float = 1.0
 
     @classmethod
     def of(cls, cfg) -> MoeSpec:
@@ -65,6 +71,10 @@ class MoeSpec:
             swiglu_limit=cfg.swiglu_limit,
             router_bias=cfg.moe_router_bias,
             expert_bias=cfg.moe_expert_bias,
+            routing=cfg.moe_routing,
+            num_groups=cfg.n_group,
+            top_groups=cfg.topk_group,
+            scaling=cfg.routed_scaling_factor,
         )
 
     def __post_init__(self):
@@ -72,6 +82,24 @@ class MoeSpec:
             raise ValueError(f"MoeSpec.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoeSpec.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.routing not in ("softmax", "grouped_sigmoid"):
+            raise ValueError(f"MoeSpec.routing must be 'softmax' or 'grouped_sigmoid', got {self.routing!r}")
+
+    def route(self, h: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """The routing of the normed hidden states h [T, D] with one layer's parameters -> (expert ids [T, k],
+        combine weights [T, k] float32)."""
+        logits = router_logits(h, p["router"])
+        if self.routing == "grouped_sigmoid":
+            return route_grouped(
+                logits,
+                self.top_k,
+                num_groups=self.num_groups,
+                top_groups=self.top_groups,
+                correction_bias=p.get("router_correction"),
+                renormalize=self.renormalize,
+                scaling=self.scaling,
+            )
+        return kernels.route(logits, self.top_k, renormalize=self.renormalize, bias=p.get("router_bias"))
 
 
 def moe_param_shapes(hidden_size: int, spec: MoeSpec) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -104,14 +132,11 @@ def moe_mlp(
     -> [T, D] in h.dtype. ``impl`` / ``interpret``: ``jaxserve.kernels.moe``'s."""
     return kernels.moe(
         h,
-        router_logits(h, p["router"]),
+        spec.route(h, p),
         p["expert_gate"],
         p["expert_up"],
         p["expert_down"],
-        top_k=spec.top_k,
-        renormalize=spec.renormalize,
         activation=spec.activation,
-        router_bias=p.get("router_bias") if spec.router_bias else None,
         gate_bias=p.get("expert_gate_bias") if spec.expert_bias else None,
         up_bias=p.get("expert_up_bias") if spec.expert_bias else None,
         down_bias=p.get("expert_down_bias") if spec.expert_bias else None,

@@ -7,6 +7,7 @@ streams them into preallocated stacked arrays (``[L, ...]`` per layer weight, li
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 
@@ -17,6 +18,8 @@ from tqdm.auto import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.models import registry
 from jaxserve.models.schema import ParamSpec, param_schema
+
+logger = logging.getLogger(__name__)
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -35,6 +38,8 @@ class _Targets:
 
     def __init__(self, cfg: ModelConfig, schema: dict[str, ParamSpec]):
         self.cfg, self.schema = cfg, schema
+        self.mtp = registry.family(cfg.architecture).hf_mtp_layers
+        self.mtp_skipped: set[int] = set()  # the multi-token-prediction layers skipped
         self.globals = {s.hf: n for n, s in schema.items() if s.hf and not s.per_layer}
         self.layer = {}  # per-layer tail -> name (an expert stack's whole-stack name too)
         self.experts = []  # (regex of a per-expert tail, name)
@@ -62,6 +67,9 @@ class _Targets:
         m = _LAYER_RE.match(hf_name)
         if m:
             layer, tail = int(m.group(1)), m.group(2)
+            if layer >= cfg.num_layers and self.mtp:
+                self.mtp_skipped.add(layer)
+                return None
             name, expert = self.layer.get(tail), None
             for pattern, n in self.experts if name is None else ():
                 e = pattern.match(tail)
@@ -185,6 +193,11 @@ def params_from_hf_tensors(
         else:
             params[name][layer] = array
         filled[name].add(layer)
+    if target_of.mtp_skipped:
+        logger.info(
+            "skipped the checkpoint's multi-token-prediction layer(s) %s (jaxserve does not serve them)",
+            sorted(target_of.mtp_skipped),
+        )
     for (name, layer), got in experts.items():
         missing = sorted(set(range(cfg.num_experts)) - set(got))
         raise ValueError(

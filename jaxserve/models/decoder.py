@@ -21,11 +21,13 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import AttentionBatch
+from jaxserve.kernels.attention.mla import absorb_query, expand_output
 from jaxserve.layers.linear import PLAIN, MatmulPolicy, matmul, pack_bf16
 from jaxserve.layers.moe import MoeSpec, moe_mlp
 from jaxserve.layers.norm import rms_norm
@@ -128,6 +130,8 @@ class Decoder(nnx.Module):
             {n: getattr(self, n).get_value() for n in layer_names(schema)}, matmul_names(schema), copies, T
         )
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
+        r = cfg.rotary_dim
+        deinterleave = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
         # A model that mixes dense and MoE layers holds each block's stack over its own layers (``partial``); each
         # layer runs one of them (``lax.cond``), from the stack's entry ``index[layer]``.
         partial = {n: getattr(self, n).get_value() for n in partial_names(schema)}
@@ -139,10 +143,10 @@ class Decoder(nnx.Module):
         if moe_fn is None and cfg.is_moe:
             moe_fn = functools.partial(moe_mlp, spec=MoeSpec.of(cfg))
 
-        def dense_mlp(h, mul):
-            gate = mul(h, "w_gate")
+        def dense_mlp(h, mul, names=("w_gate", "w_up", "w_down")):
+            gate = mul(h, names[0])
             act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-            return mul(act * mul(h, "w_up"), "w_down")
+            return mul(act * mul(h, names[1]), names[2])
 
         def entry(names, i):  # one layer's parameters of a partial stack
             return {n: jax.lax.dynamic_index_in_dim(partial[n], i, keepdims=False) for n in names}
@@ -150,28 +154,35 @@ class Decoder(nnx.Module):
         def mlp(h, p, mul, layer_idx):
             if moe_layers == ():
                 return dense_mlp(h, mul)
-            moe_names = tuple(n for n in schema if n in ("router", "router_bias") or n.startswith("expert_"))
             if moe_layers is None:
-                return moe_fn(h, {n: p[n] for n in moe_names})
+                return moe(h, p, mul)
             i = index[layer_idx]
 
             def dense(h):
                 w = entry(("w_gate", "w_up", "w_down"), i)
                 return dense_mlp(h, lambda x, n: matmul(x, w[n]))
 
-            return jax.lax.cond(flags_arr[layer_idx], lambda h: moe_fn(h, entry(moe_names, i)), dense, h)
+            def sparse(h):
+                w = entry(moe_names + shared_names, i)
+                return moe(h, w, lambda x, n: matmul(x, w[n]))
+
+            return jax.lax.cond(flags_arr[layer_idx], sparse, dense, h)
+
+        moe_names = tuple(
+            n for n in schema if n in ("router", "router_bias", "router_correction") or n.startswith("expert_")
+        )
+        shared_names = tuple(n for n in schema if n.startswith("shared_"))
+
+        def moe(h, p, mul):  # the routed experts (``moe_fn``), and DeepSeek's shared experts beside them
+            out = moe_fn(h, {n: p[n] for n in moe_names})
+            if shared_names:
+                out = out + dense_mlp(h, mul, ("shared_gate", "shared_up", "shared_down"))
+            return out
 
         flags_arr = jnp.asarray(flags)
 
-        def layer_on(step, carry, xs):  # one layer on this step's tokens, its K/V written where ``batch`` says
-            batch, (cos, sin), local = step
-            x, k_cache, v_cache = carry
-            p, layer_idx, window, cache_idx = xs  # cache_idx: the layer's entry in these caches (a stage's own)
-
-            def mul(h: jax.Array, name: str) -> jax.Array:
-                return policy.product(h, name, p, whole, layer_idx)
-
-            h = rms_norm(x, p["attn_norm"], eps, off)
+        def gqa(h, p, mul, rope, local, window, caches, cache_idx, batch):  # grouped-query attention -> [T, D]
+            (cos, sin), (k_cache, v_cache) = rope, caches
             q, k, v = mul(h, "wq"), mul(h, "wk"), mul(h, "wv")
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
@@ -196,7 +207,53 @@ class Decoder(nnx.Module):
                 soft_cap=cfg.attn_logit_softcap,
                 **sinks,
             )  # [T, N, H]
-            o = mul(attn.reshape(T, N * H), "wo")
+            return mul(attn.reshape(T, N * H), "wo"), k_cache, v_cache
+
+        def mla(h, p, mul, rope, local, window, caches, cache_idx, batch):  # latent attention, absorbed -> [T, D]
+            (cos, sin), (k_cache, v_cache) = rope, caches
+            R, r, dn, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+            q = (
+                mul(h, "wq")
+                if cfg.q_lora_rank is None
+                else mul(rms_norm(mul(h, "wq_a"), p["q_a_norm"], eps, off), "wq_b")
+            )
+            q = q.reshape(T, N, H)
+            q_nope, q_pe = q[..., :dn], q[..., dn:]
+            kv = mul(h, "wkv_a")  # [T, R + r]: the latent c before its norm, and the shared rotary key
+            c, k_pe = rms_norm(kv[:, :R], p["kv_a_norm"], eps, off), kv[:, None, R:]
+            if cfg.rope_interleave:  # pairs (x0, x1), (x2, x3) ...: rotated as halves, the same order in q and k
+                q_pe, k_pe = q_pe[..., deinterleave], k_pe[..., deinterleave]
+            q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
+            latent = jnp.concatenate([c[:, None, :], k_pe.astype(c.dtype)], axis=-1)  # [T, 1, R + r]
+            latent = jnp.broadcast_to(latent, (T, K, R + r))  # one copy per device
+            k_cache, v_cache = write_kv_fn(k_cache, v_cache, cache_idx, latent, latent[..., :0], batch)
+            w = p["wkv_b"].reshape(R, N, dn + dv)  # each head's key (d_nope) and value (d_v) up-projections
+            q_latent = absorb_query(q_nope, w[..., :dn].transpose(1, 2, 0))  # [T, N, R]
+            # GQA with one KV head whose key and value are the latent (``kernels.attention.mla``)
+            context = attention_fn(
+                jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1),
+                k_cache,
+                k_cache,
+                cache_idx,
+                batch,
+                sm_scale=cfg.attn_scale,
+                sliding_window=window,
+                soft_cap=None,
+            )[..., :R]
+            out = expand_output(context, w[..., dn:].transpose(1, 2, 0))  # [T, N, d_v]
+            return mul(out.reshape(T, N * dv), "wo"), k_cache, v_cache
+
+        def layer_on(step, carry, xs):  # one layer on this step's tokens, its K/V written where ``batch`` says
+            batch, (cos, sin), local = step
+            x, k_cache, v_cache = carry
+            p, layer_idx, window, cache_idx = xs  # cache_idx: the layer's entry in these caches (a stage's own)
+
+            def mul(h: jax.Array, name: str) -> jax.Array:
+                return policy.product(h, name, p, whole, layer_idx)
+
+            h = rms_norm(x, p["attn_norm"], eps, off)
+            attend = mla if cfg.is_mla else gqa
+            o, k_cache, v_cache = attend(h, p, mul, (cos, sin), local, window, (k_cache, v_cache), cache_idx, batch)
             if cfg.o_bias:
                 o = o + p["bo"]
             if cfg.sandwich_norms:

@@ -54,6 +54,8 @@ class Family:
             ``block_sparse_moe.experts.E.w1``).
         hf_fixup: ``(per-layer name, array) -> [(per-layer name, array), ...]`` in the schema's names and HF's
             layout, for tensors a rename cannot express (gpt-oss's interleaved gate / up stack); after the renames.
+        hf_mtp_layers: the checkpoint's layers past ``num_hidden_layers`` are multi-token-prediction modules
+            (DeepSeek-V3's ``num_nextn_predict_layers``), skipped on load and named in the log.
     """
 
     name: str
@@ -70,6 +72,7 @@ class Family:
     gguf_fused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     hf_renames: tuple[tuple[str, str], ...] = ()
     hf_fixup: Callable[[str, Any], list[tuple[str, Any]]] | None = None
+    hf_mtp_layers: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "flags", MappingProxyType(dict(self.flags)))
@@ -284,6 +287,42 @@ def _gpt_oss_fixup(name: str, array) -> list[tuple[str, Any]]:
     return [(name, array)]
 
 
+def _deepseek_v3_hf(hf, fields) -> dict[str, Any]:
+    """DeepSeek-V3 / R1, Kimi-K2: multi-head latent attention (``head_dim`` in their config.json is the rotary
+    part's; the query head is qk_nope_head_dim + qk_rope_head_dim), the first ``first_k_dense_replace`` layers dense,
+    the others MoE with grouped sigmoid routing and shared experts."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, want) != want:
+            raise ValueError(f"{hf.get('model_type')}: {key}={hf[key]!r} is not supported (only {want!r})")
+    n, first = fields["num_layers"], hf.get("first_k_dense_replace") or 0
+    nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    out = {
+        "head_dim": nope + rope,
+        "num_kv_heads": 1,
+        "kv_lora_rank": hf["kv_lora_rank"],
+        "q_lora_rank": hf.get("q_lora_rank"),
+        "qk_rope_head_dim": rope,
+        "v_head_dim": hf["v_head_dim"],
+        "rope_interleave": bool(hf.get("rope_interleave", True)),
+    }
+    flags = tuple(i >= first for i in range(n))
+    experts = hf.get("n_routed_experts")
+    if not experts or not any(flags):
+        return out
+    return out | {
+        "num_experts": experts,
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_layers": None if all(flags) else flags,
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "moe_routing": "grouped_sigmoid",
+        "n_group": hf.get("n_group") or 1,
+        "topk_group": hf.get("topk_group") or 1,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "shared_expert_intermediate_size": hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+    }
+
+
 _MIXTRAL_RENAMES = (
     (r"^block_sparse_moe\.gate\.", "mlp.gate."),
     (r"^block_sparse_moe\.experts\.(\d+)\.w1\.", r"mlp.experts.\1.gate_proj."),
@@ -376,6 +415,13 @@ FAMILIES: tuple[Family, ...] = (
         hf_fields=_gpt_oss_hf,
         hf_renames=((r"^mlp\.router\.", "mlp.gate."),),
         hf_fixup=_gpt_oss_fixup,
+    ),
+    Family(
+        "deepseek_v3",
+        ("deepseek_v3", "kimi_k2"),
+        hf_defaults={"first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True},
+        hf_fields=_deepseek_v3_hf,
+        hf_mtp_layers=True,
     ),
 )
 

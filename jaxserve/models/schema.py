@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 #   "router"     a MoE router [D, E] (transposed on load like a linear; computed in float32, never quantized)
 #   "experts"    a stack of expert matrices [E, in, out] (HF and GGUF: [E, out, in], or one tensor per expert;
 #                quantizable: each expert's matrix grouped along its input axis, dequantized inside the MoE kernels)
-KINDS = ("embedding", "linear", "bias", "norm", "router", "experts")
+#   "absorbed"   a matrix [..., in, out] the attention folds into its query and output instead of multiplying by it
+#                (MLA's kv_b_proj): transposed on load like a linear, kept in the model's dtype
+KINDS = ("embedding", "linear", "bias", "norm", "router", "experts", "absorbed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +90,7 @@ class ParamSpec:
     @property
     def transposed(self) -> bool:
         """Stored [out, in] in HF and GGUF checkpoints (each expert's, for a stack), [in, out] here."""
-        return self.kind in ("linear", "router", "experts")
+        return self.kind in ("linear", "router", "experts", "absorbed")
 
     @property
     def quantizable(self) -> bool:
@@ -135,6 +137,33 @@ def attention_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
         block["post_attn_norm"] = _spec(
             "norm", "post_attention_layernorm.weight", "post_attention_norm.weight", layers, embed
         )
+    return block
+
+
+def mla_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Pre-norm multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; ``kernels.attention.mla``): the query from
+    the hidden state directly (``wq``) or through a low-rank ``wq_a``, its norm and ``wq_b``; the latent
+    [c ; k_pe] from ``wkv_a``, c normed by ``kv_a_norm``; ``wkv_b`` [R, N (d_nope + d_v)], each head's key and value
+    up-projections, absorbed into the query and the output; ``wo``. The latent dims (``latent``) are replicated:
+    every device computes the whole latent and keeps it in its pool; the heads split after the up-projections."""
+    L, D, N = cfg.num_layers, cfg.hidden_size, cfg.num_heads
+    R, r, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    layers, embed, q = (L, "layers"), (D, "embed"), (N * cfg.head_dim, "q_heads")
+    a = "self_attn."
+    block = {"attn_norm": _spec("norm", "input_layernorm.weight", None, layers, embed)}
+    if cfg.q_lora_rank is None:
+        block["wq"] = _spec("linear", a + "q_proj.weight", None, layers, embed, q)
+    else:
+        rank = (cfg.q_lora_rank, "latent")
+        block["wq_a"] = _spec("linear", a + "q_a_proj.weight", None, layers, embed, rank)
+        block["q_a_norm"] = _spec("norm", a + "q_a_layernorm.weight", None, layers, rank)
+        block["wq_b"] = _spec("linear", a + "q_b_proj.weight", None, layers, rank, q)
+    block["wkv_a"] = _spec("linear", a + "kv_a_proj_with_mqa.weight", None, layers, embed, (R + r, "latent"))
+    block["kv_a_norm"] = _spec("norm", a + "kv_a_layernorm.weight", None, layers, (R, "latent"))
+    block["wkv_b"] = _spec(
+        "absorbed", a + "kv_b_proj.weight", None, layers, (R, "latent"), (N * (cfg.qk_nope_head_dim + dv), "q_heads")
+    )
+    block["wo"] = _spec("linear", a + "o_proj.weight", None, layers, (N * dv, "q_heads"), embed)
     return block
 
 
@@ -188,6 +217,13 @@ def moe_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "expert_up": _spec("experts", x + "up_proj.weight", "ffn_up_exps.weight", layers, experts, embed, mlp),
         "expert_down": _spec("experts", x + "down_proj.weight", "ffn_down_exps.weight", layers, experts, mlp, embed),
     }
+    if cfg.moe_routing == "grouped_sigmoid":  # DeepSeek-V3: moves the choice of experts, not their weights
+        block["router_correction"] = _spec("bias", "mlp.gate.e_score_correction_bias", None, layers, (E, "routes"))
+    if cfg.shared_expert_intermediate_size:  # DeepSeek: a dense MLP every token runs beside the routed experts
+        shared, se = (cfg.shared_expert_intermediate_size, "mlp"), "mlp.shared_experts."
+        block["shared_gate"] = _spec("linear", se + "gate_proj.weight", None, layers, embed, shared)
+        block["shared_up"] = _spec("linear", se + "up_proj.weight", None, layers, embed, shared)
+        block["shared_down"] = _spec("linear", se + "down_proj.weight", None, layers, shared, embed)
     if cfg.moe_router_bias:
         block["router_bias"] = _spec("bias", "mlp.gate.bias", "ffn_gate_inp.bias", layers, (E, "routes"))
     if cfg.moe_expert_bias:
@@ -208,7 +244,7 @@ def param_blocks(cfg: ModelConfig) -> dict[str, dict[str, ParamSpec]]:
         "embedding": {
             "embed": _spec("embedding", "model.embed_tokens.weight", "token_embd.weight", (V, "vocab"), (D, "embed"))
         },
-        "attention": attention_block(cfg),
+        "attention": mla_block(cfg) if cfg.is_mla else attention_block(cfg),
         "mlp": mlp_block(cfg),
         "moe": moe_block(cfg),
         "final": final,

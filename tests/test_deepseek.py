@@ -1,0 +1,178 @@
+"""DeepSeek-V3 (Kimi-K2's architecture): multi-head latent attention over a latent KV pool, grouped sigmoid routing,
+shared experts, dense first layers, through the whole engine.
+
+A tiny random float32 checkpoint written by transformers, with SmolLM2's tokenizer; its norms, routers and
+score-correction biases perturbed (a dropped bias or a wrong routing convention changes the tokens), a YaRN scaling
+with ``mscale_all_dim`` (the softmax scale's factor) and interleaved rotary dims as DeepSeek ships them. References:
+HF transformers teacher-forced on our tokens (greedy choices identical, logprobs within 1e-3), and the same engine on
+one device for expert parallelism over the fake CPU devices of conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import assert_same_completions, hf_greedy_choices
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.loading import orbax_ckpt
+
+torch = pytest.importorskip("torch", reason="HF transformers' reference needs torch (pip install torch==2.13.0)")
+transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
+
+VOCAB = 49152  # SmolLM2's tokenizer
+R, ROPE, NOPE, V_DIM = 32, 8, 16, 12  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,  # HF expands the latent to every head (its default, 128, is V3's head count)
+    n_shared_experts=2,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=R,
+    q_lora_rank=48,
+    qk_rope_head_dim=ROPE,
+    qk_nope_head_dim=NOPE,
+    v_head_dim=V_DIM,
+    max_position_embeddings=2048,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=512,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+        beta_fast=32,
+        beta_slow=1,
+    ),
+    tie_word_embeddings=False,
+)
+ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, dtype="float32")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)  # one prompt over the 32-token budget: chunked prefill, mixed steps
+    return [rng.integers(3, VOCAB - 100, size=int(k)).tolist() for k in (5, 40, 11, 23)]
+
+
+def write_checkpoint(path, **overrides):
+    """A tiny random DeepSeek-V3 checkpoint in ``path``; returns the torch model."""
+    torch.manual_seed(3)
+    config = transformers.DeepseekV3Config(**{**CONFIG, **overrides})
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.2 + 1.0)
+            elif ".gate.weight" in name or "experts" in name:
+                p.copy_(torch.randn_like(p) * (1.0 if ".gate." in name else 0.1))
+        for layer in model.model.layers[CONFIG["first_k_dense_replace"] :]:  # a buffer: the choice, not the weights
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(CONFIG["n_routed_experts"]) * 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, default_model_path):
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    hf = write_checkpoint(path)
+    orbax_ckpt.copy_tokenizer(default_model_path, path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def one_device(checkpoint):
+    llm = LLM(str(checkpoint[0]), **ENGINE)
+    return llm, [o.outputs[0] for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+
+
+def test_greedy_tokens_and_logprobs_match_hf(checkpoint, one_device):
+    _, hf = checkpoint
+    for ids, out in zip(_prompts(), one_device[1]):
+        tokens = list(out.token_ids)
+        assert hf_greedy_choices(hf, ids, tokens) == tokens
+        with torch.no_grad():  # HF teacher-forced on our tokens
+            logits = hf(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
+        ref = torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
+        ours = np.array([lp[t].logprob for lp, t in zip(out.logprobs, tokens)])
+        np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+
+
+def test_the_pool_holds_one_latent_a_token_and_layer(one_device):
+    """(kv_lora_rank + qk_rope_head_dim) x 4 bytes a token and layer on the live arrays, nothing in V."""
+    runner = one_device[0].engine.runner
+    cfg = runner.cfg
+    assert cfg.is_mla and cfg.num_kv_heads == 1
+    tokens = runner.num_pages * runner.page_size
+    k, v = runner.k_cache, runner.v_cache
+    assert k.shape == (cfg.num_layers, runner.num_pages, runner.page_size, 1, R + ROPE)
+    assert (k.nbytes + v.nbytes) / (tokens * cfg.num_layers) == (R + ROPE) * 4
+    assert runner.pool.page_bytes() == runner.page_size * cfg.num_layers * (R + ROPE) * 4
+
+
+def test_prefix_caching_preemption_and_chunked_prefill_on_the_latent_pool(checkpoint, one_device):
+    """A pool of 12 pages of 16 for 8 sequences of up to 56 tokens: preemption; the prompts twice with a shared
+    prefix: prefix-cache hits; 40-token prompts over a 32-token budget: chunked prefill. One pass's tokens."""
+    prefix = list(range(1000, 1020))
+    prompts = [prefix + p for p in _prompts()] * 2
+    want = LLM(str(checkpoint[0]), **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    small = dict(ENGINE, num_pages=12, enable_prefix_caching=True)
+    llm = LLM(str(checkpoint[0]), **small)
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    assert_same_completions([o.outputs[0] for o in got], [o.outputs[0] for o in want], atol=1e-4)
+
+
+def test_expert_parallel_gives_one_devices_tokens(checkpoint, one_device):
+    """TP 2 with whole experts per device: the heads split after the up-projections, the latent on every device."""
+    llm = LLM(str(checkpoint[0]), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    runner = llm.engine.runner
+    gate = runner.state["expert_gate"].get_value()
+    assert gate.addressable_shards[0].data.shape[1] == CONFIG["n_routed_experts"] // 2
+    assert runner.k_cache.addressable_shards[0].data.shape[-2:] == (1, R + ROPE)  # a whole latent per device
+    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert_same_completions([o.outputs[0] for o in res], one_device[1], atol=1e-4)
+
+
+def test_ranks_that_disagree_with_the_config_are_named_at_load(tmp_path):
+    from jaxserve.loading import load_model
+
+    write_checkpoint(tmp_path, num_hidden_layers=2)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["kv_lora_rank"] = R + 8
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # the first of the latent's tensors read (in the file's order) is its norm: 32 entries for a rank of 40
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.self_attn\.kv_a_layernorm\.weight' has shape \(32,\), expected \(40,\)"
+    ):
+        load_model(str(tmp_path), "float32")
+
+
+def test_multi_token_prediction_layers_are_skipped_and_logged(tmp_path, caplog):
+    """DeepSeek-V3's checkpoints hold a layer past num_hidden_layers (the MTP module): skipped, named in the log."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.loading import load_model
+
+    write_checkpoint(tmp_path, num_hidden_layers=2)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.2.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    tensors["model.layers.2.self_attn.kv_b_proj.weight"] = np.zeros((4 * (NOPE + V_DIM), R), np.float32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("INFO"):
+        loaded = load_model(str(tmp_path), "float32")
+    assert loaded.config.num_layers == 2
+    assert "skipped the checkpoint's multi-token-prediction layer(s) [2]" in caplog.text
