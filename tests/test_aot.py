@@ -261,6 +261,18 @@ def test_moe_plans_by_arithmetic_on_gpus_and_checks_the_expert_parallel_degree()
     assert q.weight_bytes_read(1) < q.weight_bytes_per_chip / 15  # 4 of 128 experts read at batch 1
 
 
+def test_latent_attention_plans_one_latent_a_token_and_layer():
+    """The DeepSeek-V3 and Kimi-K2 presets: their published sizes (671B with 37B active; 1T with 32B), and a pool
+    page per chip of one 576-value latent a token and layer, not K and V per head (64 chips: 2 heads each, which
+    would take 2 x 2 x (192 + 128) values)."""
+    p = plan("deepseek-v3", "v5p:4x4x4", compile=False, enable_expert_parallel=True)
+    assert (p.total_params // 10**9, p.active_params // 10**9) == (671, 37)
+    assert p.page_bytes_per_chip == 61 * 16 * (512 + 64) * 2
+    assert p.fits and p.expert_bytes_per_chip == 58 * 256 * 3 * 7168 * 2048 * 2 // 64
+    k = plan("kimi-k2-instruct", "v5p:4x4x4", compile=False, enable_expert_parallel=True)
+    assert (k.total_params // 10**12, k.active_params // 10**9) == (1, 32)
+
+
 def test_pipeline_parallel_plans_by_arithmetic():
     """Llama-3.1-70B as 2 stages x TP 8 over two v5e-8 slices: each chip holds 40 layers' eighth and an eighth of the
     embedding, final norm and output head (on every stage), their KV pages, and the decode roofline counts the
