@@ -176,3 +176,58 @@ def test_multi_token_prediction_layers_are_skipped_and_logged(tmp_path, caplog):
         loaded = load_model(str(tmp_path), "float32")
     assert loaded.config.num_layers == 2
     assert "skipped the checkpoint's multi-token-prediction layer(s) [2]" in caplog.text
+
+
+_V3_HUB = dict(  # deepseek-ai/DeepSeek-V3's config.json
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+    ),
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def test_the_deepseek_v3_preset_is_its_hub_config():
+    """configs/deepseek-v3.json is our HF reader's view of the hub's config.json as transformers writes it; the
+    softmax scale is transformers' (YaRN's mscale_all_dim squared), the latent 576 values."""
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    from jaxserve.config import ModelConfig, load_preset
+
+    theirs = transformers.DeepseekV3Config(**_V3_HUB)
+    ours = ModelConfig.from_hf(theirs.to_dict())
+    assert ours == load_preset("deepseek-v3")
+    assert ours.head_dim == theirs.qk_head_dim and ours.rotary_dim == theirs.qk_rope_head_dim
+    assert ours.attn_scale == pytest.approx(yarn_apply_mscale(theirs.rope_parameters, theirs.qk_head_dim**-0.5))
+    assert ours.attn_scale != pytest.approx(theirs.qk_head_dim**-0.5)  # the factor is there: 1.87x
+    assert ours.kv_cache_dims == (576, 0) and ours.moe_layer_flags()[2:4] == (False, True)
+    assert ours.shared_expert_intermediate_size == 2048 and ours.routed_scaling_factor == 2.5
