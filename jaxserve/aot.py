@@ -405,7 +405,8 @@ def plan(
     kv = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype))
     # K and V rows (MLA: the latent, and no V); int8 rows carry a float32 scale
     row_bytes = sum(d * kv.itemsize + (4 if kv == np.int8 else 0) for d in cfg.kv_cache_dims)
-    page_bytes = max(map(len, stages)) * config.page_size * (kv_heads // tp) * row_bytes
+    heads_per_chip = 1 if cfg.is_mla else kv_heads // tp  # MLA: the latent pool, whole on every chip
+    page_bytes = max(map(len, stages)) * config.page_size * heads_per_chip * row_bytes
     compiled: list[Variant] = []
     if compile:
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))

@@ -118,7 +118,7 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), on when ``kv_lora_rank`` > 0: the pool holds one
     # latent per token, [c (kv_lora_rank) ; k_pe (qk_rope_head_dim)]; ``head_dim`` is the query / key head's
     # qk_nope_head_dim + qk_rope_head_dim, ``v_head_dim`` the value head's; ``q_lora_rank`` None: a direct q_proj;
-    # ``num_kv_heads`` is 1 (the pool's copies of the latent: one per device under tensor parallelism).
+    # ``num_kv_heads`` is 1 (one latent a token, replicated on every device under tensor parallelism).
     kv_lora_rank: int = 0
     q_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
@@ -289,7 +289,7 @@ class ModelConfig:
     @property
     def kv_cache_dims(self) -> tuple[int, int]:
         """The pool's (K, V) row widths per KV head: (head_dim, head_dim); MLA: the latent (kv_lora_rank +
-        qk_rope_head_dim) in the K pool and nothing in the V pool."""
+        qk_rope_head_dim) in the K pool, [layers, pages, page_size, width], and nothing in the V pool."""
         if self.is_mla:
             return self.kv_lora_rank + self.qk_rope_head_dim, 0
         return self.head_dim, self.head_dim

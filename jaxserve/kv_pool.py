@@ -4,9 +4,10 @@ copy-on-write.
 The pool is two arrays (K and V) of ``[layers, pages, page_size, kv_heads, head_dim]`` (or ``kernels.Int8Pages``:
 int8 values and one float32 scale per token and KV head), split over KV heads on the ``model`` mesh axis and laid
 out row-major. Multi-head latent attention (``ModelConfig.is_mla``) keeps one latent a token in the K array,
-``[layers, pages, page_size, copies, kv_lora_rank + qk_rope_head_dim]``, one copy per device of the ``model`` axis
-(every device's heads read the whole latent), and an empty V array (last dim 0): ``ModelConfig.kv_cache_dims``. The arrays move with every step (the step donates and returns them), so the runner holds them;
-this module decides everything else about them.
+``[layers, pages, page_size, kv_lora_rank + qk_rope_head_dim]``, replicated over the ``model`` axis (every device's
+heads read every latent), and an empty V array (last dim 0): ``ModelConfig.kv_cache_dims``. The arrays move with
+every step (the step donates and returns them), so the runner holds them; this module decides everything else
+about them.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class KVPool:
         # The pool row-major, as the kernels read it, from allocation on: left to itself XLA:TPU gives a pool with
         # small trailing dims another layout and copies the whole pool in and out of every step (AOT showed
         # 2.8x the pool in temporaries for SmolLM2 and Llama-3-8B shapes).
-        pool_spec, scales_spec = kv_pool_specs(mesh)  # split over KV heads (and over layers by pipeline stage)
-        self.format = Format(Layout(tuple(range(5))), NamedSharding(mesh, pool_spec))
+        pool_spec, scales_spec = kv_pool_specs(mesh, cfg.is_mla)  # split over KV heads (and layers by stage)
+        self.format = Format(Layout(tuple(range(len(pool_spec)))), NamedSharding(mesh, pool_spec))
         if self.int8:
             scales = Format(Layout(tuple(range(4))), NamedSharding(mesh, scales_spec))
             self.format = kernels.Int8Pages(self.format, scales)
@@ -148,6 +149,8 @@ class KVPool:
     def shape(self, num_pages: int, value: bool = False) -> tuple[int, ...]:
         """The K pool's shape (``value``: the V pool's)."""
         c = self.cfg
+        if c.is_mla:  # one latent a token and layer (and an empty V pool)
+            return c.num_layers, num_pages, self.page_size, c.kv_cache_dims[value]
         return c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.kv_cache_dims[value]
 
     def zeros(self, num_pages: int, value: bool = False):

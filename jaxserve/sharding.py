@@ -55,6 +55,9 @@ EXPERT_PARALLEL_RULES: Mapping[str, str | None] = {**DEFAULT_RULES, "experts": "
 # The KV pool [layers, pages, page_size, kv_heads, head_dim] and a step's heads [tokens, heads, head_dim].
 KV_POOL_SPEC = P(None, None, None, "model", None)
 KV_SCALES_SPEC = P(None, None, None, "model")  # an int8 pool's scales [layers, pages, page_size, kv_heads]
+# A latent pool (multi-head latent attention) [layers, pages, page_size, width], replicated: every device's heads
+# read every latent, and the latents are computed whole on every device.
+LATENT_POOL_SPEC = P(None, None, None, None)
 HEADS_SPEC = P(None, "model", None)
 VOCAB_SPEC = P(None, "model")  # [rows, vocab] logits
 
@@ -132,6 +135,8 @@ def kv_heads_for(cfg: ModelConfig, tensor_parallel_size: int) -> int:
     tp, n, k = tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads
     if n % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's {n} attention heads")
+    if cfg.is_mla:  # one latent a token, on every device (LATENT_POOL_SPEC)
+        return k
     if k % tp == 0:
         return k
     if tp % k == 0:
@@ -248,18 +253,23 @@ def stages(mesh) -> int:
     return dict(mesh.shape).get("stage", 1)
 
 
-def kv_pool_specs(mesh) -> tuple[P, P]:
-    """(pool spec, int8 scales spec) on ``mesh``: split over KV heads, and over layers by pipeline stage."""
+def kv_pool_specs(mesh, latent: bool = False) -> tuple[P, P]:
+    """(pool spec, int8 scales spec) on ``mesh``: split over KV heads (a ``latent`` pool: replicated), and over
+    layers by pipeline stage."""
+    pool = LATENT_POOL_SPEC if latent else KV_POOL_SPEC
     if stages(mesh) == 1:
-        return KV_POOL_SPEC, KV_SCALES_SPEC
-    return P("stage", *KV_POOL_SPEC[1:]), P("stage", *KV_SCALES_SPEC[1:])
+        return pool, KV_SCALES_SPEC
+    return P("stage", *pool[1:]), P("stage", *KV_SCALES_SPEC[1:])
 
 
 def pool_spec(cache):
-    """The partition spec of a K or V pool: ``KV_POOL_SPEC``, or for an ``Int8Pages`` one per leaf."""
+    """The partition spec of a K or V pool: ``KV_POOL_SPEC`` (a latent pool, 4-D: ``LATENT_POOL_SPEC``), or for an
+    ``Int8Pages`` one per leaf."""
     from jaxserve.kernels import Int8Pages
 
-    return Int8Pages(KV_POOL_SPEC, KV_SCALES_SPEC) if isinstance(cache, Int8Pages) else KV_POOL_SPEC
+    if isinstance(cache, Int8Pages):
+        return Int8Pages(KV_POOL_SPEC, KV_SCALES_SPEC)
+    return LATENT_POOL_SPEC if cache.ndim == 4 else KV_POOL_SPEC
 
 
 def _shard_map(f, mesh: Mesh, in_specs, out_specs):
@@ -377,10 +387,11 @@ def shard_kernels(attention, write_kv, mesh: Mesh):
 
     def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, batch):
         kv = pool_spec(k_cache)
+        rows = rep if k_cache.ndim == 4 else HEADS_SPEC  # a latent pool's rows [T, width]: whole on every device
         return _shard_map(
             write_kv,
             mesh,
-            in_specs=(kv, kv, rep, HEADS_SPEC, HEADS_SPEC, batch_specs(batch)),
+            in_specs=(kv, kv, rep, rows, rows, batch_specs(batch)),
             out_specs=(kv, kv),
         )(k_cache, v_cache, layer, new_k, new_v, batch)
 

@@ -46,7 +46,7 @@ from jaxserve.kernels.attention import (
 from jaxserve.kernels.attention.batch import validate_attention_inputs
 from jaxserve.kernels.cpu import ffi
 from jaxserve.kernels.kv_write import cpu as kv_write_cpu
-from jaxserve.kernels.kv_write import write_kv_gpu, write_kv_ref, write_kv_tpu
+from jaxserve.kernels.kv_write import write_kv_gpu, write_kv_ref, write_kv_tpu, write_latent
 from jaxserve.kernels.matmul.qarray import QArray, dequantize
 from jaxserve.kernels.moe import moe_blocked, moe_gathered, moe_grouped, moe_ref, route
 
@@ -112,7 +112,9 @@ def ragged_paged_attention(
 
     Args:
       q: [T, num_q_heads, head_dim], the step's query tokens, sequences back to back.
-      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool (or ``Int8Pages``).
+      k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool (or ``Int8Pages``); or
+        a latent pool (multi-head latent attention, ``attention/mla.py``) k_cache [L, num_pages, page_size, width]
+        whose rows are each token's key and value for every query head (v_cache is not read).
       layer: int32 scalar (may be traced), which layer of the pool to read.
       batch: the step's ``AttentionBatch``; attention reads
         kv_lens: [S] context length of each sequence including this step's tokens,
@@ -137,6 +139,8 @@ def ragged_paged_attention(
         is concrete) a page table too short for the longest context.
     """
     kernel, interp = _choose(impl, backend, interpret)
+    if k_cache.ndim == 4:  # a latent pool (MLA): keys and values alike; off the TPU kernel, read as one KV head
+        k_cache = v_cache = k_cache if kernel == "tpu" else k_cache[:, :, :, None, :]
     if sinks is not None and jnp.shape(sinks) != (q.shape[1],):
         raise ValueError(f"sinks must be [num_q_heads] = [{q.shape[1]}], got shape {jnp.shape(sinks)}")
     args = (q, k_cache, v_cache, layer, batch)
@@ -172,8 +176,8 @@ def write_kv(
     Args:
       k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], the whole pool (or ``Int8Pages``).
       layer: int32 scalar (may be traced), the layer to write.
-      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype (``Int8Pages``: quantized per row). A V
-        pool of head_dim 0 (multi-head latent attention's latent pool) is written by the reference scatter.
+      new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype (``Int8Pages``: quantized per row). A
+        latent pool k_cache [L, num_pages, page_size, width] takes new_k [T, width]; v_cache and new_v are unused.
       batch: the step's ``AttentionBatch``; the write reads its slot_mapping: [T] int32, ``page * page_size +
         offset`` of token t; negative slots (padding) write nothing.
       impl, backend, interpret: see the module docstring ("xla" on the CPU: the C++ in-place write when it is
@@ -187,8 +191,8 @@ def write_kv(
       ValueError: bad impl/backend; the Pallas and C++ writes also refuse new rows that do not fit the caches.
     """
     kernel, interp = _choose(impl, backend, interpret)
-    if not is_int8_pages(v_cache) and v_cache.shape[-1] == 0:  # MLA's latent pool: K only, an empty V
-        return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, batch)
+    if k_cache.ndim == 4:  # a latent pool (MLA): new_k's rows [T, width] written, v_cache left as it is
+        return write_latent(k_cache, layer, new_k, batch, kernel=kernel, interpret=interp), v_cache
     if kernel == "xla" and jax.default_backend() == "cpu" and ffi.available():
         return kv_write_cpu.write_kv(k_cache, v_cache, layer, new_k, new_v, batch)  # in place, in C++
     if kernel in ("reference", "xla"):

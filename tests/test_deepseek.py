@@ -117,7 +117,7 @@ def test_the_pool_holds_one_latent_a_token_and_layer(one_device):
     assert cfg.is_mla and cfg.num_kv_heads == 1
     tokens = runner.num_pages * runner.page_size
     k, v = runner.k_cache, runner.v_cache
-    assert k.shape == (cfg.num_layers, runner.num_pages, runner.page_size, 1, R + ROPE)
+    assert k.shape == (cfg.num_layers, runner.num_pages, runner.page_size, R + ROPE)
     assert (k.nbytes + v.nbytes) / (tokens * cfg.num_layers) == (R + ROPE) * 4
     assert runner.pool.page_bytes() == runner.page_size * cfg.num_layers * (R + ROPE) * 4
 
@@ -142,7 +142,7 @@ def test_expert_parallel_gives_one_devices_tokens(checkpoint, one_device):
     runner = llm.engine.runner
     gate = runner.state["expert_gate"].get_value()
     assert gate.addressable_shards[0].data.shape[1] == CONFIG["n_routed_experts"] // 2
-    assert runner.k_cache.addressable_shards[0].data.shape[-2:] == (1, R + ROPE)  # a whole latent per device
+    assert runner.k_cache.addressable_shards[0].data.shape == runner.k_cache.shape  # the latent pool on each
     res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert_same_completions([o.outputs[0] for o in res], one_device[1], atol=1e-4)
 

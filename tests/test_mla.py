@@ -34,7 +34,15 @@ def _step(rng):
     return batch, num_pages, int(cu[-1])
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+IMPLS = {  # kernels.ragged_paged_attention's options; the Pallas kernels in interpret mode
+    "reference": dict(impl="reference"),
+    "xla": dict(impl="xla"),
+    "pallas-tpu": dict(impl="pallas", backend="tpu", interpret=True),
+    "pallas-gpu": dict(impl="pallas", backend="gpu", interpret=True),
+}
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
 def test_absorbed_latent_attention_equals_expanded_heads(impl):
     rng = np.random.default_rng(0)
     batch, num_pages, T = _step(rng)
@@ -45,8 +53,9 @@ def test_absorbed_latent_attention_equals_expanded_heads(impl):
     q_pe = rng.normal(size=(T, H, ROPE)).astype(np.float32)
     scale = (NOPE + ROPE) ** -0.5
 
-    def attention(q, k, v, layer, batch, **kw):
-        return kernels.ragged_paged_attention(q, k, v, layer, batch, impl=impl, **kw)
+    def attention(q, k, v, layer, batch, **kw):  # k, v: the [L, pages, page_size, R + r] latent pool
+        assert k.ndim == 4
+        return kernels.ragged_paged_attention(q, k, v, layer, batch, **IMPLS[impl], **kw)
 
     got = expand_output(
         mla_attention(
@@ -82,3 +91,30 @@ def test_a_latent_pool_of_the_wrong_width_is_named():
         mla_attention(
             jnp.zeros((T, H, R)), jnp.zeros((T, H, ROPE)), jnp.zeros((1, num_pages, PAGE, R)), 0, batch, sm_scale=1.0
         )
+
+
+@pytest.mark.parametrize("kernel", ["reference", "gpu"])
+def test_latent_rows_land_in_their_slots(kernel):
+    """``kernels.write_latent``: row t into page slot // page_size, offset slot % page_size of the layer; a negative
+    slot writes nothing. The Triton writer (interpret mode) and the reference scatter against numpy."""
+    from jaxserve.kernels.kv_write import write_latent
+
+    rng = np.random.default_rng(2)
+    pool = rng.normal(size=(2, 6, PAGE, R + ROPE)).astype(np.float32)
+    rows = rng.normal(size=(5, R + ROPE)).astype(np.float32)
+    slots = np.asarray([3, 9, -1, 4, 22], np.int32)
+    got = write_latent(
+        jnp.asarray(pool),
+        1,
+        jnp.asarray(rows),
+        AttentionBatch(slot_mapping=jnp.asarray(slots)),
+        kernel=kernel,
+        interpret=True,
+    )
+    want = pool.copy()
+    for row, slot in zip(rows, slots):
+        if slot >= 0:
+            want[1, slot // PAGE, slot % PAGE] = row
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match=r"latent rows \(5, 32\) must be \[T, 40\]"):
+        write_latent(jnp.asarray(pool), 1, jnp.asarray(rows[:, :R]), AttentionBatch(slot_mapping=jnp.asarray(slots)))

@@ -89,13 +89,16 @@ def compile_attention(
     soft_cap=None,
     kv_dtype=None,
     sinks=False,
+    latent=False,
     **kernel_options,
 ):
     """AOT-compiles ragged_paged_attention_tpu for one chip of ``topology`` (pages in ``kv_dtype``, default
-    ``dtype``; ``sinks``: with traced attention sinks); returns the compiled executable."""
+    ``dtype``; ``sinks``: with traced attention sinks; ``latent``: over a latent pool [L, pages, page_size,
+    head_dim], multi-head latent attention's); returns the compiled executable."""
     mesh = _mesh(topology)
     a = functools.partial(_abstract, mesh)
-    cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim), kv_dtype or dtype)
+    heads = () if latent else (num_kv_heads,)
+    cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, *heads, head_dim), kv_dtype or dtype)
     i32 = lambda *shape: a(shape, jnp.int32)  # noqa: E731
     args = (
         a((num_tokens, num_q_heads, head_dim), dtype),
@@ -179,6 +182,15 @@ def test_attention_sinks_compile_for_tpu(topology):
     bfloat16 and float32, decode and mixed steps."""
     compile_attention(topology, BF16, 64, 8, 64, 16, *DECODE, sinks=True)
     compile_attention(topology, F32, 14, 2, 128, 32, *MIXED, sinks=True)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_latent_attention_compiles_for_tpu(topology):
+    """Multi-head latent attention over a latent pool: DeepSeek-V3 at TP 8 (16 query heads a chip, latents of
+    512 + 64, bfloat16, pages of 16), decode and a mixed step; float32 with Kimi-K2's 8 heads a chip at TP 8."""
+    for tokens, seqs in (DECODE, MIXED):
+        compile_attention(topology, BF16, 16, 1, 576, 16, tokens, seqs, latent=True)
+    compile_attention(topology, F32, 8, 1, 576, 16, *MIXED, latent=True)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

@@ -211,7 +211,7 @@ class Decoder(nnx.Module):
 
         def mla(h, p, mul, rope, local, window, caches, cache_idx, batch):  # latent attention, absorbed -> [T, D]
             (cos, sin), (k_cache, v_cache) = rope, caches
-            R, r, dn, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+            R, dn, dv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
             q = (
                 mul(h, "wq")
                 if cfg.q_lora_rank is None
@@ -224,16 +224,15 @@ class Decoder(nnx.Module):
             if cfg.rope_interleave:  # pairs (x0, x1), (x2, x3) ...: rotated as halves, the same order in q and k
                 q_pe, k_pe = q_pe[..., deinterleave], k_pe[..., deinterleave]
             q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
-            latent = jnp.concatenate([c[:, None, :], k_pe.astype(c.dtype)], axis=-1)  # [T, 1, R + r]
-            latent = jnp.broadcast_to(latent, (T, K, R + r))  # one copy per device
-            k_cache, v_cache = write_kv_fn(k_cache, v_cache, cache_idx, latent, latent[..., :0], batch)
+            latent = jnp.concatenate([c, k_pe[:, 0].astype(c.dtype)], axis=-1)  # [T, R + r]
+            k_cache, v_cache = write_kv_fn(k_cache, v_cache, cache_idx, latent, latent, batch)  # the latent pool
             w = p["wkv_b"].reshape(R, N, dn + dv)  # each head's key (d_nope) and value (d_v) up-projections
             q_latent = absorb_query(q_nope, w[..., :dn].transpose(1, 2, 0))  # [T, N, R]
-            # GQA with one KV head whose key and value are the latent (``kernels.attention.mla``)
+            # attention over the latent pool: each latent is every head's key and value (``kernels.attention.mla``)
             context = attention_fn(
                 jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1),
                 k_cache,
-                k_cache,
+                v_cache,
                 cache_idx,
                 batch,
                 sm_scale=cfg.attn_scale,

@@ -56,9 +56,15 @@ def validate_attention_inputs(q, k_cache, v_cache, batch: AttentionBatch, *, sm_
     kv_lens, page_indices, cu_q_lens = batch.kv_lens, batch.page_indices, batch.cu_q_lens
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
-    if k_cache.ndim != 5:
-        raise ValueError(f"k_cache must be [layers, num_pages, page_size, num_kv_heads, head_dim], got {k_cache.shape}")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+    latent = k_cache.ndim == 4  # MLA's latent pool [layers, num_pages, page_size, width]: keys and values alike
+    if k_cache.ndim not in (4, 5):
+        raise ValueError(
+            f"k_cache must be [layers, num_pages, page_size, num_kv_heads, head_dim] (or a latent pool [layers, "
+            f"num_pages, page_size, width]), got {k_cache.shape}"
+        )
+    if latent and is_int8_pages(k_cache):
+        raise ValueError("a latent pool of Int8Pages is not supported")
+    if not latent and (k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype):
         raise ValueError(
             f"k_cache and v_cache differ: {k_cache.shape} {k_cache.dtype} vs {v_cache.shape} {v_cache.dtype}"
         )
@@ -73,7 +79,7 @@ def validate_attention_inputs(q, k_cache, v_cache, batch: AttentionBatch, *, sm_
     elif jnp.issubdtype(k_cache.dtype, jnp.integer):
         raise ValueError(f"an {k_cache.dtype} pool needs its scales: pass Int8Pages(values, scales)")
     _, num_q_heads, head_dim = q.shape
-    _, _, _, num_kv_heads, kv_head_dim = k_cache.shape
+    num_kv_heads, kv_head_dim = (1, k_cache.shape[3]) if latent else k_cache.shape[3:]
     if kv_head_dim != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and of the cache ({kv_head_dim}) differ")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:

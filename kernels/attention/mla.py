@@ -11,7 +11,10 @@ and the output instead (the absorption): ``q_h . k_h = (W_uk[h]^T q_nope_h) . c 
 ``sum_t p_t v_h(t) = W_uv[h] (sum_t p_t c_t)``. So attention reads only latents, and is GQA with one KV head of
 R + r dims whose value is the same vector: ``mla_attention`` runs any of jaxserve's ragged paged attentions on it
 (the value's last r dims, ``k_pe``'s, come out as well and are dropped). ``absorb_query`` and ``expand_output`` are
-the two products around it.
+the two products around it. ``jaxserve.kernels.ragged_paged_attention`` takes the 4-D pool as it is: the Pallas TPU
+kernel DMAs its pages once for keys and values (its minor dims (page_size, R + r) are the TPU's tiles, where a
+one-head axis would be padded), the other implementations read it as one KV head ``[L, pages, page_size, 1, R + r]``
+(a view: no copy on the CPU or a GPU).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def mla_attention(
     batch: AttentionBatch,
     *,
     sm_scale: float,
-    attention=ragged_paged_attention_ref,
+    attention=None,
     **kwargs,
 ) -> jax.Array:
     """Absorbed MLA over the latent pool -> [T, H, R], the softmax-weighted sum of each head's latents (padding
@@ -52,8 +55,10 @@ def mla_attention(
       layer, batch: as for ``ragged_paged_attention`` (``batch`` reads kv_lens, page_indices, cu_q_lens,
         num_seqs).
       sm_scale: the softmax scale of the full query head (1 / sqrt(d_nope + r), times YaRN's factor squared).
-      attention: the ragged paged attention to run (default: the jnp reference); ``kwargs`` go to it.
+      attention: the ragged paged attention to run on (q, latent_cache, latent_cache, layer, batch) (default: the
+        jnp reference; ``jaxserve.kernels.ragged_paged_attention`` for any other); ``kwargs`` go to it.
     """
+    attention = attention or _reference
     rank = q_latent.shape[-1]
     if latent_cache.ndim != 4 or latent_cache.shape[-1] != rank + q_rope.shape[-1]:
         raise ValueError(
@@ -61,5 +66,10 @@ def mla_attention(
             f"{q_latent.shape} and q_rope {q_rope.shape}, got {latent_cache.shape}"
         )
     q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
-    pool = latent_cache[:, :, :, None, :]  # one KV head: key and value are the same latent
-    return attention(q, pool, pool, layer, batch, sm_scale=sm_scale, **kwargs)[..., :rank]
+    return attention(q, latent_cache, latent_cache, layer, batch, sm_scale=sm_scale, **kwargs)[..., :rank]
+
+
+def _reference(q, k_cache, v_cache, layer, batch, **kwargs):
+    """The jnp reference over a latent pool, read as one KV head whose key and value are the latent."""
+    pool = k_cache[:, :, :, None, :]
+    return ragged_paged_attention_ref(q, pool, pool, layer, batch, **kwargs)

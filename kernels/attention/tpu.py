@@ -11,7 +11,10 @@ other rows are masked to -inf, which leaves their running state untouched.
 Everything data-dependent is scalar-prefetched into SMEM: layer, sliding window, kv_lens, the flattened
 page table, cu_q_lens and the range of sequences that overlaps each query block. The cache operands are
 the full [L, pages, page_size, kv_heads, head_dim] arrays with ``memory_space=pl.ANY``; the layer is just
-the first index of each DMA source, so no layer is ever copied out.
+the first index of each DMA source, so no layer is ever copied out. A latent pool (multi-head latent attention,
+``kernels.attention.mla``) is one [L, pages, page_size, width] array whose rows are every query head's key and
+value: one buffer of pages is DMA'd, and the page's minor dims (page_size, width) are the TPU tiles' own (no
+padding of a one-head axis).
 
 To keep every in-kernel value 2-D, the wrapper presents q (and takes the output) as
 [kv_heads, T * group, head_dim] (row = token * group + head-in-group); that is one transpose of q and
@@ -65,19 +68,22 @@ def _kernel(
     pages_per_seq: int,
     pages_per_block: int,
     has_sinks: bool,
+    latent: bool = False,
 ):
     sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
-    k_hbm, v_hbm, *refs = refs
-    if quantized:
-        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+    if latent:  # one pool [L, num_pages, page_size, width] whose rows are keys and values alike (MLA's latents)
+        k_hbm, o_ref, k_buf, sems, m_ref, l_ref, acc_ref = refs
+        pools = ((k_hbm, k_buf),)
+    elif quantized:
+        k_hbm, v_hbm, ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
         pools = ((k_hbm, k_buf), (v_hbm, v_buf), (ks_hbm, ks_buf), (vs_hbm, vs_buf))
     else:
-        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+        k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
         pools = ((k_hbm, k_buf), (v_hbm, v_buf))
     head_blk, q_blk = pl.program_id(0), pl.program_id(1)
     kv_heads_blk, rows, head_dim = q_ref.shape
     page_size = k_hbm.shape[2]
-    num_pages, num_kv_heads = k_hbm.shape[1], k_hbm.shape[3]
+    num_pages, num_kv_heads = k_hbm.shape[1], 1 if latent else k_hbm.shape[3]
     blk_tokens = pages_per_block * page_size
     layer, window = scalars_ref[0], scalars_ref[1]
     tok_lo = q_blk * block_q
@@ -122,7 +128,7 @@ def _kernel(
             page_id = jnp.clip(page_id, 0, num_pages - 1)  # entries past the sequence's pages may be junk
             for which, (hbm, buf) in enumerate(pools):
                 src = hbm.at[layer, page_id]
-                if kv_heads_blk != num_kv_heads:
+                if kv_heads_blk != num_kv_heads and not latent:
                     src = src.at[:, pl.ds(head_blk * kv_heads_blk, kv_heads_blk)]
                 dst = buf.at[slot, pl.ds(i * page_size, page_size)]
                 out.append((page < info["page_hi"], pltpu.make_async_copy(src, dst, sems.at[which, slot])))
@@ -154,7 +160,9 @@ def _kernel(
         prec = lax.Precision.HIGHEST if compute == jnp.float32 else lax.Precision.DEFAULT
         for h in range(kv_heads_blk):
             q = q_ref[h]  # [R, D]
-            if quantized:
+            if latent:  # the latent is the key, and the value too
+                k = v = widen_fp8(k_buf[slot], compute)  # [C, D]
+            elif quantized:
                 k = (k_buf[slot, :, h, :].astype(jnp.float32) * ks_buf[slot][:, h : h + 1]).astype(compute)
                 v = (v_buf[slot, :, h, :].astype(jnp.float32) * vs_buf[slot][:, h : h + 1]).astype(compute)
             else:
@@ -304,7 +312,7 @@ def ragged_paged_attention_tpu(
     """
     validate_attention_inputs(q, k_cache, v_cache, batch, sm_scale=sm_scale, soft_cap=soft_cap)
     num_tokens, num_q_heads, _ = q.shape
-    _, _, page_size, num_kv_heads, _ = k_cache.shape
+    page_size, num_kv_heads = k_cache.shape[2], 1 if k_cache.ndim == 4 else k_cache.shape[3]
     num_seqs_padded, pages_per_seq = batch.page_indices.shape
     group = num_q_heads // num_kv_heads
     dq, dp = default_block_sizes(num_tokens, num_seqs_padded, group, page_size, pages_per_seq, k_cache.dtype)
@@ -375,7 +383,8 @@ def _rpa_tpu(
     interpret,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_cache.shape
+    latent = k_cache.ndim == 4  # MLA: one pool of latents, each the key and the value of every query head
+    page_size, num_kv_heads = k_cache.shape[2], 1 if latent else k_cache.shape[3]
     num_seqs_padded, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
     num_q_blocks = cdiv(num_tokens, block_q)
@@ -405,6 +414,9 @@ def _rpa_tpu(
     buf = pltpu.VMEM((2, blk_tokens, kv_heads_per_block, head_dim), k_values.dtype)
     scale_bufs = [pltpu.VMEM((2, blk_tokens, kv_heads_per_block), jnp.float32)] * 2 if quantized else []
     pools = (k_values, v_values, k_scales, v_scales) if quantized else (k_values, v_values)
+    bufs = [buf, buf, *scale_bufs]
+    if latent:  # one buffer of pages, read as keys and as values
+        pools, bufs = (k_values,), [pltpu.VMEM((2, blk_tokens, head_dim), k_values.dtype)]
     kernel = functools.partial(
         _kernel,
         quantized=quantized,
@@ -415,6 +427,7 @@ def _rpa_tpu(
         pages_per_seq=pages_per_seq,
         pages_per_block=pages_per_block,
         has_sinks=sinks is not None,
+        latent=latent,
     )
     # Each row's sink (row t * G + g of head block k: query head k * G + g), lane-replicated as the running max.
     sink_rows, sink_specs = (), []
@@ -435,9 +448,7 @@ def _rpa_tpu(
             in_specs=[qo_spec, *sink_specs] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
             out_specs=qo_spec,
             scratch_shapes=[
-                buf,
-                buf,
-                *scale_bufs,
+                *bufs,
                 pltpu.SemaphoreType.DMA((len(pools), 2)),
                 pltpu.VMEM((kv_heads_per_block, rows, _LANES), jnp.float32),
                 pltpu.VMEM((kv_heads_per_block, rows, _LANES), jnp.float32),

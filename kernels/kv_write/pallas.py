@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jaxserve.kernels._common import Int8Pages, cdiv, is_int8_pages, next_pow2, quantize_rows, settle_tpu_interpret
 from jaxserve.kernels.attention.batch import AttentionBatch, write_slots
+from jaxserve.kernels.kv_write.reference import write_latent_ref
 
 
 def _validate(k_cache, v_cache, new_k, new_v, batch):
@@ -215,3 +216,45 @@ def write_kv_tpu(
         pools, jnp.asarray(layer, jnp.int32), rows, slot_mapping.astype(jnp.int32), block_t=block_t, interpret=interpret
     )
     return _as_caches(k_cache, settle_tpu_interpret(out, interpret))
+
+
+# ---------------------------------------------------------------------------------------------- a latent pool
+def write_latent(
+    cache: jax.Array,
+    layer,
+    rows: jax.Array,
+    batch: AttentionBatch,
+    *,
+    kernel: str = "reference",
+    interpret: bool = False,
+    block_t: int = 16,
+) -> jax.Array:
+    """Writes the step's latents rows [T, width] into one layer of a latent pool [L, num_pages, page_size, width]
+    (multi-head latent attention), ``write_latent_ref``'s contract. ``kernel`` "gpu": the Triton row writer above (the
+    rows as one head's), in place when the caller donates the pool. Anywhere else XLA's scatter
+    (``write_latent_ref``): on a TPU it updates the donated pool in place (the AOT memory analysis shows no copy),
+    where ``write_kv_tpu``'s row DMAs cannot go, since a token's row sits at an offset inside the pool's
+    (page_size, width) tiles, which Mosaic does not address.
+
+    Raises:
+      ValueError: rows that do not fit the pool.
+    """
+    if cache.ndim != 4 or rows.ndim != 2 or rows.shape[1] != cache.shape[3]:
+        raise ValueError(f"latent rows {rows.shape} must be [T, {cache.shape[-1]}] for a pool of shape {cache.shape}")
+    slots = write_slots(batch)
+    if slots.shape != rows.shape[:1]:
+        raise ValueError(f"slot_mapping must be [{rows.shape[0]}], got {slots.shape}")
+    if kernel != "gpu":
+        return write_latent_ref(cache, layer, rows, batch)
+    if rows.shape[0] == 0:
+        return cache
+    block_t = min(next_pow2(block_t), next_pow2(rows.shape[0]))
+    (out,) = _write_rows_gpu(
+        (cache[:, :, :, None, :],),
+        jnp.asarray(layer, jnp.int32),
+        (rows[:, None, :],),
+        slots.astype(jnp.int32),
+        block_t=block_t,
+        interpret=interpret,
+    )
+    return out.reshape(cache.shape)

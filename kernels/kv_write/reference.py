@@ -42,3 +42,13 @@ def write_kv_ref(
         return cache.at[layer, page, offset].set(rows.astype(cache.dtype), mode="drop")
 
     return put(k_cache, new_k), put(v_cache, new_v)
+
+
+def write_latent_ref(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, batch: AttentionBatch) -> jax.Array:
+    """Scatters the step's new latents rows [T, width] into one layer of a latent pool [L, num_pages, page_size,
+    width] (multi-head latent attention: one row a token, no V) at ``batch.slot_mapping`` (negative: nothing)."""
+    slot_mapping = write_slots(batch)
+    num_pages, page_size = cache.shape[1:3]
+    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
+    offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
+    return cache.at[layer, page, offset].set(rows.astype(cache.dtype), mode="drop")
