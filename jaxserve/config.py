@@ -699,8 +699,9 @@ class EngineConfig:
     )
     attention_impl: str = _setting(
         "auto",
-        "attention kernels (auto: Pallas on GPU/TPU, C++/XLA on the CPU)",
-        choices=("auto", "xla", "reference", "pallas"),
+        "attention kernels (auto: Pallas on GPU/TPU, C++/XLA on the CPU; pallas-tpu: the TPU's kernels and pool "
+        "layout, interpreted off a TPU)",
+        choices=("auto", "xla", "reference", "pallas", "pallas-tpu"),
     )
     tensor_parallel_size: int = _setting(
         1, "devices each replica's weights, heads and KV pool are split over", type=int

@@ -121,7 +121,7 @@ class LLMEngine:
         model: GGUF file, HF directory, orbax directory, preset name or hub id; a ``LoadedModel`` already in host
             memory (several engines can share one load); None = the default model.
         config: the engine's settings (``jaxserve.config.EngineConfig``: dtypes, quantization, KV pool, batching,
-            attention kernels ("auto", "xla", "reference", "pallas"), tensor / data parallelism); default: the
+            attention kernels ("auto", "xla", "reference", "pallas", "pallas-tpu"), tensor / data parallelism); default: the
             defaults.
         **settings: fields of ``EngineConfig`` that replace ``config``'s (``max_num_seqs=8``,
             ``tensor_parallel_size=4`` ...).

@@ -65,7 +65,8 @@ class KVPool:
         weights_dtype: the KV dtype when ``cache_cfg.dtype`` is None.
         platform: None (the one JAX runs on), or "tpu" / "gpu" when compiling for it (``jaxserve.aot``).
         cpp_attention: the CPU's C++ attention reads this pool (without it a narrow dtype is slow on the CPU).
-        attention_impl: the attention implementation ("pallas" on the CPU: interpret mode, no warning).
+        attention_impl: the attention implementation ("pallas" on the CPU: interpret mode, no warning;
+            "pallas-tpu": the TPU's kernels and layout).
 
     Raises:
         ValueError: not enough memory for two pages.
@@ -94,13 +95,19 @@ class KVPool:
         # The pool row-major, as the kernels read it, from allocation on: left to itself XLA:TPU gives a pool with
         # small trailing dims another layout and copies the whole pool in and out of every step (AOT showed
         # 2.8x the pool in temporaries for SmolLM2 and Llama-3-8B shapes).
-        pool_spec, scales_spec = kv_pool_specs(mesh, cfg.is_mla)  # split over KV heads (and layers by stage)
+        platform = platform or jax.default_backend()
+        # A TPU's pool keeps each page's heads outside its tokens, [L, P, K, page_size, H]: its minor dims are then
+        # the TPU tiles' (page_size, head_dim), where [.., page_size, K, H] pads a chip's K heads to 8-16 sublanes.
+        # int8 pages keep the other layout (their scales' [.., page_size] rows would pad to 128 lanes here).
+        tpu = platform == "tpu" or attention_impl == "pallas-tpu"
+        self.layout = "heads_tokens" if tpu and not self.int8 and not cfg.is_mla else "tokens_heads"
+        pool_spec, scales_spec = kv_pool_specs(mesh, cfg.is_mla, self.layout)  # split over KV heads (and by stage)
         self.format = Format(Layout(tuple(range(len(pool_spec)))), NamedSharding(mesh, pool_spec))
         if self.int8:
             scales = Format(Layout(tuple(range(4))), NamedSharding(mesh, scales_spec))
             self.format = kernels.Int8Pages(self.format, scales)
-        platform = platform or jax.default_backend()
-        if self.dtype != jnp.float32 and platform == "cpu" and attention_impl != "pallas" and not cpp_attention:
+        interpreted = attention_impl in ("pallas", "pallas-tpu")
+        if self.dtype != jnp.float32 and platform == "cpu" and not interpreted and not cpp_attention:
             warnings.warn(
                 f"a {self.dtype} KV cache on the CPU is slow without the C++ attention: XLA:CPU converts "
                 "the whole pool to float32 for every K/V write (seconds per step for a GiB pool); "
@@ -151,6 +158,8 @@ class KVPool:
         c = self.cfg
         if c.is_mla:  # one latent a token and layer (and an empty V pool)
             return c.num_layers, num_pages, self.page_size, c.kv_cache_dims[value]
+        if self.layout == "heads_tokens":
+            return c.num_layers, num_pages, c.num_kv_heads, self.page_size, c.kv_cache_dims[value]
         return c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.kv_cache_dims[value]
 
     def zeros(self, num_pages: int, value: bool = False):

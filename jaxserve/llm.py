@@ -27,7 +27,7 @@ class LLM:
             Hugging Face hub id; a ``jaxserve.loading.LoadedModel`` already in memory; None = the embedded default
             model (SmolLM2-135M-Instruct).
         **engine_kwargs: the engine's settings, fields of ``jaxserve.config.EngineConfig`` (``max_num_seqs``,
-            ``max_model_len``, ``dtype``, ``attention_impl`` ("auto", "xla", "reference", "pallas"),
+            ``max_model_len``, ``dtype``, ``attention_impl`` ("auto", "xla", "reference", "pallas", "pallas-tpu"),
             ``quantization``, ``tensor_parallel_size`` ...), or ``config=EngineConfig(...)``; see ``LLMEngine``.
 
     Raises:

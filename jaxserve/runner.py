@@ -124,7 +124,8 @@ class ModelRunner:
         model_cfg: the model.
         params: stacked parameter arrays (see ``jaxserve.loading.weights.param_shapes``).
         cache_cfg / sched_cfg: pool size and batching limits (they fix the bucket set).
-        attention_impl: "auto" | "xla" | "reference" | "pallas" (see ``jaxserve.kernels``).
+        attention_impl: "auto" | "xla" | "reference" | "pallas" (see ``jaxserve.kernels``) | "pallas-tpu" (the TPU
+            kernels and pool layout: interpreted off a TPU, to check the TPU's path on a CPU).
         matmul_dtype: None or "bfloat16": dtype of the weights in the matrix products (None: the weights'
             own). On the CPU, "bfloat16" with float32 weights runs the products of steps of 8 rows or more on
             bfloat16 inputs with float32 accumulation (about 2x faster); norms, residuals, attention, the KV
@@ -333,7 +334,10 @@ class ModelRunner:
     def step_function(self, decode_only: bool):
         """What one step computes (the module docstring's ``step``): a pure function of its arguments, which
         ``self.compiler`` jits; ``decode_only`` (every sequence computes one token) picks the attention's variant."""
-        attention, write = shard_kernels(*_attention_fns(self.attention_impl, decode_only, self.platform), self.mesh)
+        layout = self.pool.layout
+        attention, write = shard_kernels(
+            *_attention_fns(self.attention_impl, decode_only, self.platform, layout), self.mesh, layout
+        )
         graphdef, gathered = self.graphdef, self.replicated
         policy = MatmulPolicy(rows=self._rows_fn())
         moe = None
@@ -695,15 +699,18 @@ def _sampled(token: int, logprob, top_ids, top_logprobs, k: int) -> SampledToken
     )
 
 
-def _attention_fns(impl: str, decode_only: bool, platform: str | None = None):
+def _attention_fns(impl: str, decode_only: bool, platform: str | None = None, layout: str = "tokens_heads"):
     """(attention, write_kv) for the model: Pallas kernels on GPU/TPU, XLA on the CPU (see jaxserve.kernels).
 
     ``decode_only`` (every sequence computes one token) is a static hint: the CPU path then gathers each
     sequence's context once instead of blocking queries. Otherwise the hint is the token bucket itself.
     ``platform`` ("tpu" / "gpu"): the kernels compiled for that platform, whatever JAX runs on (jaxserve.aot).
+    ``layout``: the pool's (``KVPool.layout``).
     """
     target = {} if platform in (None, "cpu") else dict(impl="pallas", backend=platform, interpret=False)
-    kw = dict(impl=impl) | target
+    if impl == "pallas-tpu":
+        impl, target = "pallas", dict(backend="tpu") | target
+    kw = dict(impl=impl, layout=layout) | target
 
     def attention(q, *args, **kwargs):
         return kernels.ragged_paged_attention(q, *args, max_q_len=1 if decode_only else q.shape[0], **kw, **kwargs)

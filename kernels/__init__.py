@@ -43,7 +43,7 @@ from jaxserve.kernels.attention import (
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
 )
-from jaxserve.kernels.attention.batch import validate_attention_inputs
+from jaxserve.kernels.attention.batch import POOL_LAYOUTS, validate_attention_inputs
 from jaxserve.kernels.cpu import ffi
 from jaxserve.kernels.kv_write import cpu as kv_write_cpu
 from jaxserve.kernels.kv_write import write_kv_gpu, write_kv_ref, write_kv_tpu, write_latent
@@ -106,6 +106,7 @@ def ragged_paged_attention(
     interpret: bool | None = None,
     backend: str | None = None,
     max_q_len: int | None = None,
+    layout: str = "tokens_heads",
     **kernel_options,
 ) -> jax.Array:
     """Attention of a ragged batch of query chunks over the paged KV cache.
@@ -129,6 +130,9 @@ def ragged_paged_attention(
       impl, backend, interpret: see the module docstring.
       max_q_len: optional static hint, the longest query chunk of any sequence in this step (1 for pure decode);
         "xla" picks its block size from it, the others ignore it. Any value gives the same result.
+      layout: the pools', "tokens_heads" (the shape above) or "heads_tokens" ([L, num_pages, num_kv_heads,
+        page_size, head_dim], the TPU's unpadded one): the TPU kernel reads it as it is, the others a transposed
+        copy (for tests).
       **kernel_options: block sizes etc. for the chosen Pallas kernel or for "xla" (ignored by the reference).
 
     Returns:
@@ -141,6 +145,12 @@ def ragged_paged_attention(
     kernel, interp = _choose(impl, backend, interpret)
     if k_cache.ndim == 4:  # a latent pool (MLA): keys and values alike; off the TPU kernel, read as one KV head
         k_cache = v_cache = k_cache if kernel == "tpu" else k_cache[:, :, :, None, :]
+    elif layout == "heads_tokens" and kernel != "tpu":
+        k_cache, v_cache = jnp.swapaxes(k_cache, 2, 3), jnp.swapaxes(v_cache, 2, 3)
+    elif kernel == "tpu":
+        kernel_options["layout"] = layout
+    elif layout != "tokens_heads":
+        raise ValueError(f"layout must be one of {POOL_LAYOUTS}, got {layout!r}")
     if sinks is not None and jnp.shape(sinks) != (q.shape[1],):
         raise ValueError(f"sinks must be [num_q_heads] = [{q.shape[1]}], got shape {jnp.shape(sinks)}")
     args = (q, k_cache, v_cache, layer, batch)
@@ -170,6 +180,7 @@ def write_kv(
     impl: str = "auto",
     interpret: bool | None = None,
     backend: str | None = None,
+    layout: str = "tokens_heads",
 ) -> tuple[jax.Array, jax.Array]:
     """Writes the step's new K/V into one layer of the pool.
 
@@ -182,6 +193,8 @@ def write_kv(
         offset`` of token t; negative slots (padding) write nothing.
       impl, backend, interpret: see the module docstring ("xla" on the CPU: the C++ in-place write when it is
         available, else the reference scatter).
+      layout: the pools', as for ``ragged_paged_attention``; "heads_tokens" is written by XLA's scatter (in place
+        on a donated pool), which Mosaic's row DMAs cannot do into a tiled (page_size, head_dim) page.
 
     Returns:
       The updated (k_cache, v_cache). Donate the caches to the enclosing jit so that the update happens in place
@@ -193,6 +206,10 @@ def write_kv(
     kernel, interp = _choose(impl, backend, interpret)
     if k_cache.ndim == 4:  # a latent pool (MLA): new_k's rows [T, width] written, v_cache left as it is
         return write_latent(k_cache, layer, new_k, batch, kernel=kernel, interpret=interp), v_cache
+    if layout not in POOL_LAYOUTS:
+        raise ValueError(f"layout must be one of {POOL_LAYOUTS}, got {layout!r}")
+    if layout == "heads_tokens":
+        return write_kv_ref(k_cache, v_cache, layer, new_k, new_v, batch, layout=layout)
     if kernel == "xla" and jax.default_backend() == "cpu" and ffi.available():
         return kv_write_cpu.write_kv(k_cache, v_cache, layer, new_k, new_v, batch)  # in place, in C++
     if kernel in ("reference", "xla"):

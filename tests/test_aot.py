@@ -31,12 +31,11 @@ def _kv_bytes_per_page(preset: str, tp: int, page_size: int = 16, itemsize: int 
 def _check_against_arithmetic(p, preset: str, tp: int, sized: bool = True) -> None:
     # Weights: the model's bytes / TP, plus the replicated norms (well under 1%).
     assert p.weight_bytes_per_chip == pytest.approx(_weight_bytes(preset) / tp, rel=0.01)
-    # A page on a chip: the arithmetic bytes with the pool's two minor dims padded to the TPU's bfloat16 tile
-    # (KV heads per chip to a multiple of 2, head_dim to a multiple of 128).
+    # A page on a chip: the arithmetic bytes, head_dim padded to the TPU's 128 lanes. The TPU's pool is [.., KV
+    # heads, page_size, head_dim]: its minor dims are a bfloat16 tile's (16, 128), not (KV heads, head_dim).
     cfg = load_preset(preset)
-    kv_local = max(cfg.num_kv_heads, tp) // tp
-    padded = -(-kv_local // 2) * 2 * -(-cfg.head_dim // 128) * 128
-    assert p.page_bytes_per_chip == _kv_bytes_per_page(preset, tp) * padded // (kv_local * cfg.head_dim)
+    padded = -(-cfg.head_dim // 128) * 128
+    assert p.page_bytes_per_chip == _kv_bytes_per_page(preset, tp) * padded // cfg.head_dim
     assert p.kv_bytes_per_chip == p.num_pages * p.page_bytes_per_chip
     if not sized:
         return
@@ -54,16 +53,38 @@ def test_default_model_every_variant_compiles_for_v5e():
 
 
 def test_llama3_8b_tp8_on_v5e_2x4_compiles_and_fits():
-    # The pool as the plan sizes it for this slice (bench/RESULTS.md: 25,147 pages); given here, so that only the
-    # decode step compiles (the sizing itself is checked on the default model above).
-    p = plan("llama-3-8b", "v5e:2x4", 8, max_num_seqs=64, max_model_len=2048, variants="decode", num_pages=25000)
+    # The pool as the plan sizes it for this slice (bench/RESULTS.md: 46,767 pages of 256 KiB, 23,384 of 512 in the
+    # [.., page_size, KV heads, head_dim] layout); given here, so that only the decode step compiles (the sizing
+    # itself is checked on the default model above).
+    p = plan("llama-3-8b", "v5e:2x4", 8, max_num_seqs=64, max_model_len=2048, variants="decode", num_pages=46000)
     _check_against_arithmetic(p, "llama-3-8b", 8, sized=False)
     (decode,) = p.variants
-    assert decode.decode_only and 14 * GiB < decode.peak_bytes < 16 * GiB
-    assert p.max_sequences == 25000 // 128
+    assert decode.decode_only and 13 * GiB < decode.peak_bytes < 16 * GiB
+    assert p.page_bytes_per_chip == 32 * 16 * 2 * 128 * 2  # the arithmetic: one KV head per chip, K and V
+    assert p.max_sequences == 46000 // 128
     # Roofline: weights (1.9 GiB) + 64 x 2048 tokens of KV per step at 819 GB/s.
     step_bytes = p.weight_bytes_per_chip + 64 * 2048 * p.page_bytes_per_chip / 16
     assert p.decode_tokens_per_s() == pytest.approx(64 / (step_bytes / 819e9), rel=1e-6)
+
+
+def test_tpu_pool_pages_take_their_arithmetic_bytes_at_tp_16():
+    """Llama-3.1-70B's pool on a two-host v5e:4x4 at TP 16 (8 KV heads, each on 2 chips), as XLA:TPU lays it out:
+    one KV head per chip a page, 80 x 16 x 128 x 2 bytes for K and for V, 640 KiB (1,280 in the old layout)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxserve.aot import topology_devices
+    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.kv_pool import KVPool
+    from jaxserve.sharding import kv_heads_for, make_mesh
+
+    cfg = load_preset("llama-3.1-70b")
+    cfg = dataclasses.replace(cfg, num_kv_heads=kv_heads_for(cfg, 16))  # as the runner repeats them
+    mesh = make_mesh(16, topology_devices("v5e:4x4")[:16])
+    pool = KVPool(cfg, CacheConfig(num_pages=64, dtype="bfloat16"), SchedulerConfig(), mesh, jnp.bfloat16, "tpu")
+    assert pool.layout == "heads_tokens" and pool.shape(64) == (80, 64, 16, 16, 128)
+    assert pool.device_page_bytes() == _kv_bytes_per_page("llama-3.1-70b", 16) == 640 * 1024
 
 
 def test_llama31_70b_needs_a_bigger_slice_than_v5e_8():

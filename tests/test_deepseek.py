@@ -147,6 +147,13 @@ def test_expert_parallel_gives_one_devices_tokens(checkpoint, one_device):
     assert_same_completions([o.outputs[0] for o in res], one_device[1], atol=1e-4)
 
 
+def test_the_tpu_latent_kernel_gives_the_same_tokens(checkpoint, one_device):
+    """The engine on the TPU's latent attention kernel (interpret mode): one device's tokens."""
+    llm = LLM(str(checkpoint[0]), attention_impl="pallas-tpu", **ENGINE)
+    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert_same_completions([o.outputs[0] for o in res], one_device[1], atol=1e-4)
+
+
 def test_ranks_that_disagree_with_the_config_are_named_at_load(tmp_path):
     from jaxserve.loading import load_model
 

@@ -131,6 +131,33 @@ def test_reference_traced_window_and_layer():
     assert_close(out, naive_attention(b, 1, sm_scale=SM_SCALE, window=9))
 
 
+def test_write_kv_in_the_tpu_layout_matches_numpy():
+    """``kernels.write_kv`` on pools [L, pages, kv_heads, page_size, head_dim] (the TPU's): row t's head h lands at
+    [layer, page, h, offset]; a negative slot writes nothing."""
+    rng = np.random.default_rng(3)
+    kc, vc = (rng.standard_normal((2, 6, 2, PAGE, 64)).astype(np.float32) for _ in range(2))
+    new_k, new_v = (rng.standard_normal((9, 2, 64)).astype(np.float32) for _ in range(2))
+    slots = rng.choice(6 * PAGE, 9, replace=False).astype(np.int32)
+    slots[[0, 7]] = -1
+    out_k, out_v = kernels.write_kv(
+        jnp.asarray(kc),
+        jnp.asarray(vc),
+        1,
+        jnp.asarray(new_k),
+        jnp.asarray(new_v),
+        AttentionBatch(slot_mapping=slots),
+        impl="pallas",
+        backend="tpu",
+        layout="heads_tokens",
+    )
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            kc[1, slot // PAGE, :, slot % PAGE] = new_k[t]
+            vc[1, slot // PAGE, :, slot % PAGE] = new_v[t]
+    np.testing.assert_array_equal(out_k, kc)
+    np.testing.assert_array_equal(out_v, vc)
+
+
 def test_write_kv_ref_matches_numpy():
     rng = np.random.default_rng(1)
     kc = rng.standard_normal((2, 6, PAGE, 2, 64)).astype(np.float32)
@@ -167,6 +194,14 @@ def test_interpreters_poison_unwritten_memory():
 
 
 def run_kernel(backend, b: Batch, layer=1, **kw):
+    """The GPU or TPU kernel in interpret mode; "tpu-heads": the TPU kernel over the pool in its TPU layout,
+    [L, pages, kv_heads, page_size, head_dim] (the same values)."""
+    if backend == "tpu-heads":
+        q, k, v, *rest = b.args(layer)
+        k, v = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+        return ragged_paged_attention_tpu(
+            q, k, v, *rest, sm_scale=SM_SCALE, interpret=True, layout="heads_tokens", **kw
+        )
     fn = ragged_paged_attention_gpu if backend == "gpu" else ragged_paged_attention_tpu
     return fn(*b.args(layer), sm_scale=SM_SCALE, interpret=True, **kw)
 
@@ -195,14 +230,14 @@ KERNEL_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", ["gpu", "tpu", "tpu-heads"])
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_kernel_matches_reference(backend, case):
     batch_kw, check_kw = KERNEL_CASES[case]
     check_kernel(backend, make_batch(MIXED_Q, MIXED_KV, **batch_kw), **check_kw)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", ["gpu", "tpu", "tpu-heads"])
 def test_kernel_decode_batch(backend):
     check_kernel(backend, make_batch(DECODE_Q, DECODE_KV, hq=8, hk=2, d=64, pad_seqs=3, pad_tokens=3))
 
@@ -220,7 +255,8 @@ def test_gpu_kernel_context_splits(num_splits):
 def test_tpu_kernel_small_blocks():
     """One-page DMA steps, 2-token query blocks that straddle sequences, one KV head per program."""
     b = make_batch(MIXED_Q, MIXED_KV, hq=8, hk=2, d=64)
-    check_kernel("tpu", b, window=20, block_q=2, pages_per_block=1, kv_heads_per_block=1)
+    for backend in ("tpu", "tpu-heads"):
+        check_kernel(backend, b, window=20, block_q=2, pages_per_block=1, kv_heads_per_block=1)
 
 
 @pytest.mark.slow

@@ -90,6 +90,7 @@ def compile_attention(
     kv_dtype=None,
     sinks=False,
     latent=False,
+    layout="tokens_heads",
     **kernel_options,
 ):
     """AOT-compiles ragged_paged_attention_tpu for one chip of ``topology`` (pages in ``kv_dtype``, default
@@ -97,8 +98,13 @@ def compile_attention(
     head_dim], multi-head latent attention's); returns the compiled executable."""
     mesh = _mesh(topology)
     a = functools.partial(_abstract, mesh)
-    heads = () if latent else (num_kv_heads,)
-    cache = _pool(mesh, (LAYERS, NUM_PAGES, page_size, *heads, head_dim), kv_dtype or dtype)
+    if latent:
+        shape = (LAYERS, NUM_PAGES, page_size, head_dim)
+    elif layout == "heads_tokens":
+        shape = (LAYERS, NUM_PAGES, num_kv_heads, page_size, head_dim)
+    else:
+        shape = (LAYERS, NUM_PAGES, page_size, num_kv_heads, head_dim)
+    cache = _pool(mesh, shape, kv_dtype or dtype)
     i32 = lambda *shape: a(shape, jnp.int32)  # noqa: E731
     args = (
         a((num_tokens, num_q_heads, head_dim), dtype),
@@ -127,6 +133,7 @@ def compile_attention(
             sliding_window=window,
             soft_cap=soft_cap,
             sinks=sinks,
+            layout=layout,
             **kernel_options,
         )
 
@@ -182,6 +189,20 @@ def test_attention_sinks_compile_for_tpu(topology):
     bfloat16 and float32, decode and mixed steps."""
     compile_attention(topology, BF16, 64, 8, 64, 16, *DECODE, sinks=True)
     compile_attention(topology, F32, 14, 2, 128, 32, *MIXED, sinks=True)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_heads_tokens_layout_compiles_for_tpu(topology):
+    """The TPU's pool layout [L, pages, kv_heads, page_size, head_dim] (each page's heads DMA'd as (page_size,
+    head_dim) tiles): Llama-3-8B's decode with one KV head per chip (TP 8) and with all 8, a mixed step with an
+    odd group, float32 with sinks, fp8 pages, and heads split over programs."""
+    ht = dict(layout="heads_tokens")
+    compile_attention(topology, BF16, 4, 1, 128, 16, *DECODE, **ht)
+    compile_attention(topology, BF16, 32, 8, 128, 16, *DECODE, **ht)
+    compile_attention(topology, BF16, 14, 2, 128, 32, *MIXED, **ht)
+    compile_attention(topology, F32, 14, 2, 64, 16, *MIXED, sinks=True, **ht)
+    compile_attention(topology, BF16, 32, 8, 128, 32, *DECODE, kv_dtype=jnp.float8_e4m3fn, **ht)
+    compile_attention(topology, BF16, 32, 8, 128, 32, *MIXED, kv_heads_per_block=2, **ht)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

@@ -45,8 +45,19 @@ def int32_metadata(batch: AttentionBatch) -> tuple[jax.Array, jax.Array, jax.Arr
     )
 
 
-def validate_attention_inputs(q, k_cache, v_cache, batch: AttentionBatch, *, sm_scale, soft_cap) -> None:
+# The K/V pool's layouts: "tokens_heads" [L, pages, page_size, kv_heads, head_dim] everywhere; "heads_tokens" [L,
+# pages, kv_heads, page_size, head_dim] on a TPU, whose minor dims (page_size, head_dim) are its tiles' (the other
+# layout's (kv_heads, head_dim) pad a chip's one or two KV heads to 8-16 sublanes).
+POOL_LAYOUTS = ("tokens_heads", "heads_tokens")
+
+
+def validate_attention_inputs(
+    q, k_cache, v_cache, batch: AttentionBatch, *, sm_scale, soft_cap, layout: str = "tokens_heads"
+) -> None:
     """Checks shapes, dtypes and head counts at trace time. Raises ValueError with the offending values.
+
+    ``layout``: the pool's, "tokens_heads" ([L, pages, page_size, kv_heads, head_dim]) or "heads_tokens" ([L,
+    pages, kv_heads, page_size, head_dim], the TPU's); a 4-D pool is a latent pool either way.
 
     When ``batch.kv_lens`` is concrete (not traced) it also checks that the page table is long enough.
     """
@@ -56,7 +67,14 @@ def validate_attention_inputs(q, k_cache, v_cache, batch: AttentionBatch, *, sm_
     kv_lens, page_indices, cu_q_lens = batch.kv_lens, batch.page_indices, batch.cu_q_lens
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if layout not in POOL_LAYOUTS:
+        raise ValueError(f"layout must be one of {POOL_LAYOUTS}, got {layout!r}")
     latent = k_cache.ndim == 4  # MLA's latent pool [layers, num_pages, page_size, width]: keys and values alike
+    if layout == "heads_tokens" and is_int8_pages(k_cache):
+        raise ValueError("Int8Pages come in the 'tokens_heads' layout only")
+    shape = k_cache.shape  # as [L, pages, page_size, kv_heads, head_dim]
+    if layout == "heads_tokens" and not latent:
+        shape = (*shape[:2], shape[3], shape[2], *shape[4:])
     if k_cache.ndim not in (4, 5):
         raise ValueError(
             f"k_cache must be [layers, num_pages, page_size, num_kv_heads, head_dim] (or a latent pool [layers, "
@@ -79,7 +97,7 @@ def validate_attention_inputs(q, k_cache, v_cache, batch: AttentionBatch, *, sm_
     elif jnp.issubdtype(k_cache.dtype, jnp.integer):
         raise ValueError(f"an {k_cache.dtype} pool needs its scales: pass Int8Pages(values, scales)")
     _, num_q_heads, head_dim = q.shape
-    num_kv_heads, kv_head_dim = (1, k_cache.shape[3]) if latent else k_cache.shape[3:]
+    num_kv_heads, kv_head_dim = (1, shape[3]) if latent else shape[3:]
     if kv_head_dim != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and of the cache ({kv_head_dim}) differ")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
@@ -105,7 +123,7 @@ def validate_attention_inputs(q, k_cache, v_cache, batch: AttentionBatch, *, sm_
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         kv_lens_np = None  # traced: the length check happens on the host that built the page table
     if kv_lens_np is not None:
-        page_size, pages_per_seq = k_cache.shape[2], page_indices.shape[1]
+        page_size, pages_per_seq = shape[2], page_indices.shape[1]
         max_kv = int(np.max(kv_lens_np, initial=0))
         if cdiv(max_kv, page_size) > pages_per_seq:
             raise ValueError(

@@ -69,6 +69,7 @@ def _kernel(
     pages_per_block: int,
     has_sinks: bool,
     latent: bool = False,
+    heads_tokens: bool = False,
 ):
     sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     if latent:  # one pool [L, num_pages, page_size, width] whose rows are keys and values alike (MLA's latents)
@@ -82,8 +83,7 @@ def _kernel(
         pools = ((k_hbm, k_buf), (v_hbm, v_buf))
     head_blk, q_blk = pl.program_id(0), pl.program_id(1)
     kv_heads_blk, rows, head_dim = q_ref.shape
-    page_size = k_hbm.shape[2]
-    num_pages, num_kv_heads = k_hbm.shape[1], 1 if latent else k_hbm.shape[3]
+    num_pages, (page_size, num_kv_heads) = k_hbm.shape[1], _page_dims(k_hbm.shape, heads_tokens)
     blk_tokens = pages_per_block * page_size
     layer, window = scalars_ref[0], scalars_ref[1]
     tok_lo = q_blk * block_q
@@ -128,9 +128,14 @@ def _kernel(
             page_id = jnp.clip(page_id, 0, num_pages - 1)  # entries past the sequence's pages may be junk
             for which, (hbm, buf) in enumerate(pools):
                 src = hbm.at[layer, page_id]
-                if kv_heads_blk != num_kv_heads and not latent:
-                    src = src.at[:, pl.ds(head_blk * kv_heads_blk, kv_heads_blk)]
-                dst = buf.at[slot, pl.ds(i * page_size, page_size)]
+                heads = pl.ds(head_blk * kv_heads_blk, kv_heads_blk)
+                if heads_tokens:  # the page's [heads, page_size, D] into the buffer's [heads, tokens, D]
+                    src = src if kv_heads_blk == num_kv_heads else src.at[heads]
+                    dst = buf.at[slot, :, pl.ds(i * page_size, page_size)]
+                else:
+                    if kv_heads_blk != num_kv_heads and not latent:
+                        src = src.at[:, heads]
+                    dst = buf.at[slot, pl.ds(i * page_size, page_size)]
                 out.append((page < info["page_hi"], pltpu.make_async_copy(src, dst, sems.at[which, slot])))
         return out
 
@@ -166,8 +171,9 @@ def _kernel(
                 k = (k_buf[slot, :, h, :].astype(jnp.float32) * ks_buf[slot][:, h : h + 1]).astype(compute)
                 v = (v_buf[slot, :, h, :].astype(jnp.float32) * vs_buf[slot][:, h : h + 1]).astype(compute)
             else:
-                k = widen_fp8(k_buf[slot, :, h, :], compute)  # [C, D]
-                v = widen_fp8(v_buf[slot, :, h, :], compute)
+                head = (slot, h) if heads_tokens else (slot, slice(None), h)
+                k = widen_fp8(k_buf[head], compute)  # [C, D]
+                v = widen_fp8(v_buf[head], compute)
             # Rows of the buffer outside [lo, hi) are stale or never written: zero V so 0 * garbage can't leak.
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
             s = (
@@ -227,6 +233,14 @@ def _kernel(
         o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
+def _page_dims(shape: tuple[int, ...], heads_tokens: bool) -> tuple[int, int]:
+    """(page_size, num_kv_heads) of a pool: [L, P, page_size, K, D] ("tokens_heads"), [L, P, K, page_size, D]
+    ("heads_tokens") or a latent pool [L, P, page_size, width] (one head)."""
+    if len(shape) == 4:
+        return shape[2], 1
+    return (shape[3], shape[2]) if heads_tokens else (shape[2], shape[3])
+
+
 def default_block_sizes(num_tokens, num_seqs_padded, group, page_size, pages_per_seq, dtype):
     """(block_q, pages_per_block): query rows a multiple of the sublane tiling; ~256 context tokens a step."""
     sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)  # 8 for f32, 16 for bf16
@@ -246,7 +260,9 @@ def _padded(n: int, m: int) -> int:
     return cdiv(n, m) * m
 
 
-def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized=False, sinks=False) -> int:
+def vmem_bytes(
+    kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized=False, sinks=False, heads_tokens=False
+) -> int:
     """Estimated VMEM of one program: q/out blocks (double-buffered), K/V double buffers, softmax state, for
     int8 pools the scale buffers, and with attention sinks their input block (double-buffered, lane-replicated
     float32 rows like the running max).
@@ -258,7 +274,11 @@ def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype
     d = _padded(head_dim, _LANES)
     q_rows = _padded(rows, 8 * (4 // qb))
     q_out = 2 * 2 * kv_heads_per_block * q_rows * d * qb
-    kv = 2 * 2 * blk_tokens * _padded(kv_heads_per_block, 8 * (4 // kb)) * d * kb
+    sublanes = 8 * (4 // kb)
+    if heads_tokens:  # buffers [heads, tokens, head_dim]: the tokens fill the sublanes
+        kv = 2 * 2 * kv_heads_per_block * _padded(blk_tokens, sublanes) * d * kb
+    else:
+        kv = 2 * 2 * blk_tokens * _padded(kv_heads_per_block, sublanes) * d * kb
     state = kv_heads_per_block * _padded(rows, 8) * (2 * _LANES + d) * 4
     scales = 2 * 2 * _padded(blk_tokens, 8) * _padded(kv_heads_per_block, _LANES) * 4 if quantized else 0
     sink_rows = 2 * kv_heads_per_block * _padded(rows, 8) * _LANES * 4 if sinks else 0
@@ -266,11 +286,20 @@ def vmem_bytes(kv_heads_per_block, rows, head_dim, blk_tokens, q_dtype, kv_dtype
 
 
 def default_kv_heads_per_block(
-    num_kv_heads, rows, head_dim, blk_tokens, q_dtype, kv_dtype, budget=_VMEM_BUDGET, quantized=False, sinks=False
+    num_kv_heads,
+    rows,
+    head_dim,
+    blk_tokens,
+    q_dtype,
+    kv_dtype,
+    budget=_VMEM_BUDGET,
+    quantized=False,
+    sinks=False,
+    heads_tokens=False,
 ):
     """The most KV heads per program (a divisor of num_kv_heads) whose estimated VMEM fits ``budget``."""
     for h in range(num_kv_heads, 0, -1):
-        need = vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized, sinks)
+        need = vmem_bytes(h, rows, head_dim, blk_tokens, q_dtype, kv_dtype, quantized, sinks, heads_tokens)
         if num_kv_heads % h == 0 and need <= budget:
             return h
     return 1
@@ -292,6 +321,7 @@ def ragged_paged_attention_tpu(
     kv_heads_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     interpret: bool = False,
+    layout: str = "tokens_heads",
 ) -> jax.Array:
     """Ragged paged attention on a TPU (Pallas Mosaic); same contract as ``ragged_paged_attention_ref``.
 
@@ -303,6 +333,8 @@ def ragged_paged_attention_tpu(
       kv_heads_per_block: KV heads per program (a grid axis); None = as many as fit the VMEM budget.
       vmem_limit_bytes: passed to Mosaic (None: its default); the default head blocking fits 5/8 of it.
       interpret: run in Pallas' TPU interpret mode (on the CPU), which also simulates the DMAs.
+      layout: the pools', "tokens_heads" or "heads_tokens" ([L, pages, kv_heads, page_size, head_dim]: each page's
+        heads DMA'd as [heads, page_size, head_dim] tiles into buffers [heads, tokens, head_dim]).
 
     Returns:
       [T, num_q_heads, head_dim] in q.dtype; padding tokens are zeros.
@@ -310,9 +342,9 @@ def ragged_paged_attention_tpu(
     Raises:
       ValueError: inconsistent shapes or head counts, or a page table too short for a concrete kv_lens.
     """
-    validate_attention_inputs(q, k_cache, v_cache, batch, sm_scale=sm_scale, soft_cap=soft_cap)
+    validate_attention_inputs(q, k_cache, v_cache, batch, sm_scale=sm_scale, soft_cap=soft_cap, layout=layout)
     num_tokens, num_q_heads, _ = q.shape
-    page_size, num_kv_heads = k_cache.shape[2], 1 if k_cache.ndim == 4 else k_cache.shape[3]
+    page_size, num_kv_heads = _page_dims(k_cache.shape, layout == "heads_tokens")
     num_seqs_padded, pages_per_seq = batch.page_indices.shape
     group = num_q_heads // num_kv_heads
     dq, dp = default_block_sizes(num_tokens, num_seqs_padded, group, page_size, pages_per_seq, k_cache.dtype)
@@ -328,6 +360,7 @@ def ragged_paged_attention_tpu(
         budget,
         is_int8_pages(k_cache),
         sinks is not None,
+        layout == "heads_tokens",
     )
     if num_kv_heads % kv_heads_per_block:
         raise ValueError(f"kv_heads_per_block ({kv_heads_per_block}) must divide num_kv_heads ({num_kv_heads})")
@@ -346,6 +379,7 @@ def ragged_paged_attention_tpu(
         kv_heads_per_block=kv_heads_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
         interpret=interpret,
+        layout=layout,
     )
     return settle_tpu_interpret(out, interpret)
 
@@ -360,6 +394,7 @@ def ragged_paged_attention_tpu(
         "kv_heads_per_block",
         "vmem_limit_bytes",
         "interpret",
+        "layout",
     ),
 )
 def _rpa_tpu(
@@ -381,10 +416,12 @@ def _rpa_tpu(
     kv_heads_per_block,
     vmem_limit_bytes,
     interpret,
+    layout,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     latent = k_cache.ndim == 4  # MLA: one pool of latents, each the key and the value of every query head
-    page_size, num_kv_heads = k_cache.shape[2], 1 if latent else k_cache.shape[3]
+    heads_tokens = layout == "heads_tokens"
+    page_size, num_kv_heads = _page_dims(k_cache.shape, heads_tokens)
     num_seqs_padded, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
     num_q_blocks = cdiv(num_tokens, block_q)
@@ -411,7 +448,8 @@ def _rpa_tpu(
     (k_values, k_scales), (v_values, v_scales) = split_pool(k_cache), split_pool(v_cache)
     quantized = k_scales is not None
     blk_tokens = pages_per_block * page_size
-    buf = pltpu.VMEM((2, blk_tokens, kv_heads_per_block, head_dim), k_values.dtype)
+    shape = (kv_heads_per_block, blk_tokens) if heads_tokens else (blk_tokens, kv_heads_per_block)
+    buf = pltpu.VMEM((2, *shape, head_dim), k_values.dtype)
     scale_bufs = [pltpu.VMEM((2, blk_tokens, kv_heads_per_block), jnp.float32)] * 2 if quantized else []
     pools = (k_values, v_values, k_scales, v_scales) if quantized else (k_values, v_values)
     bufs = [buf, buf, *scale_bufs]
@@ -428,6 +466,7 @@ def _rpa_tpu(
         pages_per_block=pages_per_block,
         has_sinks=sinks is not None,
         latent=latent,
+        heads_tokens=heads_tokens,
     )
     # Each row's sink (row t * G + g of head block k: query head k * G + g), lane-replicated as the running max.
     sink_rows, sink_specs = (), []

@@ -16,8 +16,9 @@ def write_kv_ref(
     new_k: jax.Array,
     new_v: jax.Array,
     batch: AttentionBatch,
+    layout: str = "tokens_heads",
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V into the pages of one layer (out of place: XLA's scatter).
+    """Scatters the step's new K/V into the pages of one layer (XLA's scatter: in place on a donated pool).
 
     Args:
       k_cache, v_cache: [L, num_pages, page_size, num_kv_heads, head_dim], or ``Int8Pages`` (each new row is
@@ -26,12 +27,15 @@ def write_kv_ref(
       new_k, new_v: [T, num_kv_heads, head_dim], cast to the cache dtype.
       batch: its ``slot_mapping`` [T], ``page * page_size + offset`` for token t; a negative slot (padding) writes
         nothing.
+      layout: the pools', "tokens_heads", or "heads_tokens" ([L, num_pages, num_kv_heads, page_size, head_dim];
+        plain arrays only).
 
     Returns:
       The updated (k_cache, v_cache).
     """
     slot_mapping = write_slots(batch)
-    num_pages, page_size = k_cache.shape[1:3]
+    heads_tokens = layout == "heads_tokens"
+    num_pages, page_size = k_cache.shape[1], k_cache.shape[3 if heads_tokens else 2]
     page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
     offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
 
@@ -39,6 +43,10 @@ def write_kv_ref(
         if is_int8_pages(cache):
             values, scales = quantize_rows(rows)
             return Int8Pages(put(cache.values, values), put(cache.scales, scales))
+        if heads_tokens:  # row t's head h to [layer, page_t, h, offset_t]
+            heads = jnp.arange(cache.shape[2])[None, :]
+            where = (layer, page[:, None], heads, offset[:, None])
+            return cache.at[where].set(rows.astype(cache.dtype), mode="drop")
         return cache.at[layer, page, offset].set(rows.astype(cache.dtype), mode="drop")
 
     return put(k_cache, new_k), put(v_cache, new_v)
