@@ -109,7 +109,8 @@ class ModelConfig:
     moe_expert_bias: bool = False  # gpt-oss: biases on each expert's gate, up and down products
     # DeepSeek-V3 / Kimi-K2 routing ("grouped_sigmoid", ``kernels.moe.route_grouped``): sigmoid scores, a
     # score-correction bias moving the choice, the experts in ``n_group`` groups of which ``topk_group`` are open,
-    # the weights times ``routed_scaling_factor``; "softmax" (``kernels.route``) for every other family.
+    # the weights times ``routed_scaling_factor``; DeepSeek-V2's "grouped_softmax" (softmax scores, no bias);
+    # "softmax" (``kernels.route``) for every other family.
     moe_routing: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -233,9 +234,10 @@ class ModelConfig:
                 )
             if not any(self.moe_layers):
                 raise ValueError("ModelConfig.moe_layers marks no layer MoE; a dense model has num_experts=0")
-        if self.moe_routing not in ("softmax", "grouped_sigmoid"):
+        if self.moe_routing not in ("softmax", "grouped_sigmoid", "grouped_softmax"):
             raise ValueError(
-                f"ModelConfig.moe_routing must be 'softmax' or 'grouped_sigmoid', got {self.moe_routing!r}"
+                "ModelConfig.moe_routing must be 'softmax', 'grouped_sigmoid' or 'grouped_softmax', got "
+                f"{self.moe_routing!r}"
             )
         _positive(self, "n_group", "topk_group")
         if self.num_experts % self.n_group or self.topk_group > self.n_group:

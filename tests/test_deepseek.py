@@ -57,6 +57,10 @@ CONFIG = dict(
     ),
     tie_word_embeddings=False,
 )
+V2 = {  # DeepSeek-V2-Lite's form (no q_lora_rank, "greedy" softmax routing), and V2's grouped routing
+    "v2-lite": dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5),
+    "v2": dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0),
+}
 ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, dtype="float32")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 
@@ -66,10 +70,13 @@ def _prompts(seed=0):
     return [rng.integers(3, VOCAB - 100, size=int(k)).tolist() for k in (5, 40, 11, 23)]
 
 
-def write_checkpoint(path, **overrides):
-    """A tiny random DeepSeek-V3 checkpoint in ``path``; returns the torch model."""
+def write_checkpoint(path, version="v3", **overrides):
+    """A tiny random DeepSeek-V3 (or ``V2``'s ``version``) checkpoint in ``path``; returns the torch model."""
     torch.manual_seed(3)
-    config = transformers.DeepseekV3Config(**{**CONFIG, **overrides})
+    if version == "v3":
+        config = transformers.DeepseekV3Config(**{**CONFIG, **overrides})
+    else:
+        config = transformers.DeepseekV2Config(**{**CONFIG, **V2[version], **overrides})
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -78,7 +85,8 @@ def write_checkpoint(path, **overrides):
                 p.copy_(torch.randn_like(p) * 0.2 + 1.0)
             elif ".gate.weight" in name or "experts" in name:
                 p.copy_(torch.randn_like(p) * (1.0 if ".gate." in name else 0.1))
-        for layer in model.model.layers[CONFIG["first_k_dense_replace"] :]:  # a buffer: the choice, not the weights
+        for layer in model.model.layers[CONFIG["first_k_dense_replace"] :] if version == "v3" else ():
+            # a buffer: it moves the choice, not the weights
             layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(CONFIG["n_routed_experts"]) * 0.3)
     model.save_pretrained(path)
     return model
@@ -99,8 +107,11 @@ def one_device(checkpoint):
 
 
 def test_greedy_tokens_and_logprobs_match_hf(checkpoint, one_device):
-    _, hf = checkpoint
-    for ids, out in zip(_prompts(), one_device[1]):
+    _assert_matches_hf(checkpoint[1], one_device[1])
+
+
+def _assert_matches_hf(hf, outputs):
+    for ids, out in zip(_prompts(), outputs):
         tokens = list(out.token_ids)
         assert hf_greedy_choices(hf, ids, tokens) == tokens
         with torch.no_grad():  # HF teacher-forced on our tokens
@@ -108,6 +119,17 @@ def test_greedy_tokens_and_logprobs_match_hf(checkpoint, one_device):
         ref = torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
         ours = np.array([lp[t].logprob for lp, t in zip(out.logprobs, tokens)])
         np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("version", sorted(V2))
+def test_deepseek_v2_greedy_tokens_and_logprobs_match_hf(version, tmp_path, default_model_path):
+    """DeepSeek-V2 (grouped softmax routing, not renormalized, scaled) and V2-Lite (a direct q_proj, greedy top k):
+    HF transformers' DeepseekV2 teacher-forced on our tokens."""
+    hf = write_checkpoint(tmp_path, version)
+    orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
+    llm = LLM(str(tmp_path), **ENGINE)
+    assert llm.engine.runner.cfg.moe_routing == "grouped_softmax"
+    _assert_matches_hf(hf, [o.outputs[0] for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)])
 
 
 def test_the_pool_holds_one_latent_a_token_and_layer(one_device):
@@ -238,3 +260,54 @@ def test_the_deepseek_v3_preset_is_its_hub_config():
     assert ours.attn_scale != pytest.approx(theirs.qk_head_dim**-0.5)  # the factor is there: 1.87x
     assert ours.kv_cache_dims == (576, 0) and ours.moe_layer_flags()[2:4] == (False, True)
     assert ours.shared_expert_intermediate_size == 2048 and ours.routed_scaling_factor == 2.5
+
+
+def test_the_deepseek_v2_lite_preset_is_its_hub_config():
+    """configs/deepseek-v2-lite.json from the hub's config.json as transformers' DeepseekV2Config writes it: 15.7 B
+    parameters, 2.4 B active without the input embedding (as DeepSeek counts them); plan fits one H200."""
+    from jaxserve.aot import plan
+    from jaxserve.config import ModelConfig, load_preset
+
+    hub = dict(
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        norm_topk_prob=False,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+        ),
+        bos_token_id=100000,
+        eos_token_id=100001,
+    )
+    ours = ModelConfig.from_hf(transformers.DeepseekV2Config(**hub).to_dict())
+    assert ours == load_preset("deepseek-v2-lite")
+    p = plan("deepseek-v2-lite", "h200:1", 1)
+    embedding = 102400 * 2048
+    assert round(p.total_params / 1e9, 1) == 15.7 and (p.active_params - embedding) // 10**8 == 24  # 2.45 B
+    assert p.fits and p.page_bytes_per_chip == 27 * 16 * 576 * 2

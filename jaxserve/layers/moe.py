@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jaxserve import kernels
 from jaxserve.kernels.moe.reference import ACTIVATIONS, route_grouped
 
+ROUTINGS = ("softmax", "grouped_sigmoid", "grouped_softmax")
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
@@ -40,8 +42,9 @@ class MoeSpec:
     chosen experts' probabilities of the softmax over all (Qwen3-MoE ``norm_topk_prob=False``).
     ``activation``: "swiglu", or gpt-oss's "swiglu_clamped" with ``swiglu_alpha`` / ``swiglu_limit``.
     ``router_bias`` / ``expert_bias``: the block has a router bias / per-expert gate, up and down biases (gpt-oss).
-    ``routing``: "softmax" (``kernels.route``), or DeepSeek-V3's "grouped_sigmoid" (``kernels.moe.route_grouped``
-    with ``num_groups`` / ``top_groups`` / ``scaling`` and the layer's ``router_correction`` bias).
+    ``routing``: "softmax" (``kernels.route``), or DeepSeek's grouped routings (``kernels.moe.route_grouped`` with
+    ``num_groups`` / ``top_groups`` / ``scaling``): V3's "grouped_sigmoid" (with the layer's ``router_correction``
+    bias), V2's "grouped_softmax".
     """
 
     num_experts: int
@@ -82,14 +85,14 @@ class MoeSpec:
             raise ValueError(f"MoeSpec.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoeSpec.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.routing not in ("softmax", "grouped_sigmoid"):
-            raise ValueError(f"MoeSpec.routing must be 'softmax' or 'grouped_sigmoid', got {self.routing!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"MoeSpec.routing must be one of {ROUTINGS}, got {self.routing!r}")
 
     def route(self, h: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """The routing of the normed hidden states h [T, D] with one layer's parameters -> (expert ids [T, k],
         combine weights [T, k] float32)."""
         logits = router_logits(h, p["router"])
-        if self.routing == "grouped_sigmoid":
+        if self.routing != "softmax":
             return route_grouped(
                 logits,
                 self.top_k,
@@ -98,6 +101,7 @@ class MoeSpec:
                 correction_bias=p.get("router_correction"),
                 renormalize=self.renormalize,
                 scaling=self.scaling,
+                scoring=self.routing.removeprefix("grouped_"),
             )
         return kernels.route(logits, self.top_k, renormalize=self.renormalize, bias=p.get("router_bias"))
 

@@ -287,13 +287,10 @@ def _gpt_oss_fixup(name: str, array) -> list[tuple[str, Any]]:
     return [(name, array)]
 
 
-def _deepseek_v3_hf(hf, fields) -> dict[str, Any]:
-    """DeepSeek-V3 / R1, Kimi-K2: multi-head latent attention (``head_dim`` in their config.json is the rotary
-    part's; the query head is qk_nope_head_dim + qk_rope_head_dim), the first ``first_k_dense_replace`` layers dense,
-    the others MoE with grouped sigmoid routing and shared experts."""
-    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-        if hf.get(key, want) != want:
-            raise ValueError(f"{hf.get('model_type')}: {key}={hf[key]!r} is not supported (only {want!r})")
+def _deepseek_fields(hf, fields, routing: dict[str, Any], interleave: bool) -> dict[str, Any]:
+    """DeepSeek-V2 / V3's: multi-head latent attention (``head_dim`` in their config.json is the rotary part's; the
+    query head is qk_nope_head_dim + qk_rope_head_dim), the first ``first_k_dense_replace`` layers dense, the others
+    MoE with shared experts and the ``routing`` given."""
     n, first = fields["num_layers"], hf.get("first_k_dense_replace") or 0
     nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
     out = {
@@ -303,7 +300,7 @@ def _deepseek_v3_hf(hf, fields) -> dict[str, Any]:
         "q_lora_rank": hf.get("q_lora_rank"),
         "qk_rope_head_dim": rope,
         "v_head_dim": hf["v_head_dim"],
-        "rope_interleave": bool(hf.get("rope_interleave", True)),
+        "rope_interleave": interleave,
     }
     flags = tuple(i >= first for i in range(n))
     experts = hf.get("n_routed_experts")
@@ -314,13 +311,41 @@ def _deepseek_v3_hf(hf, fields) -> dict[str, Any]:
         "num_experts_per_tok": hf["num_experts_per_tok"],
         "moe_layers": None if all(flags) else flags,
         "moe_intermediate_size": hf["moe_intermediate_size"],
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-        "moe_routing": "grouped_sigmoid",
-        "n_group": hf.get("n_group") or 1,
-        "topk_group": hf.get("topk_group") or 1,
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "shared_expert_intermediate_size": hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+        **routing,
     }
+
+
+def _deepseek_v3_hf(hf, fields) -> dict[str, Any]:
+    """DeepSeek-V3 / R1, Kimi-K2: sigmoid scores with the score-correction bias, groups scored by their two best."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, want) != want:
+            raise ValueError(f"{hf.get('model_type')}: {key}={hf[key]!r} is not supported (only {want!r})")
+    routing = {
+        "moe_routing": "grouped_sigmoid",
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "n_group": hf.get("n_group") or 1,
+        "topk_group": hf.get("topk_group") or 1,
+    }
+    return _deepseek_fields(hf, fields, routing, bool(hf.get("rope_interleave", True)))
+
+
+def _deepseek_v2_hf(hf, fields) -> dict[str, Any]:
+    """DeepSeek-V2 / V2-Lite: a softmax over the experts, the top k of it ("greedy") or of the ``topk_group`` groups
+    with the best experts ("group_limited_greedy"), not renormalized (transformers' DeepseekV2 never does), times
+    ``routed_scaling_factor``; rotary dims in interleaved pairs (its complex rope)."""
+    method = hf.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2: topk_method={method!r} is not supported ('greedy', 'group_limited_greedy')")
+    grouped = method == "group_limited_greedy"
+    routing = {
+        "moe_routing": "grouped_softmax",
+        "norm_topk_prob": False,
+        "n_group": (hf.get("n_group") or 1) if grouped else 1,
+        "topk_group": (hf.get("topk_group") or 1) if grouped else 1,
+    }
+    return _deepseek_fields(hf, fields, routing, True)
 
 
 _MIXTRAL_RENAMES = (
@@ -417,9 +442,16 @@ FAMILIES: tuple[Family, ...] = (
         hf_fixup=_gpt_oss_fixup,
     ),
     Family(
+        "deepseek_v2",
+        ("deepseek_v2",),
+        hf_defaults={"first_k_dense_replace": 0, "n_shared_experts": 2, "topk_method": "greedy", "q_lora_rank": 1536},
+        hf_fields=_deepseek_v2_hf,
+        hf_mtp_layers=True,
+    ),
+    Family(
         "deepseek_v3",
         ("deepseek_v3", "kimi_k2"),
-        hf_defaults={"first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True},
+        hf_defaults={"first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True, "q_lora_rank": 1536},
         hf_fields=_deepseek_v3_hf,
         hf_mtp_layers=True,
     ),

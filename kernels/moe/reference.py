@@ -59,9 +59,12 @@ def route_grouped(
     correction_bias: jax.Array | None = None,
     renormalize: bool = True,
     scaling: float = 1.0,
+    scoring: str = "sigmoid",
 ) -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V3's routing (Kimi-K2's too): logits [T, E] -> (expert ids [T, k] int32, combine weights [T, k]
-    float32), on sigmoid scores rather than a softmax.
+    float32), on sigmoid scores rather than a softmax. ``scoring="softmax"``: DeepSeek-V2's (``topk_method``
+    "greedy" with one group, "group_limited_greedy" with several), a softmax over the E logits, each group scored by
+    its best expert, no correction bias.
 
     The choice: the scores plus ``correction_bias`` [E] (the checkpoint's ``e_score_correction_bias``, a load-balancing
     offset that moves the choice, never the weights); the E experts fall in ``num_groups`` groups of consecutive ids
@@ -79,10 +82,13 @@ def route_grouped(
     per_group = num_experts // num_groups
     if top_k > top_groups * per_group:
         raise ValueError(f"top_k={top_k} exceeds the {top_groups} open groups' {top_groups * per_group} experts")
-    scores = jax.nn.sigmoid(logits)
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
+    scores = jax.nn.sigmoid(logits) if scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
     if top_groups < num_groups:
-        best = jax.lax.top_k(choice.reshape(num_tokens, num_groups, per_group), min(2, per_group))[0]
+        best_of = min(2, per_group) if scoring == "sigmoid" else 1  # V3: a group's two best; V2: its best
+        best = jax.lax.top_k(choice.reshape(num_tokens, num_groups, per_group), best_of)[0]
         _, groups = jax.lax.top_k(best.sum(-1), top_groups)  # [T, top_groups]
         open_ = jnp.zeros((num_tokens, num_groups), bool).at[jnp.arange(num_tokens)[:, None], groups].set(True)
         choice = jnp.where(jnp.repeat(open_, per_group, axis=1), choice, -jnp.inf)
