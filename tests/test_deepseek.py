@@ -57,10 +57,9 @@ CONFIG = dict(
     ),
     tie_word_embeddings=False,
 )
-V2 = {  # DeepSeek-V2-Lite's form (no q_lora_rank, "greedy" softmax routing), and V2's grouped routing
-    "v2-lite": dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5),
-    "v2": dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0),
-}
+# DeepSeek-V2: V2-Lite's direct q_proj (no q_lora_rank) with V2's group-limited softmax routing (of which V2-Lite's
+# "greedy" is the one-group case), scaled.
+V2 = dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0)
 ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, dtype="float32")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 
@@ -71,12 +70,13 @@ def _prompts(seed=0):
 
 
 def write_checkpoint(path, version="v3", **overrides):
-    """A tiny random DeepSeek-V3 (or ``V2``'s ``version``) checkpoint in ``path``; returns the torch model."""
+    """A tiny random DeepSeek-V3 (``version="v2"``: DeepSeek-V2, ``V2``) checkpoint in ``path``; returns the torch
+    model."""
     torch.manual_seed(3)
     if version == "v3":
         config = transformers.DeepseekV3Config(**{**CONFIG, **overrides})
     else:
-        config = transformers.DeepseekV2Config(**{**CONFIG, **V2[version], **overrides})
+        config = transformers.DeepseekV2Config(**{**CONFIG, **V2, **overrides})
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -121,11 +121,10 @@ def _assert_matches_hf(hf, outputs):
         np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("version", sorted(V2))
-def test_deepseek_v2_greedy_tokens_and_logprobs_match_hf(version, tmp_path, default_model_path):
-    """DeepSeek-V2 (grouped softmax routing, not renormalized, scaled) and V2-Lite (a direct q_proj, greedy top k):
-    HF transformers' DeepseekV2 teacher-forced on our tokens."""
-    hf = write_checkpoint(tmp_path, version)
+def test_deepseek_v2_greedy_tokens_and_logprobs_match_hf(tmp_path, default_model_path):
+    """DeepSeek-V2 (group-limited softmax routing, not renormalized, scaled) with V2-Lite's direct q_proj: HF
+    transformers' DeepseekV2 teacher-forced on our tokens."""
+    hf = write_checkpoint(tmp_path, "v2")
     orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
     llm = LLM(str(tmp_path), **ENGINE)
     assert llm.engine.runner.cfg.moe_routing == "grouped_softmax"
@@ -149,7 +148,7 @@ def test_prefix_caching_preemption_and_chunked_prefill_on_the_latent_pool(checkp
     prefix: prefix-cache hits; 40-token prompts over a 32-token budget: chunked prefill. One pass's tokens."""
     prefix = list(range(1000, 1020))
     prompts = [prefix + p for p in _prompts()] * 2
-    want = LLM(str(checkpoint[0]), **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    want = one_device[0].generate(prompts, GREEDY, use_tqdm=False)
     small = dict(ENGINE, num_pages=12, enable_prefix_caching=True)
     llm = LLM(str(checkpoint[0]), **small)
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
