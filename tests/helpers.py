@@ -297,3 +297,33 @@ def longrope(short_factor: list[float], long_factor: list[float], original: int 
         long_factor=long_factor,
         **extra,
     )
+
+
+# Tiny random HF checkpoints served with the default model's tokenizer (tests/test_moe_models.py, test_deepseek.py).
+TINY_VOCAB = 49152  # SmolLM2's tokenizer
+TINY_ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, dtype="float32")
+
+
+def tiny_prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
+    """Random token prompts of 5, 40, 11 and 23 tokens: one over TINY_ENGINE's 32-token budget (chunked prefill,
+    mixed steps)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, TINY_VOCAB - 100, size=int(k)).tolist() for k in (5, 40, 11, 23)[:n]]
+
+
+def assert_matches_hf(hf, prompts, outputs, atol: float = 1e-3) -> None:
+    """Our greedy completions (with logprobs) against HF transformers teacher-forced on our tokens: every greedy
+    choice identical, each chosen token's logprob within ``atol``."""
+    import numpy as np
+    import torch
+
+    for ids, out in zip(prompts, outputs):
+        tokens = list(out.token_ids)
+        assert hf_greedy_choices(hf, ids, tokens) == tokens
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
+        ref = torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
+        ours = np.array([lp[t].logprob for lp, t in zip(out.logprobs, tokens)])
+        np.testing.assert_allclose(ours, ref, atol=atol, rtol=0)

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import assert_same_completions, hf_greedy_choices
+from helpers import TINY_ENGINE, TINY_VOCAB, assert_matches_hf, assert_same_completions, tiny_prompts
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading import orbax_ckpt
@@ -22,7 +22,7 @@ from jaxserve.loading import orbax_ckpt
 torch = pytest.importorskip("torch", reason="HF transformers' reference needs torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
 
-VOCAB = 49152  # SmolLM2's tokenizer
+VOCAB = TINY_VOCAB
 R, ROPE, NOPE, V_DIM = 32, 8, 16, 12  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
 CONFIG = dict(
     vocab_size=VOCAB,
@@ -60,13 +60,8 @@ CONFIG = dict(
 # DeepSeek-V2: V2-Lite's direct q_proj (no q_lora_rank) with V2's group-limited softmax routing (of which V2-Lite's
 # "greedy" is the one-group case), scaled.
 V2 = dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0)
-ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, dtype="float32")
+ENGINE = TINY_ENGINE
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-
-
-def _prompts(seed=0):
-    rng = np.random.default_rng(seed)  # one prompt over the 32-token budget: chunked prefill, mixed steps
-    return [rng.integers(3, VOCAB - 100, size=int(k)).tolist() for k in (5, 40, 11, 23)]
 
 
 def write_checkpoint(path, version="v3", **overrides):
@@ -103,22 +98,11 @@ def checkpoint(tmp_path_factory, default_model_path):
 @pytest.fixture(scope="module")
 def one_device(checkpoint):
     llm = LLM(str(checkpoint[0]), **ENGINE)
-    return llm, [o.outputs[0] for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+    return llm, [o.outputs[0] for o in llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)]
 
 
 def test_greedy_tokens_and_logprobs_match_hf(checkpoint, one_device):
-    _assert_matches_hf(checkpoint[1], one_device[1])
-
-
-def _assert_matches_hf(hf, outputs):
-    for ids, out in zip(_prompts(), outputs):
-        tokens = list(out.token_ids)
-        assert hf_greedy_choices(hf, ids, tokens) == tokens
-        with torch.no_grad():  # HF teacher-forced on our tokens
-            logits = hf(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
-        ref = torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
-        ours = np.array([lp[t].logprob for lp, t in zip(out.logprobs, tokens)])
-        np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    assert_matches_hf(checkpoint[1], tiny_prompts(), one_device[1])
 
 
 def test_deepseek_v2_greedy_tokens_and_logprobs_match_hf(tmp_path, default_model_path):
@@ -128,7 +112,8 @@ def test_deepseek_v2_greedy_tokens_and_logprobs_match_hf(tmp_path, default_model
     orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
     llm = LLM(str(tmp_path), **ENGINE)
     assert llm.engine.runner.cfg.moe_routing == "grouped_softmax"
-    _assert_matches_hf(hf, [o.outputs[0] for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)])
+    outputs = [o.outputs[0] for o in llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)]
+    assert_matches_hf(hf, tiny_prompts(), outputs)
 
 
 def test_the_pool_holds_one_latent_a_token_and_layer(one_device):
@@ -147,7 +132,7 @@ def test_prefix_caching_preemption_and_chunked_prefill_on_the_latent_pool(checkp
     """A pool of 12 pages of 16 for 8 sequences of up to 56 tokens: preemption; the prompts twice with a shared
     prefix: prefix-cache hits; 40-token prompts over a 32-token budget: chunked prefill. One pass's tokens."""
     prefix = list(range(1000, 1020))
-    prompts = [prefix + p for p in _prompts()] * 2
+    prompts = [prefix + p for p in tiny_prompts()] * 2
     want = one_device[0].generate(prompts, GREEDY, use_tqdm=False)
     small = dict(ENGINE, num_pages=12, enable_prefix_caching=True)
     llm = LLM(str(checkpoint[0]), **small)
@@ -164,14 +149,14 @@ def test_expert_parallel_gives_one_devices_tokens(checkpoint, one_device):
     gate = runner.state["expert_gate"].get_value()
     assert gate.addressable_shards[0].data.shape[1] == CONFIG["n_routed_experts"] // 2
     assert runner.k_cache.addressable_shards[0].data.shape == runner.k_cache.shape  # the latent pool on each
-    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
     assert_same_completions([o.outputs[0] for o in res], one_device[1], atol=1e-4)
 
 
 def test_the_tpu_latent_kernel_gives_the_same_tokens(checkpoint, one_device):
     """The engine on the TPU's latent attention kernel (interpret mode): one device's tokens."""
     llm = LLM(str(checkpoint[0]), attention_impl="pallas-tpu", **ENGINE)
-    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
     assert_same_completions([o.outputs[0] for o in res], one_device[1], atol=1e-4)
 
 
@@ -267,7 +252,7 @@ def test_the_deepseek_v2_lite_preset_is_its_hub_config():
     from jaxserve.aot import plan
     from jaxserve.config import ModelConfig, load_preset
 
-    hub = dict(
+    hub = _V3_HUB | dict(  # deepseek-ai/DeepSeek-V2-Lite's config.json: what differs from V3's
         vocab_size=102400,
         hidden_size=2048,
         intermediate_size=10944,
@@ -278,29 +263,14 @@ def test_the_deepseek_v2_lite_preset_is_its_hub_config():
         n_shared_experts=2,
         n_routed_experts=64,
         routed_scaling_factor=1.0,
-        kv_lora_rank=512,
         q_lora_rank=None,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        qk_nope_head_dim=128,
         topk_method="greedy",
         n_group=1,
         topk_group=1,
         num_experts_per_tok=6,
         first_k_dense_replace=1,
         norm_topk_prob=False,
-        max_position_embeddings=163840,
-        rms_norm_eps=1e-6,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=40.0,
-            mscale=0.707,
-            mscale_all_dim=0.707,
-            original_max_position_embeddings=4096,
-            beta_fast=32.0,
-            beta_slow=1.0,
-        ),
+        rope_parameters=_V3_HUB["rope_parameters"] | dict(mscale=0.707, mscale_all_dim=0.707),
         bos_token_id=100000,
         eos_token_id=100001,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_same_completions, hf_greedy_choices
+from helpers import TINY_ENGINE, TINY_VOCAB, assert_matches_hf, assert_same_completions, tiny_prompts
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
@@ -21,7 +21,7 @@ from jaxserve.loading import orbax_ckpt
 torch = pytest.importorskip("torch", reason="HF transformers' reference needs torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="the reference implementation is HF transformers")
 
-VOCAB = 49152  # SmolLM2's tokenizer
+VOCAB = TINY_VOCAB
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -50,13 +50,8 @@ FAMILIES = {
         ),
     ),
 }
-ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, dtype="float32")
+ENGINE = TINY_ENGINE
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-
-
-def _prompts(n=4, seed=0):
-    rng = np.random.default_rng(seed)  # one prompt over the 32-token budget: chunked prefill, mixed steps
-    return [rng.integers(3, VOCAB - 100, size=int(k)).tolist() for k in (5, 40, 11, 23)[:n]]
 
 
 def write_checkpoint(family: str, path, **overrides):
@@ -96,7 +91,7 @@ def one_device(checkpoints):
     out = {}
     for family, (path, _) in checkpoints.items():
         llm = LLM(str(path), **ENGINE)
-        res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
         out[family] = [o.outputs[0] for o in res]
     return out
 
@@ -104,18 +99,7 @@ def one_device(checkpoints):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_and_logprobs_match_hf(family, checkpoints, one_device):
     _, hf = checkpoints[family]
-    _assert_matches_hf(hf, _prompts(), one_device[family])
-
-
-def _assert_matches_hf(hf, prompts, outputs):
-    for ids, out in zip(prompts, outputs):
-        tokens = list(out.token_ids)
-        assert hf_greedy_choices(hf, ids, tokens) == tokens
-        with torch.no_grad():  # HF teacher-forced on our tokens
-            logits = hf(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
-        ref = torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
-        ours = np.array([lp[t].logprob for lp, t in zip(out.logprobs, tokens)])
-        np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    assert_matches_hf(hf, tiny_prompts(), one_device[family])
 
 
 def write_mxfp4_checkpoint(path, seed=0):
@@ -172,8 +156,8 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path, default_model_path, caplo
     for name in ("expert_gate", "expert_up", "expert_down"):
         w = llm.engine.runner.state[name].get_value()
         assert w.q.dtype == np.int8 and w.group == 32, name
-    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
-    _assert_matches_hf(hf, _prompts(), [o.outputs[0] for o in res])
+    res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
+    assert_matches_hf(hf, tiny_prompts(), [o.outputs[0] for o in res])
 
 
 def test_mxfp4_stacks_split_by_tensor_parallelism_are_served_as_floats(tmp_path, default_model_path, caplog):
@@ -183,7 +167,7 @@ def test_mxfp4_stacks_split_by_tensor_parallelism_are_served_as_floats(tmp_path,
     below)."""
     write_mxfp4_checkpoint(tmp_path)
     orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
-    one = LLM(str(tmp_path), **ENGINE).generate(_prompts(), GREEDY, use_tqdm=False)
+    one = LLM(str(tmp_path), **ENGINE).generate(tiny_prompts(), GREEDY, use_tqdm=False)
     for tp, ep, quantized in ((2, False, True), (4, False, False), (4, True, True)):
         caplog.clear()
         with caplog.at_level("WARNING"):
@@ -194,7 +178,7 @@ def test_mxfp4_stacks_split_by_tensor_parallelism_are_served_as_floats(tmp_path,
             assert "expert_down: quantized in groups of 32 along its 64 input channels" in caplog.text
         if ep:
             continue
-        res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in res] == [o.outputs[0].token_ids for o in one], (tp, ep)
 
 
@@ -225,10 +209,10 @@ def test_parallel_layouts_give_one_devices_tokens(family, tp, ep, checkpoints, o
     else:  # every expert on every device, its hidden split
         assert local[-3:] == (experts, 64, hidden // tp)
     assert gate.addressable_shards[0].data.nbytes * tp == gate.nbytes  # 1 / degree of the stack per device
-    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
     assert_same_completions([o.outputs[0] for o in res], one_device[family], atol=1e-4)
     compiled = runner.num_compilations
-    llm.generate(_prompts(seed=1), GREEDY, use_tqdm=False)  # steady state: the same buckets, nothing new
+    llm.generate(tiny_prompts(seed=1), GREEDY, use_tqdm=False)  # steady state: the same buckets, nothing new
     assert runner.num_compilations == compiled
 
 
@@ -266,7 +250,7 @@ def test_orbax_checkpoint_of_a_moe_restores_onto_expert_parallel_devices(checkpo
     convert(str(path), tmp_path / "orbax", "float32")
     llm = LLM(str(tmp_path / "orbax"), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
     assert llm.engine.runner.state["expert_up"].get_value().sharding.spec == P(None, "model", None, None)
-    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in res] == [list(o.token_ids) for o in one_device["gpt_oss"]]
 
 
@@ -310,9 +294,9 @@ def test_quantized_expert_stacks_match_hf_on_their_values(mode, tp, checkpoints)
     values = served.q
     assert values.dtype == (np.uint8 if mode == "int4" else np.int8)
     assert values.addressable_shards[0].data.nbytes * tp == values.nbytes
-    res = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
     ref = _hf_with_experts(hf, {n: quant.dequantize(q[n]) for n in names})
-    _assert_matches_hf(ref, _prompts(), [o.outputs[0] for o in res])
+    assert_matches_hf(ref, tiny_prompts(), [o.outputs[0] for o in res])
 
 
 def test_quantization_flag_quantizes_the_experts_and_expert_parallel_keeps_its_tokens(checkpoints):
@@ -326,5 +310,5 @@ def test_quantization_flag_quantizes_the_experts_and_expert_parallel_keeps_its_t
         llm = LLM(str(path), quantization="int8", tensor_parallel_size=tp, enable_expert_parallel=tp > 1, **ENGINE)
         gate = llm.engine.runner.state["expert_gate"].get_value()
         assert isinstance(gate, quant.QArray) and gate.q.dtype == np.int8 and gate.q.shape == (3, 8, 64, 48)
-        outs.append([list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)])
+        outs.append([list(o.outputs[0].token_ids) for o in llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)])
     assert outs[0] == outs[1]
