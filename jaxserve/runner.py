@@ -364,7 +364,7 @@ class ModelRunner:
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
-            plp = _prompt_logprobs(lambda: logits(model, hidden, mm), next_tokens)
+            plp = _prompt_logprobs(lambda h: logits(model, h, mm), hidden, next_tokens)
             if pipelined:
                 return out, plp, scan.passed, k_cache, v_cache
             feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
@@ -668,12 +668,26 @@ def _no_targets(tokens: int) -> np.ndarray:
     return np.full(tokens, -1, np.int32)
 
 
-def _prompt_logprobs(logits_fn, next_tokens: jax.Array):
-    """Logprobs of ``next_tokens`` under ``logits_fn()`` [T, V] and the top MAX_LOGPROBS, computed only when
-    some position has a target (>= 0); zeros otherwise, so one compile serves steps with and without them."""
+# Rows of the step's [T, V] logits a prompt-logprobs block computes at once: float32 logits of the whole step are
+# T x V x 4 bytes (Llama-3's 128K vocabulary: 1 GB at 2,048 tokens, 4.2 GB at 8,192), which every mixed step would
+# hold as temporaries, taken from the KV pool.
+PROMPT_LOGPROBS_ROWS = 256
+
+
+def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array):
+    """Logprobs of ``next_tokens`` under ``logits_fn(hidden)`` [T, V] and the top MAX_LOGPROBS, computed only when
+    some position has a target (>= 0); zeros otherwise, so one compile serves steps with and without them. The
+    logits are computed ``PROMPT_LOGPROBS_ROWS`` rows at a time (``lax.map``), never all T rows at once."""
+    T = hidden.shape[0]
+    rows = PROMPT_LOGPROBS_ROWS if T % PROMPT_LOGPROBS_ROWS == 0 else T
+
+    def block(args):
+        h, targets = args
+        return compute_logprobs(logits_fn(h), jnp.maximum(targets, 0), MAX_LOGPROBS)
 
     def run(_):
-        return compute_logprobs(logits_fn(), jnp.maximum(next_tokens, 0), MAX_LOGPROBS)
+        out = jax.lax.map(block, (hidden.reshape(T // rows, rows, -1), next_tokens.reshape(T // rows, rows)))
+        return jax.tree.map(lambda x: x.reshape(T, *x.shape[2:]), out)
 
     shapes = jax.eval_shape(run, None)
     skip = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731

@@ -555,3 +555,26 @@ def test_argmax_rows_is_argmax():
     x[4, [5, 9]] = np.nan
     i = int(argmax_rows(jnp.asarray(x[4]))[()])
     assert np.isnan(x[4, i]) or x[4, i] == np.nanmax(x[4])
+
+
+def test_prompt_logprobs_in_row_blocks_equal_numpy_over_the_whole_step():
+    """A 512-token step's prompt logprobs are computed PROMPT_LOGPROBS_ROWS rows at a time (2 blocks here): the
+    same logprobs and top logprobs as numpy's log-softmax over all 512 rows at once; with no target, zeros."""
+    from jaxserve.runner import PROMPT_LOGPROBS_ROWS, _prompt_logprobs
+    from jaxserve.sampling import MAX_LOGPROBS
+
+    rng = np.random.default_rng(5)
+    T, D, V = 512, 16, 300
+    assert T // PROMPT_LOGPROBS_ROWS == 2
+    hidden = rng.normal(size=(T, D)).astype(np.float32)
+    w = rng.normal(size=(D, V)).astype(np.float32)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    targets[-3:] = -1  # no target (the last positions of a prompt chunk)
+    logprobs, _, top = _prompt_logprobs(lambda h: h @ jnp.asarray(w), jnp.asarray(hidden), jnp.asarray(targets))
+    logits = hidden.astype(np.float64) @ w
+    ref = logits - logits.max(1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(logprobs), ref[np.arange(T), np.maximum(targets, 0)], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(top), -np.sort(-ref, axis=1)[:, :MAX_LOGPROBS], atol=1e-4)
+    none = _prompt_logprobs(lambda h: h @ jnp.asarray(w), jnp.asarray(hidden), jnp.full(T, -1, jnp.int32))
+    assert all(not np.asarray(x).any() for x in none)
