@@ -27,7 +27,7 @@ from flax import nnx
 from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import AttentionBatch
-from jaxserve.kernels.attention.mla import absorb_query, expand_output
+from jaxserve.kernels.attention.mla import absorb_query, expand_output, mla_attention
 from jaxserve.layers.linear import PLAIN, MatmulPolicy, matmul, pack_bf16
 from jaxserve.layers.moe import MoeSpec, moe_mlp
 from jaxserve.layers.norm import rms_norm
@@ -130,8 +130,6 @@ class Decoder(nnx.Module):
             {n: getattr(self, n).get_value() for n in layer_names(schema)}, matmul_names(schema), copies, T
         )
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
-        r = cfg.rotary_dim
-        deinterleave = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
         # A model that mixes dense and MoE layers holds each block's stack over its own layers (``partial``); each
         # layer runs one of them (``lax.cond``), from the stack's entry ``index[layer]``.
         partial = {n: getattr(self, n).get_value() for n in partial_names(schema)}
@@ -222,23 +220,25 @@ class Decoder(nnx.Module):
             kv = mul(h, "wkv_a")  # [T, R + r]: the latent c before its norm, and the shared rotary key
             c, k_pe = rms_norm(kv[:, :R], p["kv_a_norm"], eps, off), kv[:, None, R:]
             if cfg.rope_interleave:  # pairs (x0, x1), (x2, x3) ...: rotated as halves, the same order in q and k
+                r = cfg.rotary_dim
+                deinterleave = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
                 q_pe, k_pe = q_pe[..., deinterleave], k_pe[..., deinterleave]
             q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
             latent = jnp.concatenate([c, k_pe[:, 0].astype(c.dtype)], axis=-1)  # [T, R + r]
             k_cache, v_cache = write_kv_fn(k_cache, v_cache, cache_idx, latent, latent, batch)  # the latent pool
             w = p["wkv_b"].reshape(R, N, dn + dv)  # each head's key (d_nope) and value (d_v) up-projections
             q_latent = absorb_query(q_nope, w[..., :dn].transpose(1, 2, 0))  # [T, N, R]
-            # attention over the latent pool: each latent is every head's key and value (``kernels.attention.mla``)
-            context = attention_fn(
-                jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1),
+            context = mla_attention(  # over the latent pool: each latent is every head's key and value
+                q_latent,
+                q_pe,
                 k_cache,
-                v_cache,
                 cache_idx,
                 batch,
                 sm_scale=cfg.attn_scale,
+                attention=attention_fn,
                 sliding_window=window,
                 soft_cap=None,
-            )[..., :R]
+            )
             out = expand_output(context, w[..., dn:].transpose(1, 2, 0))  # [T, N, d_v]
             return mul(out.reshape(T, N * dv), "wo"), k_cache, v_cache
 

@@ -69,19 +69,19 @@ def validate_attention_inputs(
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if layout not in POOL_LAYOUTS:
         raise ValueError(f"layout must be one of {POOL_LAYOUTS}, got {layout!r}")
-    latent = k_cache.ndim == 4  # MLA's latent pool [layers, num_pages, page_size, width]: keys and values alike
-    if layout == "heads_tokens" and is_int8_pages(k_cache):
-        raise ValueError("Int8Pages come in the 'tokens_heads' layout only")
-    shape = k_cache.shape  # as [L, pages, page_size, kv_heads, head_dim]
-    if layout == "heads_tokens" and not latent:
-        shape = (*shape[:2], shape[3], shape[2], *shape[4:])
     if k_cache.ndim not in (4, 5):
         raise ValueError(
             f"k_cache must be [layers, num_pages, page_size, num_kv_heads, head_dim] (or a latent pool [layers, "
             f"num_pages, page_size, width]), got {k_cache.shape}"
         )
+    latent = k_cache.ndim == 4  # MLA's latent pool [layers, num_pages, page_size, width]: keys and values alike
     if latent and is_int8_pages(k_cache):
         raise ValueError("a latent pool of Int8Pages is not supported")
+    if layout == "heads_tokens" and is_int8_pages(k_cache):
+        raise ValueError("Int8Pages come in the 'tokens_heads' layout only")
+    shape = k_cache.shape  # as [L, pages, page_size, kv_heads, head_dim]
+    if layout == "heads_tokens" and not latent:
+        shape = (*shape[:2], shape[3], shape[2], *shape[4:])
     if not latent and (k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype):
         raise ValueError(
             f"k_cache and v_cache differ: {k_cache.shape} {k_cache.dtype} vs {v_cache.shape} {v_cache.dtype}"

@@ -33,11 +33,8 @@ def write_kv_ref(
     Returns:
       The updated (k_cache, v_cache).
     """
-    slot_mapping = write_slots(batch)
     heads_tokens = layout == "heads_tokens"
-    num_pages, page_size = k_cache.shape[1], k_cache.shape[3 if heads_tokens else 2]
-    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
-    offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
+    page, offset = _pages_and_offsets(batch, k_cache.shape[1], k_cache.shape[3 if heads_tokens else 2])
 
     def put(cache, rows):
         if is_int8_pages(cache):
@@ -55,8 +52,14 @@ def write_kv_ref(
 def write_latent_ref(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, batch: AttentionBatch) -> jax.Array:
     """Scatters the step's new latents rows [T, width] into one layer of a latent pool [L, num_pages, page_size,
     width] (multi-head latent attention: one row a token, no V) at ``batch.slot_mapping`` (negative: nothing)."""
-    slot_mapping = write_slots(batch)
-    num_pages, page_size = cache.shape[1:3]
-    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # out of range -> dropped
-    offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
+    page, offset = _pages_and_offsets(batch, *cache.shape[1:3])
     return cache.at[layer, page, offset].set(rows.astype(cache.dtype), mode="drop")
+
+
+def _pages_and_offsets(batch: AttentionBatch, num_pages: int, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """Each new row's (page, offset in the page) from ``batch.slot_mapping``; a negative slot's page is out of
+    range (``num_pages``), so a ``mode="drop"`` scatter writes nothing for it."""
+    slot_mapping = write_slots(batch)
+    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)
+    offset = jnp.where(slot_mapping >= 0, slot_mapping % page_size, 0)
+    return page, offset
