@@ -1,5 +1,5 @@
-"""``jaxserve serve`` as a process: it serves, and on SIGTERM stops accepting, finishes what it can within the
-grace period, aborts the rest (their streams end with ``finish_reason: "abort"``) and exits 0."""
+"""``jaxserve serve`` as a process: it serves, and on SIGTERM answers new requests and /health 503, finishes what it
+can within the grace period, aborts the rest (their streams end with ``finish_reason: "abort"``) and exits 0."""
 
 from __future__ import annotations
 
@@ -103,8 +103,7 @@ def test_serve_sigterm_drains_then_exits_zero(tmp_path):
         t_term = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        with pytest.raises(httpx.TransportError):  # no new connections once draining
-            httpx.get(url + "/health", timeout=2)
+        assert httpx.get(url + "/health", timeout=2).status_code == 503  # still listening while draining
         for t in threads:
             t.join(60)
         code = proc.wait(60)

@@ -1,6 +1,7 @@
 """Server reliability over a fake engine (fast): the event loop stays free while a 4 MB prompt is tokenized,
 the prompt-size limit, atomic batch admission, a failed engine step that fails only its own requests, the header
-deadline, duplicate Authorization headers, best_of, strict prompt types and seeds, and SIGINT's exit status."""
+deadline, duplicate Authorization headers, best_of, strict prompt types and seeds, SIGINT's exit status and the
+drain's 503s."""
 
 from __future__ import annotations
 
@@ -333,25 +334,71 @@ SERVE = textwrap.dedent("""
     from test_server_fake_engine import FakeEngine
     from jaxserve.server.app import build_app
     from jaxserve.server.launch import serve
-    sys.exit(serve(build_app(FakeEngine()), port=int(sys.argv[2]), log_level="warning", shutdown_timeout=1))
+    step_s = float(sys.argv[3]) if len(sys.argv) > 3 else 0.002
+    app = build_app(FakeEngine(step_s=step_s))
+    sys.exit(serve(app, port=int(sys.argv[2]), log_level="warning", shutdown_timeout=1))
 """)
+
+
+def _start(port: int, *args: str) -> subprocess.Popen:
+    """SERVE on ``port``, once /health answers 200."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE, str(TESTS), str(port), *args], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(proc.communicate()[1])
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
 
 
 @pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["SIGINT", "SIGTERM"])
 def test_exit_status_after_a_signal(sig, status):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(TESTS), str(port)], stderr=subprocess.PIPE, text=True)
+    proc = _start(port)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         proc.send_signal(sig)
         assert proc.wait(30) == status, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_draining_server_answers_health_503_until_its_streams_end():
+    """After SIGTERM the server keeps its port open while a stream drains: /health and new requests, on new
+    connections and on a keep-alive one opened before, are answered 503; the stream is aborted after the grace
+    (1 s) and ends cleanly, and only then does the process stop listening and exit 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start(port, "0.05")  # 20 tokens a second: 200 tokens outlast the grace
+    try:
+        with (
+            httpx.Client(base_url=url, timeout=10) as kept,
+            httpx.stream(
+                "POST", url + "/v1/completions", json={"prompt": "hi", "max_tokens": 200, "stream": True}, timeout=30
+            ) as r,
+        ):
+            assert kept.get("/health").status_code == 200  # the keep-alive connection, opened before the signal
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            health = httpx.get(url + "/health", timeout=5)
+            assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
+            assert kept.get("/health").status_code == 503
+            busy = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=5)
+            assert busy.status_code == 503 and int(busy.headers["retry-after"]) > 0
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(30) == 0, proc.stderr.read()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -52,9 +52,11 @@ class _HeaderDeadline(H11Protocol):
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server, which on SIGTERM (or Ctrl-C) stops accepting connections and admitting requests (503),
-    lets in-flight requests finish for ``grace`` seconds and aborts those still running (their streams end with
-    ``finish_reason: "abort"``). The signal is not re-raised: ``exit_status`` says how the process should end."""
+    """uvicorn's server, which on SIGTERM (or Ctrl-C) stops admitting requests, lets in-flight requests finish for
+    ``grace`` seconds and aborts those still running (their streams end with ``finish_reason: "abort"``). While
+    they drain it still accepts connections and answers them (new requests and ``/health``: 503), so load balancers
+    and clients see the drain; once none is left it stops listening. The signal is not re-raised: ``exit_status``
+    says how the process should end."""
 
     def __init__(self, config: uvicorn.Config, engine, grace: float):
         super().__init__(config)
@@ -69,6 +71,14 @@ class GracefulServer(uvicorn.Server):
             self.stop_signal = self.stop_signal or sig
             # uvicorn would re-raise it once stopped, where asyncio's own SIGINT handler swallows it (exit 0)
             self._captured_signals = [s for s in self._captured_signals if s != sig]
+
+    async def shutdown(self, sockets=None) -> None:
+        # uvicorn closes the listening sockets and idle connections first: wait for the drain before that (a second
+        # Ctrl-C, force_exit, cuts the wait short; the margin covers the aborted streams' last events)
+        deadline = time.monotonic() + self._grace + 5
+        while self._engine.num_in_flight and not self.force_exit and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await super().shutdown(sockets)
 
     @property
     def exit_status(self) -> int:
