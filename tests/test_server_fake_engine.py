@@ -135,6 +135,36 @@ def test_admission_limit_counts_waiting_requests():
         assert "jaxserve:request_rejected_total" in client.get("/metrics").text
 
 
+def test_every_turned_away_request_is_counted_by_status():
+    """``jaxserve:request_rejected_total`` counts each request answered with a refusal, by status, wherever it was
+    refused: the API key and body-size guard, body validation, the handlers' checks, admission (503)."""
+    app = build_app(FakeEngine(), api_key="k", max_body_bytes=2000, max_waiting=0)
+    auth = {"Authorization": "Bearer k"}
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    with TestClient(app) as client:
+        before = parse_metrics(client.get("/metrics").text)
+        answers = [
+            client.post("/v1/completions", json={"prompt": "hi"}),  # no key: 401
+            client.post("/v1/completions", headers=auth, json={"prompt": "x" * 3000}),  # 413
+            client.post("/v1/completions", headers={**auth, "Content-Type": "application/json"}, content=b"{"),  # 400
+            client.post("/v1/completions", headers=auth, json={"prompt": "hi", "frobnicate": 1}),  # unknown field
+            client.post("/v1/completions", headers=auth, json={"prompt": "hi", "max_tokens": 10_000}),  # context
+            client.post("/v1/completions", headers=auth, json={"prompt": "hi", "model": "other"}),  # 404
+            client.post("/v1/chat/completions", headers=auth, json=chat),  # max_waiting=0: 503
+            client.post("/tokenize", headers=auth, json={"prompt": "hi"}),  # served: 200
+            client.get("/v1/models", headers=auth),  # 200
+        ]
+        after = parse_metrics(client.get("/metrics").text)
+    statuses = [r.status_code for r in answers]
+    assert statuses == [401, 413, 400, 400, 400, 404, 503, 200, 200]
+    counted = {
+        int(k.split("|")[1]): v - before.get(k, 0.0)
+        for k, v in after.items()
+        if k.startswith("jaxserve:request_rejected_total|")
+    }
+    assert {s: n for s, n in counted.items() if n} == {401: 1, 413: 1, 400: 3, 404: 1, 503: 1}
+
+
 def test_vllm_metric_names_move_with_the_engine():
     """Routers written for vLLM read its names: each moves with the engine's real scheduler and page pool (8 pages
     of 4 tokens here, so two requests of 24 tokens preempt one another), with the value of its jaxserve twin."""

@@ -129,6 +129,28 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
+class _CountRejections:
+    """Pure ASGI, outermost: each request answered with a refusal (4xx but 499, a client that left; 503) is counted in
+    ``jaxserve:request_rejected_total`` by status, wherever it was refused: the guard (401, 413), validation and
+    the handlers (400, 404), admission (503). /health's 503 reports the server's state and is not counted."""
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if 400 <= status < 500 and status != 499 or status == 503:
+                    self.state.engine.metrics.rejected(status)
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def build_app(
     engine,
     *,
@@ -181,6 +203,7 @@ def build_app(
     app.state.tool_call_parser = tool_call_parser
     install_error_handlers(app)
     app.add_middleware(_Guard, state=state)
+    app.add_middleware(_CountRejections, state=state)  # added last: outside the guard, so its refusals count
     _add_routes(app, state)
     _tidy_openapi(app, bool(api_key), state.vocab_size)
     return app

@@ -204,7 +204,7 @@ class ServerMetrics:
         )
         self._rejected = Counter(
             "jaxserve:request_rejected",
-            "Requests turned away before the engine, by status.",
+            "Requests turned away (answered 4xx or 503 instead of served), by status.",
             ["model_name", "status"],
             registry=r,
         )

@@ -107,7 +107,6 @@ class ServerState:
         try:
             return await self.engine.add_requests(list(zip(ids, prompts)), params, priority, arrival)
         except ServerBusyError as e:
-            self.engine.metrics.rejected(503)
             raise APIError(503, str(e), code="server_busy", headers={"Retry-After": str(e.retry_after)}) from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead", headers={"Retry-After": "30"}) from e
