@@ -163,8 +163,11 @@ def _check_echo(choice: dict, ids: list[int], plp: list, tok) -> None:
         entry = plp[i]
         assert lp["token_logprobs"][i] == pytest.approx(entry[ids[i]].logprob, abs=LOGPROB_TOL)
         top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:ECHO_K]
-        want = {tok.decode([t], skip_special_tokens=False): x.logprob for t, x in top}
-        want.setdefault(tokens[i], entry[ids[i]].logprob)
+        want = {tokens[i]: entry[ids[i]].logprob}  # the chosen token keeps its text; alike ones go by id
+        for t, x in top:
+            if t != ids[i]:
+                text = tok.decode([t], skip_special_tokens=False)
+                want[f"token_id:{t}" if text in want else text] = x.logprob
         got = lp["top_logprobs"][i]
         assert set(got) == set(want), i
         assert all(got[s] == pytest.approx(want[s], abs=LOGPROB_TOL) for s in want), i

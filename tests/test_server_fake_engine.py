@@ -16,9 +16,10 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 from helpers import CharTokenizer, SchedulerEngine
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.server.app import below_pattern, build_app
 from jaxserve.server.metrics import parse_metrics
+from jaxserve.server.params import completion_logprobs
 
 VOCAB = 1000
 
@@ -211,6 +212,43 @@ def test_vllm_metric_names_move_with_the_engine():
         assert after[f"vllm:{name}"] == after[f"vllm:gpu_{name}"] == ours[f"jaxserve:{name}"], name
     for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count"):
         assert after[f"vllm:{name}"] == ours[f"jaxserve:{name}"], name
+
+
+class ByteTokensEngine(FakeEngine):
+    """FakeEngine whose every token comes with logprobs: token 7 chosen, and byte tokens 200..205, which each print
+    as U+FFFD alone (a piece of a UTF-8 character), as alternatives; token 205 ranks above the chosen one."""
+
+    LOGPROBS = {7: -0.5, 205: -0.25, 200: -1.0, 201: -2.0, 202: -3.0, 203: -4.0, 204: -5.0}
+
+    def step(self):
+        outs = super().step()
+        for out in outs:
+            c = out.outputs[0]
+            entry = {t: Logprob(lp, " t7" if t == 7 else "\ufffd") for t, lp in self.LOGPROBS.items()}
+            c.logprobs = [dict(entry) for _ in c.token_ids]
+        return outs
+
+
+def test_completion_top_logprobs_keep_tokens_that_print_alike():
+    """Legacy ``top_logprobs`` are keyed by token text: tokens that print alike (byte tokens, all U+FFFD) must not
+    collapse into one entry. The chosen token keeps its text; the others that collide are keyed ``token_id:N``
+    (vLLM's placeholder for a token by id)."""
+    with TestClient(build_app(ByteTokensEngine())) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 5})
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 5, "stream": True}
+        ) as sr:
+            streamed = [json.loads(e)["choices"][0]["logprobs"] for e in _events(sr)[:-1]]
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    want = {"\ufffd": -0.25, " t7": -0.5, "token_id:200": -1.0, "token_id:201": -2.0, "token_id:202": -3.0}
+    assert lp["tokens"] == [" t7", " t7"] and lp["top_logprobs"] == [want, want]
+    assert [list(top) for top in lp["top_logprobs"]] == [list(want)] * 2  # most likely first
+    assert [top for chunk in streamed for top in chunk["top_logprobs"]] == [want, want]
+    # a chosen token that prints like a likelier one keeps its text, so top_logprobs[i][tokens[i]] is its logprob
+    entry = {201: Logprob(-0.5, "\ufffd"), 200: Logprob(-1.0, "\ufffd"), 202: Logprob(-2.0, "\ufffd")}
+    lp = completion_logprobs([200], [entry], 2, 0)
+    assert lp["tokens"] == ["\ufffd"] and lp["top_logprobs"] == [{"token_id:201": -0.5, "\ufffd": -1.0}]
 
 
 def test_schema_bounds_token_ids_by_the_vocabulary():

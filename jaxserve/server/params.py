@@ -189,6 +189,30 @@ def _text(lp: Logprob | None) -> str:
     return (lp.decoded_token if lp is not None else None) or ""
 
 
+def token_id_key(token_id: int) -> str:
+    """vLLM's name of a token by its id (``token_id:N``, what its ``return_tokens_as_token_ids`` answers)."""
+    return f"token_id:{token_id}"
+
+
+def _top_by_text(tid: int, entry: dict[int, Logprob], k: int) -> dict[str, float]:
+    """The legacy ``top_logprobs`` of one position: the ``k`` likeliest tokens and the chosen one ``tid``, most
+    likely first, keyed by their text. Distinct tokens can print alike (byte tokens that are pieces of a UTF-8
+    character all print U+FFFD), and one key would hide the others: the chosen token keeps its text (so
+    ``top_logprobs[i][tokens[i]]`` is its logprob), then each other token its text unless taken, else
+    ``token_id:N``."""
+    listed = _top(entry, k)
+    if tid in entry and all(t != tid for t, _ in listed):
+        listed.append((tid, entry[tid]))  # the chosen token is always listed
+    keys = {tid: _text(entry[tid])} if tid in entry else {}
+    taken = set(keys.values())
+    for t, lp in listed:
+        if t not in keys:
+            text = _text(lp)
+            keys[t] = text if text not in taken else token_id_key(t)
+            taken.add(keys[t])
+    return {keys[t]: _lp(lp.logprob) for t, lp in listed}
+
+
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int, offset: int) -> dict:
     """/v1/completions ``logprobs`` of these tokens; ``offset`` is the text offset of the first one."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -197,10 +221,7 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
         tok = _text(chosen)
         tokens.append(tok)
         token_lps.append(_lp(chosen.logprob) if chosen is not None else None)
-        top = {_text(lp): _lp(lp.logprob) for _, lp in _top(entry, k)}
-        if chosen is not None:
-            top.setdefault(tok, _lp(chosen.logprob))  # the chosen token is always listed
-        tops.append(top)
+        tops.append(_top_by_text(tid, entry, k))
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
