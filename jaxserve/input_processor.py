@@ -140,7 +140,10 @@ class InputProcessor:
         """(text or None, token ids) of a prompt: a string, or token ids as a list, tuple or 1-D int array (their
         values are checked by ``check_prompt``)."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except ValueError as e:  # not valid Unicode
+                raise ValueError(f"{where}: the prompt is {str(e).removeprefix('the text is ')}") from None
         elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
             ids = prompt.tolist()
         elif isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):

@@ -38,6 +38,16 @@ _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a 
 _RELEASE_GIL_FROM = 16 * 1024
 
 
+def check_unicode(text: str) -> None:
+    """Raises ValueError if ``text`` has no UTF-8 encoding (a lone surrogate), naming the character and where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"the text is not valid Unicode: {e.reason} (a lone surrogate {text[e.start]!r} at character {e.start})"
+        ) from None
+
+
 class Tokenizer:
     """Text <-> token ids for one model, with its special tokens and chat template.
 
@@ -120,11 +130,18 @@ class Tokenizer:
         Args:
             text: the text.
             add_special_tokens: add BOS/EOS as this tokenizer's config says (SmolLM2's GGUF adds none).
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (a lone surrogate, such as JSON's "\\ud800"), naming it.
         """
-        if len(text) < _RELEASE_GIL_FROM:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)  # fast: no offsets
-        return batch([text], add_special_tokens=add_special_tokens)[0].ids
+        try:
+            if len(text) < _RELEASE_GIL_FROM:
+                return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)  # fast: no offsets
+            return batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:  # the tokenizers library's word for a str that is no UTF-8: checked only then
+            check_unicode(text)
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; special tokens are left out unless ``skip_special_tokens`` is False."""

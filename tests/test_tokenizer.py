@@ -645,3 +645,23 @@ def test_missing_chat_template(spm_models):
     ours = load_tokenizer(spm_models["bpe"])  # a bare .model carries no template
     with pytest.raises(ValueError, match="no chat template"):
         ours.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("text", ["\ud800", "a \udfff b", "x" * 20_000 + "\ud83d"])  # the last: the long-text path
+def test_text_that_is_not_unicode_is_a_value_error(text):
+    """A lone surrogate (JSON can carry "\\ud800", Python strings too) is no text a tokenizer can read: a ValueError
+    naming it and where it is, from encode, the chat template and a request's prompt, not the tokenizers library's
+    TypeError."""
+    from jaxserve.defaults import default_model_path
+    from jaxserve.input_processor import InputProcessor
+
+    tok = load_tokenizer(default_model_path())
+    at = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    named = rf"not valid Unicode: surrogates not allowed \(a lone surrogate '\\u{ord(text[at]):x}' at character {at}\)"
+    with pytest.raises(ValueError, match=named):
+        tok.encode(text)
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+    processor = InputProcessor(tok, tok.vocab_size, 64, 8, None, tok.eos_token_ids)
+    with pytest.raises(ValueError, match="^request 'r': the prompt is " + named):
+        processor.prompt_ids("request 'r'", text)
