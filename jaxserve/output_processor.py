@@ -74,6 +74,8 @@ class OutputProcessor:
         seq.cumulative_logprob += tok.logprob
         stopped_by_token = finished_before and req.finish_reason == "stop"
         if stopped_by_token:
+            if seq.matcher is not None:
+                seq.matcher.check()  # a grammar past llguidance's limits allows only the end: not a finished output
             seq.stop_reason = tok.token_id if tok.token_id in (params.stop_token_ids or ()) else None
             return False  # the stop token's text is not part of the output
         ended = False

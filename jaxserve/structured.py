@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -27,9 +28,26 @@ from jaxserve.sampling_params import StructuredOutputsParams
 MAX_CACHED_GRAMMARS = 512
 
 
+# llguidance's words when a grammar outgrows one of its limits (``LLParserLimits``: items in a parser row, the lexer's
+# fuel and states, the grammar's size), rather than being wrong or asking for text the vocabulary cannot spell.
+_LIMIT_ERROR = re.compile(r"too many |max is \d|fuel|too large|precomputation failed|stack level exceeded", re.I)
+
+
 class ConstraintUnsatisfiable(ValueError):
-    """A grammar asks for text the model's vocabulary cannot produce (e.g. a character whose UTF-8 bytes no token
-    holds): the request is at fault, not the engine (the server answers 400)."""
+    """A constraint that cannot be followed through the request's fault, not the engine's (the server answers 400):
+    it asks for text the model's vocabulary cannot produce (e.g. a character whose UTF-8 bytes no token holds), or
+    its grammar is too large for llguidance's limits."""
+
+
+def too_large(kind: str, error: str) -> str | None:
+    """The message for llguidance's ``error`` when it means the grammar outgrew a size limit; None otherwise."""
+    if not _LIMIT_ERROR.search(error):
+        return None
+    first = error.strip().splitlines()[0]
+    return (
+        f"structured_outputs.{kind} is too large: its grammar exceeds a size limit of the grammar engine "
+        f"(llguidance: {first}); make it smaller (fewer choices, shorter repetitions)"
+    )
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -145,7 +163,9 @@ class StructuredOutputs:
         t0 = time.perf_counter()
         matcher = _llguidance().LLMatcher(self._tokenizer, text, log_level=0)  # releases the GIL while it builds
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{so.kind} cannot be compiled: {matcher.get_error().strip()}")
+            error = matcher.get_error()
+            raise ValueError(too_large(so.kind, error) or f"structured_outputs.{so.kind} cannot be compiled: {error}")
+        self._check_start(matcher, so.kind)
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0
@@ -153,6 +173,19 @@ class StructuredOutputs:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return matcher
+
+    def _check_start(self, matcher, kind: str) -> None:
+        """Computes the first mask on a copy of a new grammar: one that outgrows llguidance's limits there is refused
+        now rather than ending a request empty."""
+        probe = matcher.deep_copy()
+        row = np.zeros(bitmask_width(self.vocab_size), np.int32)
+        probe.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if not probe.is_error():
+            return
+        error = probe.get_error()
+        message = too_large(kind, error)
+        if message is not None:
+            raise ValueError(message)
 
     def matchers(self, so: StructuredOutputsParams, n: int = 1) -> list[Matcher]:
         """Fresh matchers for ``n`` sequences, from one compile (raises ValueError as ``compile``)."""
@@ -187,13 +220,15 @@ class Matcher:
         """Consumes a sampled token.
 
         Raises:
-            ConstraintUnsatisfiable: the grammar rejects a token its own mask allowed: llguidance's mask lets
-                through the nearest token when the text the grammar forces next has bytes no token produces.
+            ConstraintUnsatisfiable: the grammar has outgrown llguidance's limits (the message says it is too
+                large), or it rejects a token its own mask allowed: llguidance's mask lets through the nearest token
+                when the text the grammar forces next has bytes no token produces.
             RuntimeError: the grammar rejects a token its mask did not allow (a bug: the sampler ignored the mask);
                 the message carries llguidance's reason.
         """
         if self.inner.consume_token(token_id) and not self.inner.is_error():
             return
+        self.check()
         reason = self.inner.get_error().strip().splitlines()[0] if self.inner.get_error() else "rejected"
         mask = self.mask
         if mask is not None and 0 <= token_id < 32 * mask.size and (int(mask[token_id // 32]) >> (token_id % 32)) & 1:
@@ -202,6 +237,14 @@ class Matcher:
                 f"model's vocabulary has no tokens for ({reason})"
             )
         raise RuntimeError(f"the {self.kind} constraint rejected token {token_id}: {self.inner.get_error()}")
+
+    def check(self) -> None:
+        """Raises ConstraintUnsatisfiable if the grammar has outgrown llguidance's limits (its mask then allows
+        only the end, or lets a token through that it then rejects): the constraint is too large, not the output
+        complete."""
+        message = too_large(self.kind, self.inner.get_error() or "") if self.inner.is_error() else None
+        if message is not None:
+            raise ConstraintUnsatisfiable(message)
 
     @property
     def done(self) -> bool:

@@ -326,6 +326,19 @@ def test_responses_text_format_json_schema(served):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
 
 
+# ---------------------------------------------------------------------------------------------------- constraints
+def test_grammars_past_llguidance_limits_are_a_400_naming_the_size_limit(served):
+    """A choice of 10,000 items and the regex ``a{1000000}`` outgrow llguidance's limits (items in a parser row,
+    the lexer's budget): the 400 says the grammar is too large, not that the vocabulary lacks tokens."""
+    body = {"model": served.model, "prompt": "Hi", "max_tokens": 4}
+    for constraint in ({"choice": [f"item{i}" for i in range(10_000)]}, {"regex": "a{1000000}"}):
+        r = served.post("/v1/completions", {**body, "structured_outputs": constraint})
+        assert r.status_code == 400, (list(constraint), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert "too large" in message and "limit" in message and "vocabulary" not in message, message
+        assert r.json()["error"]["param"].startswith("structured_outputs")
+
+
 # ---------------------------------------------------------------------------------------------------- fields
 def test_unimplemented_fields_are_refused(served):
     """A field that would change the output and is not implemented: 400 naming it (nested ones by their path),
