@@ -30,6 +30,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import registry
 
 MESH_AXES = ("stage", "data", "model")
 
@@ -104,10 +105,12 @@ def check_pipeline(cfg: ModelConfig, pipeline_parallel_size: int, dtype: str | N
             f"pipeline_parallel_size={pp} must divide the model's {cfg.num_layers} layers: uneven stages are "
             "planned (jaxserve plan) but not served yet"
         )
-    if any(layers not in (None, ()) for layers in block_layers(cfg)):
+    dense, moe = block_layers(cfg)
+    if dense not in (None, ()) and moe not in (None, ()):
+        settings = ", ".join(registry.family(cfg.architecture).hf_dense_layer_settings) or "moe_layers"
         raise ValueError(
-            "pipeline_parallel_size > 1 does not serve a model whose dense and MoE layers are stacked apart "
-            "(mlp_only_layers, decoder_sparse_step) yet"
+            "pipeline_parallel_size > 1 does not serve a model whose dense and MoE layers are stacked apart yet "
+            f"({cfg.architecture}'s {settings}: dense layers {list(dense)})"
         )
 
 

@@ -56,6 +56,8 @@ class Family:
             layout, for tensors a rename cannot express (gpt-oss's interleaved gate / up stack); after the renames.
         hf_mtp_layers: the checkpoint's layers past ``num_hidden_layers`` are multi-token-prediction modules
             (DeepSeek-V3's ``num_nextn_predict_layers``), skipped on load and named in the log.
+        hf_dense_layer_settings: the ``config.json`` settings that keep some layers of a MoE model dense
+            (``ModelConfig.moe_layers``), named where such a model is refused.
     """
 
     name: str
@@ -73,6 +75,7 @@ class Family:
     hf_renames: tuple[tuple[str, str], ...] = ()
     hf_fixup: Callable[[str, Any], list[tuple[str, Any]]] | None = None
     hf_mtp_layers: bool = False
+    hf_dense_layer_settings: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "flags", MappingProxyType(dict(self.flags)))
@@ -424,6 +427,7 @@ FAMILIES: tuple[Family, ...] = (
         flags={"qk_norm": True},
         hf_defaults={"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False},
         hf_fields=_qwen3_moe_hf,
+        hf_dense_layer_settings=("mlp_only_layers", "decoder_sparse_step"),
         gguf_architecture="qwen3moe",
         gguf_fields=_qwen3_moe_gguf,
     ),
@@ -447,6 +451,7 @@ FAMILIES: tuple[Family, ...] = (
         hf_defaults={"first_k_dense_replace": 0, "n_shared_experts": 2, "topk_method": "greedy", "q_lora_rank": 1536},
         hf_fields=_deepseek_v2_hf,
         hf_mtp_layers=True,
+        hf_dense_layer_settings=("first_k_dense_replace",),
     ),
     Family(
         "deepseek_v3",
@@ -454,6 +459,7 @@ FAMILIES: tuple[Family, ...] = (
         hf_defaults={"first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True, "q_lora_rank": 1536},
         hf_fields=_deepseek_v3_hf,
         hf_mtp_layers=True,
+        hf_dense_layer_settings=("first_k_dense_replace",),
     ),
 )
 
