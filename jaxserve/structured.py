@@ -18,6 +18,7 @@ import json
 import re
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -35,8 +36,9 @@ _LIMIT_ERROR = re.compile(r"too many |max is \d|fuel|too large|precomputation fa
 
 class ConstraintUnsatisfiable(ValueError):
     """A constraint that cannot be followed through the request's fault, not the engine's (the server answers 400):
-    it asks for text the model's vocabulary cannot produce (e.g. a character whose UTF-8 bytes no token holds), or
-    its grammar is too large for llguidance's limits."""
+    it asks for text the model's vocabulary cannot produce (e.g. a character whose UTF-8 bytes no token holds), its
+    grammar is too large for llguidance's limits, or no finite output satisfies it (a JSON schema's ``$ref`` that
+    refers back to itself with no way out)."""
 
 
 def too_large(kind: str, error: str) -> str | None:
@@ -48,6 +50,76 @@ def too_large(kind: str, error: str) -> str | None:
         f"structured_outputs.{kind} is too large: its grammar exceeds a size limit of the grammar engine "
         f"(llguidance: {first}); make it smaller (fewer choices, shorter repetitions)"
     )
+
+
+def _resolve(root, ref: str):
+    """The node a local JSON pointer ``ref`` (``#``, ``#/$defs/a``) names in ``root``; None if it names none."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def endless_refs(schema) -> list[str]:
+    """The local ``$ref``s no finite JSON value satisfies, when the schema is one of them ([] when some value is
+    valid, as far as references go): ``{"$ref": "#"}``, a definition that is only a reference to itself (or to
+    one that refers back), an object that requires a property of its own type. Finds the references that some
+    finite value satisfies (a least fixed point: none at first, then those whose target allows a value given the
+    others); ``anyOf`` / ``oneOf`` need one member, ``allOf`` all, an object its required properties, an array its
+    first ``minItems`` items. Everything else is taken to allow a value."""
+    if not isinstance(schema, dict):
+        return []
+    finite: dict[str, bool] = {}
+
+    def members(node: dict, key: str) -> list:
+        value = node.get(key)
+        return value if isinstance(value, list) else []
+
+    def ok(node) -> bool:
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            return True
+        ref = node.get("$ref")
+        if isinstance(ref, str) and _resolve(schema, ref) is not None and not finite.setdefault(ref, False):
+            return False
+        if not all(ok(m) for m in members(node, "allOf")):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if members(node, key) and not any(ok(m) for m in members(node, key)):
+                return False
+        kind = node.get("type")
+        if kind in ("object", ["object"]):
+            props = node.get("properties")
+            props = props if isinstance(props, dict) else {}
+            return all(ok(props[p]) for p in members(node, "required") if isinstance(p, str) and p in props)
+        if kind in ("array", ["array"]):
+            n = node.get("minItems")
+            n = n if isinstance(n, int) else 0
+            prefix = members(node, "prefixItems")
+            if not all(ok(m) for m in prefix[:n]):
+                return False
+            if n > len(prefix) and "items" in node and not ok(node["items"]):
+                return False
+        return True
+
+    while not ok(schema):
+        grew = [r for r, f in list(finite.items()) if not f and ok(_resolve(schema, r))]
+        if not grew:
+            return [r for r, f in finite.items() if not f]
+        for r in grew:
+            finite[r] = True
+    return []
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -110,6 +182,12 @@ class StructuredOutputs:
                 schema = json.loads(so.json) if kind == "json" else {"type": "object"}
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+                endless = endless_refs(schema)
+                if endless:
+                    raise ConstraintUnsatisfiable(
+                        f"structured_outputs.json has no valid value: its $ref {', '.join(map(repr, endless))} "
+                        "refers back to itself with no way out, so no finite JSON value satisfies the schema"
+                    )
                 separators = (
                     {"item_separator": ",", "key_separator": ":"}
                     if so.disable_any_whitespace
@@ -175,8 +253,8 @@ class StructuredOutputs:
         return matcher
 
     def _check_start(self, matcher, kind: str) -> None:
-        """Computes the first mask on a copy of a new grammar: one that outgrows llguidance's limits there is refused
-        now rather than ending a request empty."""
+        """Computes the first mask on a copy of a new grammar: one that outgrows llguidance's limits there, or a
+        JSON grammar that allows no value (only the end), is refused now rather than ending a request empty."""
         probe = matcher.deep_copy()
         row = np.zeros(bitmask_width(self.vocab_size), np.int32)
         probe.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
@@ -186,6 +264,12 @@ class StructuredOutputs:
         message = too_large(kind, error)
         if message is not None:
             raise ValueError(message)
+        if kind in ("json", "json_object"):
+            first = error.strip().splitlines()[0]
+            raise ConstraintUnsatisfiable(
+                f"structured_outputs.{kind} has no valid value: no JSON value satisfies the schema (llguidance: "
+                f"{first})"
+            )
 
     def matchers(self, so: StructuredOutputsParams, n: int = 1) -> list[Matcher]:
         """Fresh matchers for ``n`` sequences, from one compile (raises ValueError as ``compile``)."""

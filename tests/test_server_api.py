@@ -339,6 +339,30 @@ def test_grammars_past_llguidance_limits_are_a_400_naming_the_size_limit(served)
         assert r.json()["error"]["param"].startswith("structured_outputs")
 
 
+SELF_REFS = [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+]
+
+
+def test_a_schema_whose_ref_refers_to_itself_is_a_400(served):
+    """A ``$ref`` that only points back to itself admits no JSON value (it used to be served as empty content with
+    finish ``stop``): 400 naming the $ref, in the field the schema came in."""
+    for schema in SELF_REFS:
+        body = {
+            "model": served.model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        }
+        r = served.post("/v1/chat/completions", body)
+        assert r.status_code == 400, (schema, r.text[:300])
+        error = r.json()["error"]
+        assert error["param"] == "response_format.json_schema.schema", error
+        assert "$ref" in error["message"] and "itself" in error["message"], error
+
+
 # ---------------------------------------------------------------------------------------------------- fields
 def test_unimplemented_fields_are_refused(served):
     """A field that would change the output and is not implemented: 400 naming it (nested ones by their path),

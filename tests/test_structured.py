@@ -16,6 +16,7 @@ from helpers import SMALL_POOL_ENGINE
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling import SamplingMetadata, sample
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.structured import ConstraintUnsatisfiable, StructuredOutputs, endless_refs
 
 jsonschema = pytest.importorskip("jsonschema")
 llg_numpy = pytest.importorskip("llguidance.numpy")
@@ -232,6 +233,60 @@ def test_params_validation():
         SamplingParams(structured_outputs={"jsn": {}})
     so = SamplingParams(structured_outputs={"json": {"b": 1, "a": 2}}).structured_outputs
     assert so.kind == "json" and list(json.loads(so.json)) == ["b", "a"]  # property order is output order
+
+
+NODE = {"type": "object", "properties": {"v": {"type": "integer"}, "child": {"$ref": "#/$defs/node"}}}
+ENDLESS = [  # (schema, its $refs that no finite value satisfies)
+    ({"$ref": "#"}, ["#"]),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, ["#/$defs/a"]),
+    (
+        {
+            "definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"allOf": [{"$ref": "#/definitions/a"}]}},
+            "$ref": "#/definitions/a",
+        },
+        ["#/definitions/a", "#/definitions/b"],
+    ),
+    ({"$defs": {"node": {**NODE, "required": ["child"]}}, "$ref": "#/$defs/node"}, ["#/$defs/node"]),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, ["#"]),
+]
+WAY_OUT = [  # (schema, a finite value valid under it)
+    ({"$defs": {"node": NODE}, "$ref": "#/$defs/node"}, {"v": 1, "child": {"v": 2}}),
+    (
+        {
+            "$defs": {
+                "node": {
+                    **NODE,
+                    "properties": {"child": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                    "required": ["child"],
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
+        {"child": {"child": None}},
+    ),
+    ({"type": "array", "items": {"$ref": "#"}}, [[], [[]]]),
+    ({"$defs": {"unused": {"$ref": "#/$defs/unused"}}, "type": "integer"}, 3),
+    ({"$ref": "https://example.com/schema.json"}, None),  # not local: left to llguidance
+]
+
+
+@pytest.mark.parametrize("schema, refs", ENDLESS)
+def test_refs_with_no_way_out_are_found(schema, refs):
+    assert sorted(endless_refs(schema)) == refs
+    with pytest.raises(ConstraintUnsatisfiable, match=r"structured_outputs\.json .*\$ref .*itself"):
+        StructuredOutputs("", 100, [0]).grammar_text(StructuredOutputsParams(json=json.dumps(schema)))
+    if "required" in json.dumps(schema) or "minItems" in schema:  # finite candidates, each invalid (jsonschema)
+        nested = [{}, []]
+        for _ in range(4):
+            nested += [{"child": nested[-2]}, [nested[-1]]]
+        assert not any(jsonschema.Draft202012Validator(schema).is_valid(x) for x in nested)
+
+
+@pytest.mark.parametrize("schema, value", WAY_OUT)
+def test_recursive_schemas_with_a_way_out_are_kept(schema, value):
+    assert endless_refs(schema) == []
+    if value is not None:
+        jsonschema.validate(value, schema)  # a finite value is valid: refusing the schema would be wrong
 
 
 @pytest.mark.slow
