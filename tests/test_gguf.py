@@ -243,6 +243,31 @@ def test_unsupported_tensor_type_and_unknown_tensor(tmp_path):
         next(ckpt.iter_hf_tensors())
 
 
+def test_missing_tensor_is_named_as_the_file_names_it(tmp_path):
+    """A GGUF file without one of its tensors: the error names llama.cpp's name for it (and HF's), not only
+    jaxserve's parameter."""
+    from jaxserve.loading import load_model
+
+    path = tmp_path / "holed.gguf"
+    w = _tiny_llama_writer(path)
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    for name, shape in {"attn_norm": (32,), "ffn_norm": (32,), "attn_q": (32, 32), "attn_v": (32, 32)}.items():
+        w.add_tensor(f"blk.0.{name}.weight", np.zeros(shape, np.float32))
+    for name, shape in {
+        "attn_output": (32, 32),
+        "ffn_gate": (64, 32),
+        "ffn_up": (64, 32),
+        "ffn_down": (32, 64),
+    }.items():
+        w.add_tensor(f"blk.0.{name}.weight", np.zeros(shape, np.float32))
+    _finish(w)  # no blk.0.attn_k.weight
+    with pytest.raises(
+        ValueError,
+        match=r"missing tensor 'blk\.0\.attn_k\.weight' \(HF model\.layers\.0\.self_attn\.k_proj\.weight; weight 'wk' of layer 0, shape \(32, 32\)\)$",
+    ):
+        load_model(path)
+
+
 def test_rope_freqs_that_are_not_llama3(tmp_path):
     path = tmp_path / "rope.gguf"
     w = _tiny_llama_writer(path)

@@ -651,8 +651,14 @@ def test_wrong_shape_names_tensor_and_both_shapes(tmp_path, case, tensor, rows, 
 
 
 def test_missing_tensor_is_named(tmp_path):
+    """By the checkpoint's own name for it (and its HF shape), not only by jaxserve's parameter."""
     _hf_model("llama", tmp_path)
     cfg = read_config(tmp_path)
-    tensors = [(n, a) for n, a in iter_hf_dir(tmp_path) if "layers.2.mlp.up_proj" not in n]
-    with pytest.raises(ValueError, match=r"missing weight 'w_up' \(layers \[2\]\)"):
+    names = ("layers.2.mlp.up_proj", "layers.1.self_attn.k_proj")
+    tensors = [(n, a) for n, a in iter_hf_dir(tmp_path) if not any(x in n for x in names)]
+    with pytest.raises(ValueError, match=r"missing 2 tensors 'model\.layers\.1\.self_attn\.k_proj\.weight' \(") as e:
         params_from_hf_tensors(cfg, tensors)
+    shapes = {n: tuple(a.shape) for n, a in iter_hf_dir(tmp_path)}
+    k, up = "model.layers.1.self_attn.k_proj.weight", "model.layers.2.mlp.up_proj.weight"
+    assert f"'{k}' (weight 'wk' of layer 1, shape {shapes[k]})" in str(e.value), str(e.value)
+    assert f"'{up}' (weight 'w_up' of layer 2, shape {shapes[up]})" in str(e.value), str(e.value)

@@ -89,6 +89,7 @@ def load_model(
             dtype,
             total=len(ckpt.tensors),
             shardings=shardings and shardings(cfg),
+            gguf=True,
         )
         return LoadedModel(path.stem, cfg, params, path)
     if keep_quantized:

@@ -133,15 +133,18 @@ def params_from_hf_tensors(
     dtype: str = "float32",
     total: int | None = None,
     shardings: dict | None = None,
+    gguf: bool = False,
 ) -> dict[str, np.ndarray]:
     """Streams HF-named tensors into stacked host arrays of ``dtype``.
 
     With ``shardings`` ({name: Sharding}) each tensor goes straight to its devices instead, each device
     receiving its part, and is written into its stacked device array in place: the host holds one tensor at a
-    time, not the model, and the result is device arrays.
+    time, not the model, and the result is device arrays. ``gguf``: the tensors come from a GGUF file (a missing
+    one is named as llama.cpp names it, and as HF does).
 
     Raises:
-        ValueError: an unexpected tensor, a tensor of the wrong shape (naming both shapes), or a missing one.
+        ValueError: an unexpected tensor, a tensor of the wrong shape (naming both shapes), or missing ones (named
+            as the checkpoint names them).
     """
     np_dtype = _NP_DTYPES[dtype]
     schema = param_schema(cfg)
@@ -203,13 +206,17 @@ def params_from_hf_tensors(
         raise ValueError(
             f"checkpoint is missing expert(s) {missing[:8]} of weight {name!r} in layer {_model_layer(schema[name], layer)}"
         )
-    for name, shape in shapes.items():
-        spec = schema[name]
+    missing = []
+    for name, spec in schema.items():
         want = set(range(spec.num_stacked)) if spec.per_layer else {None}
-        missing = want - filled[name]
-        if missing:
-            where = "" if missing == {None} else f" (layers {[_model_layer(spec, i) for i in sorted(missing)[:8]]})"
-            raise ValueError(f"checkpoint is missing weight {name!r}{where}, shape {shape}")
+        missing += [
+            _missing_tensor(family, name, spec, i, gguf)
+            for i in sorted(want - filled[name], key=lambda i: -1 if i is None else i)
+        ]
+    missing = list(dict.fromkeys(missing))  # a fused tensor once, not once per parameter it holds
+    if missing:
+        more = f", and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint is missing {_plural(len(missing), 'tensor')} {', '.join(missing[:8])}{more}")
     out = params if shardings is None else params.arrays
     for name, layers in quantized.items():
         if len(filled[name]) != len(layers):
@@ -223,6 +230,36 @@ def params_from_hf_tensors(
 def _model_layer(spec: ParamSpec, index: int) -> int:
     """The model layer of a stack's entry."""
     return index if spec.layers is None else spec.layers[index]
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else f"{n} {word}s"
+
+
+def _missing_tensor(family, name: str, spec: ParamSpec, index: int | None, gguf: bool) -> str:
+    """A missing tensor as the checkpoint names it (a GGUF file's name and HF's, or HF's; per-expert tensors with
+    ``*`` for the expert; a fused tensor's name where the family stores the parameter fused), then the parameter,
+    its layer and the tensor's shape as the checkpoint stores it."""
+    layer = None if index is None else _model_layer(spec, index)
+    fused = next((f for f, parts in family.hf_fused.items() if spec.hf in parts), None)
+    hf = (fused or spec.hf or name).replace("{e}", "*")
+    hf = hf if layer is None else f"model.layers.{layer}.{hf}"
+    text, about = repr(hf), []
+    if gguf:
+        stored = next((g for g, f in family.gguf_fused.items() if f == fused), None) if fused else spec.gguf
+        if stored:
+            text, about = repr(stored if layer is None else f"blk.{layer}.{stored}"), [f"HF {hf}"]
+    shape = spec.shape[1:] if spec.per_layer else spec.shape
+    if spec.per_layer and "experts" in spec.axes and not gguf and "{e}" in (spec.hf or ""):
+        shape = shape[1:]  # one expert's tensor
+    if spec.transposed and len(shape) >= 2:
+        shape = (*shape[:-2], shape[-1], shape[-2])
+    of = "" if layer is None else f" of layer {layer}"
+    if fused:  # one entry for all its parts
+        about.append(f"{' + '.join(family.hf_fused[fused])} fused{of}")
+    else:
+        about.append(f"weight {name!r}{of}, shape {tuple(shape)}")
+    return f"{text} ({'; '.join(about)})"
 
 
 def _quantized_parts(q, transpose: bool) -> dict:
