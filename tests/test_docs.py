@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import DEFAULT_ENGINE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -196,6 +197,30 @@ def test_benchmark_tables_are_recorded_in_results():
     assert len(rows) > 40
     stale = [row for row in rows if row not in results]
     assert not stale, f"rows of docs/benchmarks.md not in bench/RESULTS.md (copy the latest tables): {stale[:3]}"
+
+
+def test_parallelism_split_says_what_the_engine_serves():
+    """docs/parallelism.md's "The split" gives an example split (L layers over S stages): jaxserve plan's stage sizes
+    as written, and, where the engine refuses it, the engine's own error quoted word for word."""
+    from jaxserve import LLM
+    from jaxserve.pipeline import stage_layers
+
+    (para,) = [
+        p for p in (ROOT / "docs" / "parallelism.md").read_text().split("\n\n") if p.startswith("**The split.**")
+    ]
+    para = " ".join(para.split())
+    layers, stages, sizes = re.search(r"(\d+) layers over (\d+) stages: ([\d, ]+\d)", para).groups()
+    layers, stages = int(layers), int(stages)
+    assert [len(r) for r in stage_layers(layers, stages)] == [int(n) for n in sizes.split(", ")], para
+    assert layers == 30, "the example is the default model's 30 layers"
+    try:
+        LLM(pipeline_parallel_size=stages, **DEFAULT_ENGINE)  # the weights are not read: refused before, or not at all
+    except ValueError as e:
+        assert f"`{e}`" in para, (
+            f"the engine refuses {layers} layers over {stages} stages with:\n{e}\nnot quoted in:\n{para}"
+        )
+    else:
+        pytest.fail(f"{layers} layers over {stages} stages were served; expected the doc's refusal")
 
 
 # ---------------------------------------------------------------------------------------------------- running them
