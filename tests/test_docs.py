@@ -295,11 +295,26 @@ def test_runnable_bash_block(block):
 PY_FILES = sorted({b.path for b in BLOCKS if b.lang == "python" and b.tags == ("runnable",)})
 
 
+# Run after a block that constrains ``out`` to the JSON schema ``schema``: the output must be complete JSON that an
+# independent validator (jsonschema) accepts, not text cut by max_tokens.
+JSON_SCHEMA_EXAMPLE = 'structured_outputs={"json": schema}'
+JSON_SCHEMA_CHECK = """
+import json as _json, jsonschema as _jsonschema
+_done = out[0].outputs[0]
+assert _done.finish_reason == "stop", f"the JSON-schema example ended by {_done.finish_reason}: {_done.text!r}"
+_jsonschema.validate(_json.loads(_done.text), schema)
+print("JSON-schema example: valid", _done.text)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PY_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_runnable_python_blocks(path):
     blocks = [b for b in _blocks(path) if b.lang == "python" and b.tags == ("runnable",)]
-    _run([sys.executable, "-c", "\n".join(b.text for b in blocks)], blocks[0])
+    texts = [t for b in blocks for t in (b.text, JSON_SCHEMA_CHECK if JSON_SCHEMA_EXAMPLE in b.text else "")]
+    assert path != README or JSON_SCHEMA_CHECK in texts, f"README's JSON-schema example ({JSON_SCHEMA_EXAMPLE}) is gone"
+    out = _run([sys.executable, "-c", "\n".join(texts)], blocks[0]).stdout
+    assert out.count("JSON-schema example: valid") == texts.count(JSON_SCHEMA_CHECK)
 
 
 def _free_port() -> int:
