@@ -73,18 +73,6 @@ inline V16 LoadFp8x16(const F8* p) {
 inline V16 LoadKV16(const E4M3* p) { return LoadFp8x16(p); }
 inline V16 LoadKV16(const E5M2* p) { return LoadFp8x16(p); }
 
-// int8 K/V elements (Int8Pages pools): converted to float32 16 at a time; WidenScaled then multiplies each row by
-// its scale. The sign extension goes int8 -> int16 -> int32 one step at a time: GCC 12 turns a direct int8 -> int32
-// (or -> float) conversion of the vector into 16 scalar ones (decode attention then took 2.4x bfloat16's time; this
-// way about the same).
-
-inline V16 LoadKV16(const int8_t* p) {
-  const I8x16 b = *reinterpret_cast<const I8x16*>(p);
-  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, I16x16), I32x16), V16);
-}
-
-inline float ToFloat(int8_t x) { return static_cast<float>(x); }
-
 typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
 
 // Merge<W>(x, y): x and y each hold 16 / W keys' partial sums in groups of W lanes; returns x's then y's keys, W / 2
