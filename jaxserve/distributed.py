@@ -12,8 +12,10 @@ that never come). Every process runs a watchdog thread blocked on that key; when
 the message and exits non-zero too, wherever its main thread is stuck (a collective, a key-value wait). Process 0,
 which hosts the coordination service, leaves last: it waits (a few seconds at most) until the others have read
 the message, so that every log names the cause. A process
-killed outright (SIGKILL, a lost host) posts nothing: the coordination service's heartbeat check ends the others
-within ``heartbeat_timeout``, and a follower that loses process 0 exits non-zero (``FollowerLost``).
+killed outright (SIGKILL, a lost host) posts nothing: every follower counts a heartbeat of its own under a key, and
+process 0 ends the group when one has not moved for ``heartbeat_timeout`` (exit status ``PROCESS_LOST_EXIT``); a
+follower whose process 0 stops answering ends itself the same way, and one that loses process 0's connections
+exits at once. jax's own heartbeat check, which would abort every process (SIGABRT), is the backstop.
 SIGTERM and SIGINT end the group the same way, except on process 0 while it serves HTTP: there the server drains
 its requests first, then releases the followers, and every process exits 0.
 
@@ -31,6 +33,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import zlib
 
 import jax
@@ -39,6 +42,9 @@ logger = logging.getLogger("jaxserve.distributed")
 
 _ACK_EVERY = 16
 DEFAULT_HEARTBEAT_TIMEOUT_S = int(os.environ.get("JAXSERVE_HEARTBEAT_TIMEOUT_S", 20))
+# Process 0's exit status when it finds another process lost (no heartbeat for the timeout: killed, hung or
+# unreachable); docs/parallelism.md.
+PROCESS_LOST_EXIT = 3
 
 
 class FollowerLost(RuntimeError):
@@ -58,7 +64,7 @@ def initialize(
     group itself (Cloud TPU VMs of a multi-host slice, SLURM, ...). On the CPU, collectives go over gloo.
 
     ``heartbeat_timeout_s`` (default: $JAXSERVE_HEARTBEAT_TIMEOUT_S, else 20): how long a silent process may take
-    before the others give it up and exit.
+    before process 0 gives it up and ends the group (exit status ``PROCESS_LOST_EXIT`` on process 0).
 
     Raises:
         ValueError: only some of the three are given, or they are inconsistent.
@@ -70,12 +76,11 @@ def initialize(
         raise ValueError(f"--process-id must be in [0, {num_processes}), got {process_id}")
     if jax.config.jax_platforms in (None, "", "cpu") and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator,
-        num_processes,
-        process_id,
-        heartbeat_timeout_seconds=heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S,
-    )
+    timeout = heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S
+    # jax's own heartbeat check aborts every process (SIGABRT and a C++ stack dump: its client's callback cannot be
+    # replaced from Python) when a process goes silent; ours (_watch_heartbeats) ends the group first, cleanly, so
+    # jax's is given twice the time, a backstop.
+    jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=2 * timeout)
     logger.info(
         "process %d of %d; %d local / %d global devices",
         jax.process_index(),
@@ -84,7 +89,7 @@ def initialize(
         jax.device_count(),
     )
     if jax.process_count() > 1:
-        _install_fault_handlers()
+        _install_fault_handlers(timeout)
 
 
 def multi_process() -> bool:
@@ -212,12 +217,13 @@ def replica_groups(meshes) -> list[tuple[tuple[int, ...], list[int]]]:
 
 # ------------------------------------------------------------------ faults end the group
 _FATAL_KEY = "jaxserve/fatal"
-_state = {"ending": False, "exiting": False, "agree_round": 0}
+_state = {"ending": False, "exiting": False, "agree_round": 0, "answered": 0.0}
 
 
-def fatal(message: str, code: int = 1) -> None:
+def fatal(message: str, code: int = 1, lost: tuple[int, ...] = ()) -> None:
     """Ends every process of the group: posts ``message`` (naming this process) for the others' watchdogs, logs it
-    and leaves at once with ``code``. Never returns."""
+    and leaves at once with ``code`` (process 0 first waits, briefly, until the others but ``lost`` have read it).
+    Never returns."""
     _state["ending"] = True
     text = f"process {jax.process_index()}: {message}"
     print(f"jaxserve: ending every process: {text}", file=sys.stderr, flush=True)
@@ -228,10 +234,11 @@ def fatal(message: str, code: int = 1) -> None:
         except Exception:  # noqa: BLE001 - another process posted first, or the service is gone: exit anyway
             pass
 
-    poster = threading.Thread(target=post, daemon=True)
-    poster.start()
-    poster.join(5.0)  # the service may be unreachable: never wait long for it
-    _linger_for_the_others(text)
+    if 0 not in lost:  # the service is process 0's: nothing to post to when it is the one lost
+        poster = threading.Thread(target=post, daemon=True)
+        poster.start()
+        poster.join(5.0)  # the service may be unreachable: never wait long for it
+    _linger_for_the_others(text, lost)
     logging.shutdown()
     os._exit(code)
 
@@ -240,10 +247,11 @@ _SEEN_KEY = "jaxserve/fatal_seen/"
 _LINGER_S = 5.0
 
 
-def _linger_for_the_others(text: str) -> None:
+def _linger_for_the_others(text: str, lost: tuple[int, ...] = ()) -> None:
     """On process 0, which hosts the coordination service: waits (at most ``_LINGER_S``) until every other live
-    process has read the fatal message, so that each of them names the cause instead of a lost service (their
-    own clients may also abort the process when the service goes first). A no-op on the other processes."""
+    process (not the culprit, not those ``lost``) has read the fatal message, so that each of them names the cause
+    instead of a lost service (their own clients may also abort the process when the service goes first). A no-op
+    on the other processes."""
     if jax.process_index() != 0 or jax.process_count() < 2:
         return
     culprit = text.split(":", 1)[0].removeprefix("process ")
@@ -251,7 +259,7 @@ def _linger_for_the_others(text: str) -> None:
     def wait():
         client = _client()
         for i in range(1, jax.process_count()):
-            if str(i) != culprit:
+            if str(i) != culprit and i not in lost:
                 try:
                     client.blocking_key_value_get(f"{_SEEN_KEY}{i}", int(_LINGER_S * 1000))
                 except Exception:  # noqa: BLE001 - timed out (a dead or hung process): leave anyway
@@ -283,6 +291,7 @@ def _watch() -> None:
             break
     if _state["ending"]:
         return
+    _state["ending"] = True  # the other threads stand down (no second cause named)
     print(f"jaxserve: process {jax.process_index()} ends: {text}", file=sys.stderr, flush=True)
     if not text.startswith("lost the coordination service"):
         try:  # tell process 0 this one has read the cause (it waits for that before taking the service down)
@@ -293,17 +302,109 @@ def _watch() -> None:
     os._exit(1)
 
 
-def _install_fault_handlers() -> None:
-    """The watchdog thread, an excepthook and SIGTERM / SIGINT handlers that end the whole group (see the module's
-    docstring). They replace the handler ``jax.distributed`` installs for SIGTERM (a preemption notice)."""
+_ALIVE_KEY = "jaxserve/alive/"
+_LEFT = "left"
+_stop_beating = threading.Event()
+
+
+def _beat(interval: float) -> None:
+    """A follower's heartbeat for process 0: a counter under its own key, every ``interval`` seconds; "left" once
+    it exits on its own (``_install_fault_handlers``). Each answer of the service (process 0's) is noted for
+    ``_watch_process_0``."""
+    client, me, n = _client(), jax.process_index(), 0
+    while not (_stop_beating.is_set() or _state["ending"]):
+        try:
+            client.key_value_set(f"{_ALIVE_KEY}{me}", str(n), allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the service is gone: the watchdog ends this process
+            return
+        _state["answered"] = time.monotonic()
+        n += 1
+        _stop_beating.wait(interval)
+
+
+def _watch_process_0(timeout: float, interval: float) -> None:
+    """A follower's check of process 0: its coordination service has not answered a heartbeat (``_beat``) for
+    ``timeout`` seconds (process 0 stopped, or its host unreachable) ends this process with ``PROCESS_LOST_EXIT``,
+    before jax's own check (twice as long) would abort it. A process 0 that dies outright closes its connections:
+    jax's client then aborts this process at once (a C++ thread of its own, which no Python thread outruns)."""
+    _state["answered"] = before = time.monotonic()
+    while not _stop_beating.wait(interval):
+        if _state["ending"] or _state["exiting"]:
+            return
+        now = time.monotonic()
+        if now - before > max(2 * interval, timeout / 2):  # this process was held up, not process 0
+            _state["answered"] = now
+        before = now
+        if now - _state["answered"] > timeout:
+            fatal(f"lost process 0: no answer for {timeout:g} s (stopped, or unreachable)", PROCESS_LOST_EXIT, (0,))
+
+
+def _watch_heartbeats(timeout: float, interval: float) -> None:
+    """Process 0's check of its followers' heartbeats (``_beat``): a follower whose counter has not moved for
+    ``timeout`` seconds (killed, hung, unreachable) ends the group, naming it, with ``PROCESS_LOST_EXIT``. jax's
+    own heartbeat check would end it too, later, by aborting every process. A pause of this thread itself (an
+    interpreter held up) restarts the count rather than blaming the followers."""
+    client = _client()
+    start = time.monotonic()
+    seen = {i: (None, start) for i in range(1, jax.process_count())}  # process -> (its counter, when it moved)
+    before = start
+    while seen and not _stop_beating.wait(interval):
+        if _state["ending"] or _state["exiting"]:
+            return
+        try:
+            beats = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(_ALIVE_KEY)}
+        except Exception:  # noqa: BLE001 - the service is shutting down with this process
+            return
+        now = time.monotonic()
+        held_up = now - before > max(2 * interval, timeout / 2)
+        before = now
+        for i, (count, moved) in list(seen.items()):
+            beat = beats.get(str(i))
+            if beat == _LEFT:
+                del seen[i]  # it exits on its own
+            elif beat != count or held_up:
+                seen[i] = (beat, now)
+            elif now - moved > timeout:
+                if _state["ending"] or _state["exiting"]:
+                    return
+                fatal(
+                    f"lost process {i}: no heartbeat for {timeout:g} s (killed, hung or unreachable)",
+                    PROCESS_LOST_EXIT,
+                    lost=(i,),
+                )
+
+
+def _install_fault_handlers(heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+    """The watchdog thread, the heartbeat threads (a follower's beat, process 0's check of them), an excepthook
+    and SIGTERM / SIGINT handlers that end the whole group (see the module's docstring). They replace the handler
+    ``jax.distributed`` installs for SIGTERM (a preemption notice)."""
     import atexit
 
     watchdog = threading.Thread(target=_watch, name="jaxserve-fault-watch", daemon=True)
     watchdog.start()
+    interval = max(0.2, heartbeat_timeout_s / 5)
+    timing = (heartbeat_timeout_s, interval)
+    if jax.process_index() == 0:
+        hearts = [threading.Thread(target=_watch_heartbeats, args=timing, name="jaxserve-heartbeats", daemon=True)]
+    else:
+        hearts = [
+            threading.Thread(target=_beat, args=(interval,), name="jaxserve-heartbeat", daemon=True),
+            threading.Thread(target=_watch_process_0, args=timing, name="jaxserve-process-0", daemon=True),
+        ]
+    for heart in hearts:
+        heart.start()
 
     def stop_watching():  # runs before jax.distributed's shutdown (atexit is last in, first out)
         # A daemon thread still inside a C++ call when the interpreter finalizes aborts the process (SIGABRT).
         _state["exiting"] = True
+        _stop_beating.set()
+        for heart in hearts:
+            heart.join(5.0)
+        if jax.process_index() != 0 and not _state["ending"]:
+            try:  # process 0 stops counting this one's heartbeats
+                _client().key_value_set(f"{_ALIVE_KEY}{jax.process_index()}", _LEFT, allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the service is gone: nobody counts
+                pass
         watchdog.join(5.0)
 
     atexit.register(stop_watching)

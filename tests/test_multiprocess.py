@@ -279,7 +279,11 @@ def test_three_processes_default_command_serves_and_a_signalled_follower_ends_al
 def test_two_pipeline_stages_serve_like_one_and_losing_either_ends_the_other(tiny_ckpt, reference, tmp_path, victim):
     """2 processes x 2 devices as pipeline parallelism 2 x tensor parallelism 2: each process holds one stage (one
     of the 2 layers, its half of the pool); the hidden states cross from process 0's devices to process 1's every
-    step. Then a process is killed: the other ends non-zero."""
+    step. Then a process is killed: the other ends non-zero. Process 0, losing its follower, finds it lost itself
+    within the heartbeat timeout and exits PROCESS_LOST_EXIT naming it, before jax's coordination service would
+    abort it (SIGABRT, exit 134, a C++ stack dump)."""
+    from jaxserve.distributed import PROCESS_LOST_EXIT
+
     port = _free_port()
     serve = _serve_cmd(tiny_ckpt, port, 2, 2, "--no-warmup", "--pipeline-parallel-size", "2")
     procs = _group(serve, 2, tmp_path, "kill", HEARTBEAT_S)
@@ -291,8 +295,13 @@ def test_two_pipeline_stages_serve_like_one_and_losing_either_ends_the_other(tin
         survivor = 1 - victim
         t0 = time.time()
         rc = _wait(procs[survivor], 6 * HEARTBEAT_S + 30, tmp_path / f"kill{survivor}.log")
-        assert rc != 0, (tmp_path / f"kill{survivor}.log").read_text()[-3000:]
+        log = (tmp_path / f"kill{survivor}.log").read_text()
+        assert rc != 0, log[-3000:]
         assert time.time() - t0 < 6 * HEARTBEAT_S + 30
+        if victim == 1:
+            line = f"jaxserve: ending every process: process 0: lost process 1: no heartbeat for {HEARTBEAT_S} s"
+            assert rc == PROCESS_LOST_EXIT and line in log, (rc, log[-3000:])
+            assert "Terminating process because the JAX distributed service" not in log, log[-3000:]
     finally:
         for p in procs:
             p.kill()
