@@ -25,11 +25,15 @@ Static block counts are safe bounds for any batch: a wrong ``max_q_len`` hint ca
 
 Slots past a sequence's ``kv_len`` may hold anything (stale data, NaN): context indices are clamped to the last
 valid slot before the gather, so every K/V row that reaches a matmul is real data and masked probabilities are
-exact zeros. Rows of a block past its sequence's last token compute garbage that is never written. Row indices into
-the flattened pool are int32: the pool must have fewer than 2**31 (layer, page, slot, kv head) rows.
+exact zeros. Rows of a block past its sequence's last token compute garbage that is never written.
+
+The pool is gathered from as it is, by (layer, page, slot, kv head), never through a reshaped view: inside a model's
+layer scan the pool is also written (the reference K/V scatter), and a reshape between that write and these loops
+made XLA:CPU duplicate the write and copy the whole pool several times a layer (a decode step at 300 tokens of
+context on a 512-page pool: 8 pool copies a layer, 8.6 s; gathered in place: none, 7 ms).
 
 K/V are read in float32 whatever the pool holds: bfloat16 and fp8 rows are widened, and an ``Int8Pages`` pool's
-rows are gathered with their scales (the same flat row index) and multiplied, as ``reference.py`` dequantizes them.
+rows are gathered with their scales (the same index) and multiplied, as ``reference.py`` dequantizes them.
 """
 
 from __future__ import annotations
@@ -269,11 +273,10 @@ def _attend_blocks(
 ):
     """Attention of the first ``count`` blocks; writes their real rows into ``out`` [T + pad, K, G, H]."""
     _, kv_heads, group, head_dim = qs.shape
-    _, num_pages, page_size, _, _ = k_cache.shape
+    page_size = k_cache.shape[2]
     rows = block_q * group  # matmul rows per kv head: [block_q tokens x group heads], token-major
     num_chunks = cdiv(page_indices.shape[1] * page_size, ctx_chunk)
-    # Flat row views of the whole pool (free reshapes): row = ((layer * pages + page) * page_size + slot) * K + head.
-    k_rows, v_rows = _flat_rows(k_cache, head_dim), _flat_rows(v_cache, head_dim)
+    k_rows, v_rows = _rows(k_cache), _rows(v_cache)
     heads = jnp.arange(kv_heads, dtype=jnp.int32)[:, None]
     row_tok = jnp.arange(rows, dtype=jnp.int32) // group  # [R] token offset of each matmul row
     if sinks is not None:  # [K, R, 1]: row r of KV head k is query head k * group + r % group
@@ -290,8 +293,7 @@ def _attend_blocks(
             m, denom, acc = carry  # [K, R, 1] running max, [K, R, 1] running sum, [K, R, H]
             ctx = j * ctx_chunk + jnp.arange(ctx_chunk, dtype=jnp.int32)  # [C']
             c = jnp.clip(ctx, 0, jnp.maximum(kv_len - 1, 0))  # past kv_len: re-read the last real slot
-            slot = (layer * num_pages + pages[c // page_size]) * page_size + c % page_size
-            idx = slot[None, :] * kv_heads + heads  # [K, C']
+            idx = (layer, pages[c // page_size][None, :], (c % page_size)[None, :], heads)  # [K, C'] each
             k = _gather_rows(k_rows, idx)  # [K, C', H] float32
             v = _gather_rows(v_rows, idx)
             s = jnp.einsum("krh,kch->krc", qb, k)  # [K, R, C']
@@ -332,16 +334,17 @@ def _attend_blocks(
     return lax.fori_loop(0, count, block, out)
 
 
-def _flat_rows(cache, head_dim: int):
-    """(rows [N, H], scales [N] or None): a pool as flat rows (free reshapes), an ``Int8Pages`` with its scales."""
+def _rows(cache):
+    """(values [L, P, S, K, H], scales [L, P, S, K] or None): a pool, an ``Int8Pages`` with its scales."""
     if is_int8_pages(cache):
-        return cache.values.reshape(-1, head_dim), cache.scales.reshape(-1)
-    return cache.reshape(-1, head_dim), None
+        return cache.values, cache.scales
+    return cache, None
 
 
-def _gather_rows(flat, idx):
-    """float32 rows ``idx`` (any shape) of ``_flat_rows``' view: widened, or int8 times each row's scale."""
-    rows, scales = flat
+def _gather_rows(pool, idx):
+    """float32 rows [..., H] at ``idx`` (layer, page, slot, kv head; broadcast together) of ``_rows``' pool:
+    widened, or int8 times each row's scale."""
+    rows, scales = pool
     out = rows.at[idx].get(mode="promise_in_bounds").astype(jnp.float32)
     if scales is None:
         return out
