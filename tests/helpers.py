@@ -6,6 +6,7 @@ Importing this module imports neither jax nor torch: the host-side tests (schedu
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -284,6 +285,20 @@ def hf_greedy_choices(model, ids: list[int], tokens: list[int]) -> list[int]:
     with torch.no_grad():
         logits = model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
     return logits.argmax(-1).tolist()
+
+
+def sized_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
+    """The ``copy`` instructions of an optimized HLO module's text that copy as many elements as ``shape`` holds
+    (a K/V pool, in any of its views): a compiled step that updates a donated pool in place has none."""
+    import re
+
+    size = math.prod(shape)
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", line)
+        if m and math.prod(int(d) for d in m.group(1).split(",")) == size:
+            found.append(line.strip()[:120])
+    return found
 
 
 def longrope(short_factor: list[float], long_factor: list[float], original: int = 64, **extra) -> dict:

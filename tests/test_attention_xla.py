@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Batch, make_batch
+from helpers import Batch, make_batch, sized_copies
 from jaxserve.kernels import AttentionBatch, ragged_paged_attention_ref
 from jaxserve.kernels.attention.xla import ragged_paged_attention_xla
 
@@ -349,8 +349,6 @@ def test_a_layer_scan_writing_and_reading_the_pool_never_copies_it():
     donated pool in place and copy no pool-sized buffer: a reshaped view of the pool between the write and the
     attention's loops once made XLA:CPU duplicate the write and copy the whole pool 8 times a layer (a decode step at
     300 tokens on a 512-page pool took 8.6 s instead of 7 ms; on the default 5,120 pages 72-98 s)."""
-    import re
-
     from jax import lax
     from jaxserve.kernels.kv_write.reference import write_kv_ref
 
@@ -377,11 +375,5 @@ def test_a_layer_scan_writing_and_reading_the_pool_never_copies_it():
     pool = jax.ShapeDtypeStruct((layers, pages, PAGE, heads, dim), jnp.float32)
     x = jax.ShapeDtypeStruct((1, dim), jnp.float32)
     hlo = jax.jit(step, donate_argnums=(0, 1)).lower(pool, pool, x).compile().as_text()
-    size = layers * pages * PAGE * heads * dim
-    copies = [
-        line.strip()[:120]
-        for line in hlo.splitlines()
-        if (m := re.search(r"= f32\[([\d,]+)\]\{[\d,]*\} copy\(", line))
-        and np.prod([int(d) for d in m.group(1).split(",")]) == size
-    ]
+    copies = sized_copies(hlo, pool.shape)
     assert not copies, f"{len(copies)} pool-sized copies in the compiled step: {copies}"

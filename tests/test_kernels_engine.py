@@ -33,10 +33,7 @@ def test_without_the_cpp_kernels_a_long_context_decodes_in_place(default_loaded,
     decode step on a 2,048-page pool writes the donated pool in place: no pool-sized copy in its program (there
     were 8 a layer, a step at 300 tokens took 72-98 s on the default 5,120 pages). Only the step variants of the
     buckets traffic touched are compiled."""
-    import re
-
-    import numpy as np
-    from helpers import hf_greedy_choices
+    from helpers import hf_greedy_choices, sized_copies
     from jaxserve.kernels.cpu import ffi
 
     monkeypatch.setattr(ffi, "available", lambda: False)
@@ -52,11 +49,5 @@ def test_without_the_cpp_kernels_a_long_context_decodes_in_place(default_loaded,
 
     pages = runner.page_buckets[-1]
     hlo = runner.compiler.lower_step(1, pages, True).compile().as_text()
-    size = int(np.prod(runner.k_cache.shape))
-    copies = [
-        line.strip()[:100]
-        for line in hlo.splitlines()
-        if (m := re.search(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", line))
-        and np.prod([int(d) for d in m.group(1).split(",")]) == size
-    ]
+    copies = sized_copies(hlo, runner.k_cache.shape)
     assert not copies, f"{len(copies)} pool-sized copies in the decode step: {copies}"
