@@ -135,6 +135,8 @@ def ragged_paged_attention_xla(
         if not ffi.available():
             raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: {ffi.unavailable_reason()}")
     if impl == "ffi" or (impl == "auto" and fits and ffi.available()):
+        if k_cache.ndim == 4:  # a latent pool: the C++ kernel reads it as one KV head
+            k_cache = v_cache = k_cache[:, :, :, None, :]
         out = attention_cpu.paged_attention(
             q,
             k_cache,
@@ -201,7 +203,7 @@ def _rpa_xla(
     decode_chunk,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[3]
+    kv_heads = k_cache.shape[3] if k_cache.ndim == 5 else 1  # a latent pool: one KV head
     num_seqs_padded = page_indices.shape[0]
     group = num_q_heads // kv_heads
     seq_ids = jnp.arange(num_seqs_padded, dtype=jnp.int32)
@@ -277,6 +279,7 @@ def _attend_blocks(
     rows = block_q * group  # matmul rows per kv head: [block_q tokens x group heads], token-major
     num_chunks = cdiv(page_indices.shape[1] * page_size, ctx_chunk)
     k_rows, v_rows = _rows(k_cache), _rows(v_cache)
+    index_dims = k_cache.ndim - 1  # a latent pool [L, pages, page_size, width] has no head axis: its one head's rows
     heads = jnp.arange(kv_heads, dtype=jnp.int32)[:, None]
     row_tok = jnp.arange(rows, dtype=jnp.int32) // group  # [R] token offset of each matmul row
     if sinks is not None:  # [K, R, 1]: row r of KV head k is query head k * group + r % group
@@ -293,7 +296,7 @@ def _attend_blocks(
             m, denom, acc = carry  # [K, R, 1] running max, [K, R, 1] running sum, [K, R, H]
             ctx = j * ctx_chunk + jnp.arange(ctx_chunk, dtype=jnp.int32)  # [C']
             c = jnp.clip(ctx, 0, jnp.maximum(kv_len - 1, 0))  # past kv_len: re-read the last real slot
-            idx = (layer, pages[c // page_size][None, :], (c % page_size)[None, :], heads)  # [K, C'] each
+            idx = (layer, pages[c // page_size][None, :], (c % page_size)[None, :], heads)[:index_dims]  # [K, C']
             k = _gather_rows(k_rows, idx)  # [K, C', H] float32
             v = _gather_rows(v_rows, idx)
             s = jnp.einsum("krh,kch->krc", qb, k)  # [K, R, C']
