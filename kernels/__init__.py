@@ -143,8 +143,8 @@ def ragged_paged_attention(
         is concrete) a page table too short for the longest context.
     """
     kernel, interp = _choose(impl, backend, interpret)
-    if k_cache.ndim == 4:  # a latent pool (MLA): keys and values alike; the TPU kernel and the CPU's XLA one read it
-        # as it is (a view between the pool's write and the XLA one's loops would copy the pool), the others as one
+    if k_cache.ndim == 4:  # a latent pool (MLA): keys and values alike; the TPU kernel and the CPU's (C++ and XLA)
+        # read it as it is (a view between the pool's write and the CPU's reads copied the pool), the others as one
         # KV head
         k_cache = v_cache = k_cache if kernel in ("tpu", "xla") else k_cache[:, :, :, None, :]
     elif layout == "heads_tokens" and kernel != "tpu":

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import TINY_ENGINE, TINY_VOCAB, assert_matches_hf, assert_same_completions, tiny_prompts
+from helpers import TINY_ENGINE, TINY_VOCAB, assert_matches_hf, assert_same_completions, sized_copies, tiny_prompts
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading import orbax_ckpt
@@ -103,6 +103,16 @@ def one_device(checkpoint):
 
 def test_greedy_tokens_and_logprobs_match_hf(checkpoint, one_device):
     assert_matches_hf(checkpoint[1], tiny_prompts(), one_device[1])
+
+
+def test_the_decode_step_writes_the_latent_pool_in_place(one_device):
+    """The compiled decode step (the CPU's attention, C++ where it built) reads the latent pool [L, pages,
+    page_size, width] as it is: through a one-KV-head view [.., 1, width] XLA:CPU copied the whole pool 4 times a
+    layer (5 without the C++ kernels)."""
+    runner = one_device[0].engine.runner
+    hlo = runner.compiler.lower_step(1, runner.page_buckets[-1], True).compile().as_text()
+    copies = sized_copies(hlo, runner.k_cache.shape)
+    assert not copies, f"{len(copies)} pool-sized copies in the decode step: {copies}"
 
 
 def test_deepseek_v2_greedy_tokens_and_logprobs_match_hf(tmp_path, default_model_path):

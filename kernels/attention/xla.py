@@ -135,8 +135,6 @@ def ragged_paged_attention_xla(
         if not ffi.available():
             raise RuntimeError(f"impl='ffi': the C++ paged attention is unavailable: {ffi.unavailable_reason()}")
     if impl == "ffi" or (impl == "auto" and fits and ffi.available()):
-        if k_cache.ndim == 4:  # a latent pool: the C++ kernel reads it as one KV head
-            k_cache = v_cache = k_cache[:, :, :, None, :]
         out = attention_cpu.paged_attention(
             q,
             k_cache,

@@ -519,11 +519,13 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, f
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
   auto pd = page_indices.dimensions();
-  if (qd.size() != 3 || cd.size() != 5 || pd.size() != 2) {
-    return ffi::Error::InvalidArgument("paged attention: q must be rank 3, caches rank 5, page_indices rank 2");
+  // Caches [L, P, S, K, H], or a latent pool [L, P, S, H] (MLA: one KV head, read as it is, never through a view).
+  if (qd.size() != 3 || (cd.size() != 5 && cd.size() != 4) || pd.size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q must be rank 3, caches rank 5 or 4, page_indices rank 2");
   }
-  Geometry g{qd[0], qd[1], qd[2], cd[1], cd[2], cd[3], pd[1], 0, 0, sm_scale, soft_cap, k_scales, v_scales};
-  if (cd[4] != g.head_dim || g.num_q_heads % g.kv_heads != 0) {
+  const int64_t kv_heads = cd.size() == 5 ? cd[3] : 1;
+  Geometry g{qd[0], qd[1], qd[2], cd[1], cd[2], kv_heads, pd[1], 0, 0, sm_scale, soft_cap, k_scales, v_scales};
+  if (cd[cd.size() - 1] != g.head_dim || g.num_q_heads % g.kv_heads != 0) {
     return ffi::Error::InvalidArgument("paged attention: head_dim or head counts do not match");
   }
   g.layer = layer.typed_data()[0];
