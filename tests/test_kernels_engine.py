@@ -29,18 +29,18 @@ def test_pallas_interpret_matches_reference(default_loaded):
 
 def test_without_the_cpp_kernels_a_long_context_decodes_in_place(default_loaded, hf_default, monkeypatch):
     """The CPU path a user meets where the C++ kernels did not build: the XLA attention and the reference K/V
-    scatter. A 600-token prompt decodes HF transformers' greedy tokens (teacher-forced, exact), and the compiled
-    decode step on a 2,048-page pool writes the donated pool in place: no pool-sized copy in its program (there
+    scatter. A 320-token prompt decodes HF transformers' greedy tokens (teacher-forced, exact), and the compiled
+    decode step writes the donated pool in place: no pool-sized copy in its program (there
     were 8 a layer, a step at 300 tokens took 72-98 s on the default 5,120 pages). Only the step variants of the
     buckets traffic touched are compiled."""
     from helpers import hf_greedy_choices, sized_copies
     from jaxserve.kernels.cpu import ffi
 
     monkeypatch.setattr(ffi, "available", lambda: False)
-    llm = LLM(default_loaded, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, num_pages=2048)
+    llm = LLM(default_loaded, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, num_pages=512)
     runner = llm.engine.runner
     words = "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun".split()
-    ids = llm.tokenizer.encode(" ".join(words[i % len(words)] for i in range(560)))[:600]
+    ids = llm.tokenizer.encode(" ".join(words[i % len(words)] for i in range(300)))[:320]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
     assert tokens == hf_greedy_choices(hf_default, ids, tokens)
