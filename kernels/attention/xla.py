@@ -277,8 +277,8 @@ def _attend_blocks(
     rows = block_q * group  # matmul rows per kv head: [block_q tokens x group heads], token-major
     num_chunks = cdiv(page_indices.shape[1] * page_size, ctx_chunk)
     k_rows, v_rows = _rows(k_cache), _rows(v_cache)
-    index_dims = k_cache.ndim - 1  # a latent pool [L, pages, page_size, width] has no head axis: its one head's rows
-    heads = jnp.arange(kv_heads, dtype=jnp.int32)[:, None]
+    # The KV head index [K, 1]; none for a latent pool [L, pages, page_size, width] (one head, no head axis)
+    kv_head = (jnp.arange(kv_heads, dtype=jnp.int32)[:, None],) if k_cache.ndim == 5 else ()
     row_tok = jnp.arange(rows, dtype=jnp.int32) // group  # [R] token offset of each matmul row
     if sinks is not None:  # [K, R, 1]: row r of KV head k is query head k * group + r % group
         row_sinks = sinks.reshape(kv_heads, group)[:, jnp.arange(rows) % group, None]
@@ -294,7 +294,7 @@ def _attend_blocks(
             m, denom, acc = carry  # [K, R, 1] running max, [K, R, 1] running sum, [K, R, H]
             ctx = j * ctx_chunk + jnp.arange(ctx_chunk, dtype=jnp.int32)  # [C']
             c = jnp.clip(ctx, 0, jnp.maximum(kv_len - 1, 0))  # past kv_len: re-read the last real slot
-            idx = (layer, pages[c // page_size][None, :], (c % page_size)[None, :], heads)[:index_dims]  # [K, C']
+            idx = (layer, pages[c // page_size][None, :], (c % page_size)[None, :], *kv_head)  # [K, C'] each
             k = _gather_rows(k_rows, idx)  # [K, C', H] float32
             v = _gather_rows(v_rows, idx)
             s = jnp.einsum("krh,kch->krc", qb, k)  # [K, R, C']

@@ -68,7 +68,7 @@ def _cpu_id() -> bytes:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
 
 
-def march() -> str:
+def target_march() -> str:
     """The ``-march`` the library is built for: ``$JAXSERVE_FFI_MARCH`` (``native`` by default; ``x86-64-v3`` for
     AVX2 machines, ``armv8.2-a``, ...; empty: the compiler's default)."""
     return os.environ.get("JAXSERVE_FFI_MARCH", "native")
@@ -100,7 +100,7 @@ def _build() -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    arch = march()
+    arch = target_march()
     key = hashlib.sha256(
         b"\0".join(
             [
