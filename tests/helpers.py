@@ -295,7 +295,7 @@ def sized_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
     size = math.prod(shape)
     found = []
     for line in hlo.splitlines():
-        m = re.search(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", line)
+        m = re.search(r"= \w+\[([\d,]+)\]\{[^}]*\} copy\(", line)  # any layout: a TPU's has tiles
         if m and math.prod(int(d) for d in m.group(1).split(",")) == size:
             found.append(line.strip()[:120])
     return found
