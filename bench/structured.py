@@ -101,7 +101,7 @@ def main() -> None:
     fresh = StructuredOutputs(llm.tokenizer.to_json(), engine.model_config.vocab_size, engine.eos_token_ids)
     fresh._tokenizer  # noqa: B018 - built on first use; timed apart
     build = time.perf_counter() - t
-    from jaxserve.sampling_params import StructuredOutputsParams
+    from jaxserve.core.sampling_params import StructuredOutputsParams
 
     cold, cached = [], []
     for schema in SCHEMAS:

@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxserve.llm",
     "LLMEngine": "jaxserve.engine",
-    "SamplingParams": "jaxserve.sampling_params",
-    "RequestOutput": "jaxserve.outputs",
-    "CompletionOutput": "jaxserve.outputs",
-    "Logprob": "jaxserve.outputs",
+    "SamplingParams": "jaxserve.core.sampling_params",
+    "RequestOutput": "jaxserve.core.outputs",
+    "CompletionOutput": "jaxserve.core.outputs",
+    "Logprob": "jaxserve.core.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -319,7 +319,7 @@ def _add_serve_parser(subparsers) -> None:
 
 
 def _kv_events_config(text: str):
-    from jaxserve.kv_events import KVEventsConfig
+    from jaxserve.core.kv_events import KVEventsConfig
 
     try:
         return KVEventsConfig.parse(text)

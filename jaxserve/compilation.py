@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jaxserve.block_manager import NULL_PAGE
+from jaxserve.core.block_manager import NULL_PAGE
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.models.decoder import AttentionBatch
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.utils import cdiv, next_pow2
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import NewRequestData, ScheduledRequest, Scheduler, SchedulerOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sched.scheduler import NewRequestData, ScheduledRequest, Scheduler, SchedulerOutput
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

@@ -19,21 +19,22 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxserve import kv_events, quant
-from jaxserve.block_manager import BlockManager
+from jaxserve import quant
 from jaxserve.config import EngineConfig
+from jaxserve.core import kv_events
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.request import RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.distributed import StepChannel, agree, multi_process, replica_groups
 from jaxserve.draft import DraftProposer
 from jaxserve.input_processor import InputProcessor
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
 from jaxserve.output_processor import OutputProcessor, Sequence, TrackedRequest
-from jaxserve.outputs import RequestOutput
 from jaxserve.remote import GroupLink, RemoteRunner, follow_group
-from jaxserve.request import RequestStatus
 from jaxserve.runner import ModelRunner, default_dtype
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
 from jaxserve.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.structured import StructuredOutputs
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
@@ -357,7 +358,7 @@ class LLMEngine:
             ValueError: an id in use (or one of its ``#k`` children's, for ``n > 1``), an empty prompt or one
                 of the wrong type, token ids out of the vocabulary (in the prompt, ``logit_bias`` or
                 ``stop_token_ids``), a prompt that leaves no room to generate within max_model_len (naming both
-                lengths; ``jaxserve.request.check_prompt``), a grammar that does not compile, or a request that
+                lengths; ``jaxserve.core.request.check_prompt``), a grammar that does not compile, or a request that
                 cannot fit the page pool.
         """
         self.add_requests([(request_id, prompt, sampling_params, priority)], arrival_time=arrival_time)
@@ -651,7 +652,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ KV events
     def enable_kv_events(self) -> None:
-        """Every replica's block manager records its prefix cache's changes from now on (``jaxserve.kv_events``)."""
+        """Every replica's block manager records its prefix cache's changes from now on (``jaxserve.core.kv_events``)."""
         for r in self.replicas:
             r.scheduler.block_manager.enable_kv_events()
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jaxserve.core.request import Request, check_prompt, out_of_vocabulary
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.output_processor import Sequence, TrackedRequest
-from jaxserve.request import Request, check_prompt, out_of_vocabulary
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import StructuredOutputs
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.structured import Matcher
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -23,9 +23,9 @@ import dataclasses
 
 import jax
 
+from jaxserve.core.sched.scheduler import SchedulerOutput
 from jaxserve.distributed import StepChannel
 from jaxserve.runner import ModelRunner, RunnerOutput
-from jaxserve.scheduler import SchedulerOutput
 from jaxserve.wire import StepEncoder, has_changes
 
 

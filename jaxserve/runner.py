@@ -1,6 +1,6 @@
 """The device side: weights, the KV page pool, and the step that runs a batch.
 
-The runner receives a :class:`~jaxserve.scheduler.SchedulerOutput`, packs it into padded arrays of a
+The runner receives a :class:`~jaxserve.core.sched.scheduler.SchedulerOutput`, packs it into padded arrays of a
 bucketed shape (tokens in the step, sequences, pages per sequence) and calls
 
     step(state, matmul_weights, k_cache, v_cache, tokens, fed_index, batch, logits_indices, sampling, next_tokens, fed)
@@ -42,6 +42,8 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import kernels, quant
 from jaxserve.compilation import StepBuckets, StepCompiler, padded_batch
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sched.scheduler import SchedulerOutput
 from jaxserve.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.kernels.attention import cpu as attention_cpu
 from jaxserve.kernels.cpu import ffi as cpu_ffi
@@ -51,8 +53,6 @@ from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.models.decoder import OUTPUT_AXES, model_from_params
 from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import (
     VOCAB_SPEC,
     PipelineTick,

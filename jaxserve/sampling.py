@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import (  # noqa: F401
+from jaxserve.core.sampling_params import (  # noqa: F401
     GREEDY_EPS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,

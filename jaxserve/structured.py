@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.core.sampling_params import StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 512
 

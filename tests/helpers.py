@@ -13,7 +13,7 @@ from typing import Any
 # ---------------------------------------------------------------------------------------------------- host side
 @dataclasses.dataclass
 class SP:
-    """The sampling parameters the scheduler and block manager read (``jaxserve.request.Request`` treats the rest
+    """The sampling parameters the scheduler and block manager read (``jaxserve.core.request.Request`` treats the rest
     as opaque), without importing the real ``SamplingParams``."""
 
     max_tokens: int = 8
@@ -48,10 +48,10 @@ class SchedulerEngine:
     def __init__(self, num_pages=64, page_size=4, max_model_len=256, max_num_seqs=8, step_s=0.0):
         from types import SimpleNamespace
 
-        from jaxserve import kv_events
-        from jaxserve.block_manager import BlockManager
         from jaxserve.config import SchedulerConfig
-        from jaxserve.scheduler import Scheduler
+        from jaxserve.core import kv_events
+        from jaxserve.core.block_manager import BlockManager
+        from jaxserve.core.sched.scheduler import Scheduler
 
         self._drain = kv_events.drain
         self.model_name = "fake-scheduler"
@@ -65,7 +65,7 @@ class SchedulerEngine:
         self.step_s, self.num_steps = step_s, 0
 
     def add_request(self, rid, prompt, params, priority=0):
-        from jaxserve.request import Request
+        from jaxserve.core.request import Request
 
         self.scheduler.add_request(Request(rid, list(prompt), params, self.tokenizer.eos_token_ids, priority=priority))
 
@@ -89,7 +89,7 @@ class SchedulerEngine:
     def step(self):
         import time
 
-        from jaxserve.outputs import CompletionOutput, RequestOutput
+        from jaxserve.core.outputs import CompletionOutput, RequestOutput
 
         if self.step_s:
             time.sleep(self.step_s)

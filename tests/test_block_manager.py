@@ -3,8 +3,8 @@
 import pytest
 from helpers import SP
 
-from jaxserve.block_manager import NULL_PAGE, BlockManager, hash_page
-from jaxserve.request import Request
+from jaxserve.core.block_manager import NULL_PAGE, BlockManager, hash_page
+from jaxserve.core.request import Request
 
 
 def req(rid, tokens):

@@ -12,8 +12,8 @@ import time
 import pytest
 from helpers import SP
 
-from jaxserve.block_manager import BlockManager, hash_page
-from jaxserve.kv_events import (
+from jaxserve.core.block_manager import BlockManager, hash_page
+from jaxserve.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -21,7 +21,7 @@ from jaxserve.kv_events import (
     encode_batch,
     external_hash,
 )
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 
 msgpack = pytest.importorskip("msgpack")
 
@@ -237,7 +237,7 @@ def test_publisher_frames_numbers_and_replays_batches(tmp_path, encoding):
     """Live: [topic, seq, payload]. Replay: vLLM 0.26 and later answer [b"", topic, seq, payload] and end with
     [b"", b"", -1, b""]; up to 0.25 (the "array" consumers) without the topic frame."""
     zmq = pytest.importorskip("zmq")
-    from jaxserve.kv_events import make_publisher
+    from jaxserve.core.kv_events import make_publisher
 
     ctx, port = zmq.Context.instance(), free_port()
     endpoint = f"ipc://{tmp_path}/kv.sock"  # ipc: the publisher binds it (vLLM's rule), the subscriber connects
@@ -291,7 +291,7 @@ def test_publisher_frames_numbers_and_replays_batches(tmp_path, encoding):
 
 def test_publisher_that_cannot_bind_fails_at_start(tmp_path):
     zmq = pytest.importorskip("zmq")
-    from jaxserve.kv_events import make_publisher
+    from jaxserve.core.kv_events import make_publisher
 
     taken = zmq.Context.instance().socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://127.0.0.1")
@@ -372,7 +372,7 @@ def test_a_served_request_publishes_its_pages_and_their_eviction():
 
 
 def test_kv_events_need_pyzmq_and_msgpack(monkeypatch):
-    from jaxserve.kv_events import check_dependencies, make_publisher
+    from jaxserve.core.kv_events import check_dependencies, make_publisher
 
     monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq raises ImportError
     with pytest.raises(ImportError, match=r"pyzmq: pip install 'jaxserve\[kv-events\]'"):

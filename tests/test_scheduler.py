@@ -12,10 +12,10 @@ from helpers import SP
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
-from jaxserve.request import Request, RequestStatus
-from jaxserve.scheduler import Scheduler
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sched.scheduler import Scheduler
 
 
 def kv(prev, token):

@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 from helpers import CharTokenizer, SchedulerEngine
 
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.core.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.server.app import below_pattern, build_app
 from jaxserve.server.metrics import parse_metrics
 from jaxserve.server.params import completion_logprobs

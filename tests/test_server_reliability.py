@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.app import build_app
 from jaxserve.server.async_engine import MAX_STEP_FAILURES
 from jaxserve.server.launch import ServerThread, free_port

@@ -14,8 +14,8 @@ import pytest
 from helpers import SMALL_POOL_ENGINE
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.core.sampling_params import StructuredOutputsParams
 from jaxserve.sampling import SamplingMetadata, sample
-from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.structured import ConstraintUnsatisfiable, StructuredOutputs, endless_refs
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -16,7 +16,7 @@ import pytest
 from helpers import tiny_model
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from jaxserve.core.sched.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxserve.wire import StepDecoder, StepEncoder
 
 DECODE_STEP_BYTES = 4096  # the bound for a decode step of 128 requests, none new

@@ -174,7 +174,7 @@ def build_app(
             tokenized; None: no limit.
         tool_call_parser: the format tool calls are read in (``jaxserve.server.tools.PARSERS``: hermes,
             llama3_json, mistral); None: the one the chat template calls for.
-        kv_events: ``--kv-events-config`` (a ``jaxserve.kv_events.KVEventsConfig``, its dict or JSON): publish the
+        kv_events: ``--kv-events-config`` (a ``jaxserve.core.kv_events.KVEventsConfig``, its dict or JSON): publish the
             engine's KV-cache events for prefix-aware routers; None: none.
     """
     if tool_call_parser is not None and tool_call_parser not in PARSERS:

@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxserve.kv_events import make_publisher
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.kv_events import make_publisher
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.structured import ConstraintUnsatisfiable
@@ -117,7 +117,7 @@ class AsyncEngine:
         engine: the engine; from ``start()`` on only the engine thread touches it.
         model_name: the name metrics are labeled with.
         max_waiting: admitted requests without a first token beyond which new ones get ``ServerBusyError``.
-        kv_events: a ``jaxserve.kv_events.KVEventsConfig`` (or its dict / JSON): when enabled, the engine records
+        kv_events: a ``jaxserve.core.kv_events.KVEventsConfig`` (or its dict / JSON): when enabled, the engine records
             its prefix cache's changes and the engine thread hands each step's to a ZMQ publisher, which
             ``start()`` opens and ``shutdown()`` closes.
 

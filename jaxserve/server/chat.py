@@ -11,7 +11,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.core.outputs import RequestOutput
 from jaxserve.server.errors import APIError
 from jaxserve.server.params import (
     Constraint,

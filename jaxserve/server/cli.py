@@ -26,7 +26,7 @@ def serve(args) -> int:
         initialize(args.coordinator, args.num_processes, args.process_id)
     kv_events = getattr(args, "kv_events_config", None)  # parsed by the flag
     if kv_events is not None and kv_events.enabled:  # before the model loads: say at once what is missing
-        from jaxserve.kv_events import check_dependencies
+        from jaxserve.core.kv_events import check_dependencies
 
         try:
             check_dependencies()

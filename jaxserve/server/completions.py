@@ -9,7 +9,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.errors import APIError
 from jaxserve.server.params import (
     check_context,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxserve.outputs import Logprob
-from jaxserve.request import check_prompt_length, out_of_vocabulary
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import Logprob
+from jaxserve.core.request import check_prompt_length, out_of_vocabulary
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import _SamplingRequest
 
@@ -146,7 +146,7 @@ def sampling_params(
 
 
 def check_token_ids(ids, vocab_size: int, param: str) -> None:
-    """400 naming ``param`` if any id is outside the vocabulary (``jaxserve.request.out_of_vocabulary``)."""
+    """400 naming ``param`` if any id is outside the vocabulary (``jaxserve.core.request.out_of_vocabulary``)."""
     bad = out_of_vocabulary(ids, vocab_size)
     if bad:
         raise APIError(400, f"{param}: token ids {bad} are outside the vocabulary [0, {vocab_size})", param=param)
@@ -154,7 +154,7 @@ def check_token_ids(ids, vocab_size: int, param: str) -> None:
 
 def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> None:
     """400 (naming both lengths) unless the prompt, plus max_tokens when given, fits the context; the prompt alone
-    by the engine's rule (``jaxserve.request.check_prompt_length``), in OpenAI's words."""
+    by the engine's rule (``jaxserve.core.request.check_prompt_length``), in OpenAI's words."""
     try:
         check_prompt_length(num_prompt, max_model_len)
     except ValueError:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SEED_RANGE
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SEED_RANGE
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request

@@ -18,7 +18,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.async_engine import EngineDeadError, EngineStepError, ServerBusyError
 from jaxserve.server.chat import render_chat
 from jaxserve.server.errors import APIError

@@ -12,8 +12,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server import DEFAULT_MAX_PROMPT_CHARS
 from jaxserve.server.async_engine import (
     AsyncEngine,

@@ -18,7 +18,7 @@ sends each step's events of one replica as one batch, from its own thread, as vL
   ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``. Checked by decoding this stream with the
   event classes of vLLM's own wheels, 0.23 to 0.34;
 * block hashes as vLLM sends them by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): unsigned 64-bit
-  integers, the last 8 bytes (big-endian) of the page's sha256 (``jaxserve.block_manager.hash_page``);
+  integers, the last 8 bytes (big-endian) of the page's sha256 (``jaxserve.core.block_manager.hash_page``);
 * an optional ROUTER replay socket: a request ``[b"", start_seq (8 bytes, big-endian)]`` is answered with every
   buffered batch from ``start_seq`` on, ``[b"", topic, seq, payload]`` each, then ``[b"", b"", -1 (8 bytes,
   signed), b""]`` (vLLM 0.26 and later); in the ``"array"`` encoding, as vLLM up to 0.25 answers,
@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 
-logger = logging.getLogger("jaxserve.kv_events")
+logger = logging.getLogger("jaxserve.core.kv_events")
 
 MEDIUM = "GPU"  # vLLM's name for the accelerator's KV pool, whatever the accelerator
 ENCODINGS = ("array", "map")

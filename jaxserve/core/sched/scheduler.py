@@ -7,7 +7,7 @@ waiting ones (after a prefix-cache lookup) while budget, sequences and pages las
 mixed batches all come out of that one rule. When a running request cannot get a page, the newest running
 request (lowest priority under "priority") is preempted: its pages are freed, its tokens kept, and it is
 recomputed later. How a step's results come back, after the step or while the next one runs (async scheduling),
-is a policy of its own (``jaxserve.step_policy``). Plain Python, no tensor library; ``SchedulerOutput`` is the one
+is a policy of its own (``jaxserve.core.sched.step_policy``). Plain Python, no tensor library; ``SchedulerOutput`` is the one
 contract to the runner.
 """
 
@@ -17,17 +17,17 @@ import dataclasses
 from collections import deque
 from typing import Any
 
-from jaxserve.block_manager import BlockManager
 from jaxserve.config import SchedulerConfig
-from jaxserve.request import (
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.request import (
     FINISH_STATUS,
     Request,
     RequestStatus,
     check_prompt_length,
     max_computed_tokens,
 )
+from jaxserve.core.sched.step_policy import step_policy
 from jaxserve.speculative import PLACEHOLDER, propose_ngram, speculates
-from jaxserve.step_policy import step_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ class ScheduledRequest:
     # tokens they confirm (``jaxserve.speculative``).
     draft_token_ids: tuple[int, ...] = ()
     # Async scheduling: the chunk's first token, at ``start_pos``, is the one the previous step samples for this
-    # request, whose value the scheduler does not know yet (``jaxserve.step_policy``): the runner reads it on the
+    # request, whose value the scheduler does not know yet (``jaxserve.core.sched.step_policy``): the runner reads it on the
     # device. It is not in ``token_ids``.
     from_previous_step: bool = False
 
@@ -156,7 +156,7 @@ class Scheduler:
 
         Raises:
             ValueError: the id is in use, the prompt leaves no room to generate within ``max_model_len``
-                (``jaxserve.request.check_prompt_length``), or the request may need more pages than the whole
+                (``jaxserve.core.request.check_prompt_length``), or the request may need more pages than the whole
                 pool.
         """
         self.add_requests([request])

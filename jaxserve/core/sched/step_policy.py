@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from jaxserve.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+    from jaxserve.core.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 
 class SyncPolicy:

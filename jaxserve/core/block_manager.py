@@ -14,7 +14,7 @@ Plain Python over ints; the device pool itself lives in the runner. Design (afte
   >= a request's ``num_computed_tokens``; if such a page is shared or cached, the writer gets a fresh
   page plus a ``(src, dst)`` copy op that the runner must apply before the step's KV writes.
 - **Events.** After ``enable_kv_events()`` the cache's changes are recorded for prefix-aware routers
-  (``jaxserve.kv_events``): ``BlockStored`` when ``commit`` registers hashes, ``BlockRemoved`` when a cached
+  (``jaxserve.core.kv_events``): ``BlockStored`` when ``commit`` registers hashes, ``BlockRemoved`` when a cached
   page is evicted; ``drain_kv_events()`` takes them. Off by default, and then nothing is recorded.
 """
 
@@ -24,8 +24,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from jaxserve.kv_events import BlockRemoved, BlockStored
-from jaxserve.request import Request
+from jaxserve.core.kv_events import BlockRemoved, BlockStored
+from jaxserve.core.request import Request
 from jaxserve.utils import cdiv
 
 NULL_PAGE = 0

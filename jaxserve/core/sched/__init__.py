@@ -1,0 +1,1 @@
+"""Scheduling: the scheduler, its asynchronous and pipelined variants, and the step it hands the runner."""
