@@ -3,7 +3,7 @@
 One process, DP 1 / 2 / 4 (simulated CPU devices, async scheduling): process 0 schedules, packs, launches and reads
 back every replica from one thread, one replica after another; a replica's device step overlaps the host work on
 the next replica, but the host work itself adds up. A process per replica, DP 2 / 4 (``jax.distributed`` on
-localhost, one device each, ``jaxserve.remote``): process 0 still schedules every replica, but packs and reads back
+localhost, one device each, ``jaxserve.engine.remote_replica``): process 0 still schedules every replica, but packs and reads back
 only its own; for the others it encodes their changes and decodes their results. One replica over 2 / 4
 processes (TP 2 / 4, one device each): process 0 also sends its changes to the followers (``jaxserve.wire``).
 

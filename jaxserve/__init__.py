@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "jaxserve.llm",
-    "LLMEngine": "jaxserve.engine",
+    "LLMEngine": "jaxserve.engine.llm_engine",
     "SamplingParams": "jaxserve.core.sampling_params",
     "RequestOutput": "jaxserve.core.outputs",
     "CompletionOutput": "jaxserve.core.outputs",

@@ -347,7 +347,7 @@ def plan(
     """
     from jax.sharding import AbstractMesh
 
-    from jaxserve.engine import DEFAULT_MAX_MODEL_LEN
+    from jaxserve.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
     from jaxserve.models.schema import param_schema
     from jaxserve.pipeline import stage_layers
     from jaxserve.runner import ModelRunner

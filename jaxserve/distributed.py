@@ -124,7 +124,7 @@ class StepChannel:
     """One process -> some others: an ordered stream of small Python messages (pickled, compressed).
 
     Process 0 -> the others by default; a data-parallel group's results come back on one the other way
-    (``jaxserve.remote``). Each stream has its own keys, under ``name``.
+    (``jaxserve.engine.remote_replica``). Each stream has its own keys, under ``name``.
 
     The sender's ``send`` only queues the message: a sender thread stores it under its own key, off the step's
     critical path. Each receiver says how far it has read every ``_ACK_EVERY`` messages, and the sender deletes

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]

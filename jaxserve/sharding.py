@@ -7,7 +7,7 @@ One engine replica runs one SPMD program over a ``Mesh`` with axes ``("stage", "
   row-parallel (one all-reduce each per layer), the logits are computed per vocabulary shard and gathered once
   before sampling. The KV pool is split over KV heads, so each device stores and reads only its heads.
 * ``data`` is reserved for data parallelism inside one program; today data-parallel replicas are separate
-  programs on disjoint sub-meshes (see ``jaxserve.engine``), so a replica's mesh has ``data`` of size 1.
+  programs on disjoint sub-meshes (see ``jaxserve.engine.llm_engine``), so a replica's mesh has ``data`` of size 1.
 * ``stage`` is pipeline parallelism: the layer stacks and the KV pool split over it by layer
   (``PipelineTick``), each stage's devices holding their layers' weights and pages. Size 1 without it.
 

@@ -14,7 +14,7 @@ from helpers import WARMUP_ENGINE, first_layers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, SchedulerConfig, bytes_or_fraction
-from jaxserve.engine import StepFailed
+from jaxserve.engine.llm_engine import StepFailed
 from jaxserve.kv_pool import KVPool, available_host_memory, coarse_floor
 
 pytestmark = pytest.mark.slow
@@ -392,14 +392,14 @@ def test_a_dropped_engine_is_freed_before_the_next_one_is_built(default_loaded):
 def test_memory_maps_near_the_limit_warn(caplog):
     """Past vm.max_map_count a compile crashes the process (XLA:CPU keeps ~350 mappings per compiled step): the
     engine warns after warm-up when the process holds most of them."""
-    from jaxserve.engine import warn_memory_maps
+    from jaxserve.engine.llm_engine import warn_memory_maps
 
     used = warn_memory_maps()
     assert used is not None and used > 100  # this process maps its libraries at least
-    with caplog.at_level("WARNING", logger="jaxserve.engine"):
+    with caplog.at_level("WARNING", logger="jaxserve.engine.llm_engine"):
         warn_memory_maps(share=0.0)  # any use is over a share of 0
     assert any("vm.max_map_count" in r.message for r in caplog.records)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="jaxserve.engine"):
+    with caplog.at_level("WARNING", logger="jaxserve.engine.llm_engine"):
         warn_memory_maps(share=1.0)
     assert not caplog.records

@@ -653,7 +653,7 @@ def test_text_that_is_not_unicode_is_a_value_error(text):
     naming it and where it is, from encode, the chat template and a request's prompt, not the tokenizers library's
     TypeError."""
     from jaxserve.defaults import default_model_path
-    from jaxserve.input_processor import InputProcessor
+    from jaxserve.engine.input_processor import InputProcessor
 
     tok = load_tokenizer(default_model_path())
     at = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)

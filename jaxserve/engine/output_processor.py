@@ -17,7 +17,7 @@ from jaxserve.structured import Matcher
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from jaxserve.engine import Replica
+    from jaxserve.engine.llm_engine import Replica
 
 
 @dataclasses.dataclass

@@ -29,11 +29,11 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.distributed import StepChannel, agree, multi_process, replica_groups
 from jaxserve.draft import DraftProposer
-from jaxserve.input_processor import InputProcessor
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor, Sequence, TrackedRequest
+from jaxserve.engine.remote_replica import GroupLink, RemoteRunner, follow_group
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
-from jaxserve.output_processor import OutputProcessor, Sequence, TrackedRequest
-from jaxserve.remote import GroupLink, RemoteRunner, follow_group
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.structured import StructuredOutputs
@@ -263,7 +263,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ several processes
     def _connect(self, groups: list[tuple[tuple[int, ...], list[int]]], home: int) -> None:
         """Several processes: the channels from process 0 to the others, and on process 0 a ``RemoteRunner`` for
-        each replica of another group (``jaxserve.remote``). ``home``: this process' group."""
+        each replica of another group (``jaxserve.engine.remote_replica``). ``home``: this process' group."""
         me = jax.process_index()
         procs, _ = groups[0]  # process 0's group: the other processes of its replica follow its steps
         if len(procs) > 1 and home == 0:
