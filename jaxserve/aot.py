@@ -350,7 +350,7 @@ def plan(
     from jaxserve.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
     from jaxserve.models.schema import param_schema
     from jaxserve.pipeline import stage_layers
-    from jaxserve.runner import ModelRunner
+    from jaxserve.runner.model_runner import ModelRunner
     from jaxserve.sharding import MESH_AXES, check_pipeline, kv_heads_for, make_mesh, rules_for
 
     name, cfg = _model_config(model)

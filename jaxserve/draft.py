@@ -28,7 +28,7 @@ class DraftProposer:
     """Runs the draft model of one replica.
 
     Args:
-        runner_cls: ``jaxserve.runner.ModelRunner`` (passed in to keep this module free of jax at import).
+        runner_cls: ``jaxserve.runner.model_runner.ModelRunner`` (passed in to keep this module free of jax at import).
         draft: the draft model (``LoadedModel``), of the target's vocabulary size.
         num_pages, page_size: the target pool's (the draft pool has as many pages, of its own shape).
         sched_cfg: the target's scheduler settings (the draft's steps use the same budgets).

@@ -210,7 +210,7 @@ def test_fed_rows_0_and_1_never_read_as_token_ids_or_placeholders():
     """The tokens fed from the previous step's samples (rows 0 and 1 of them here) are named in an index array of
     their own, apart from the token ids: a draft model's placeholder (-1) left unfilled is refused, never taken for
     fed row 0, and no token id is ever negative."""
-    from jaxserve.input_batch import InputBatch
+    from jaxserve.runner.input_batch import InputBatch
     from jaxserve.speculative import PLACEHOLDER
 
     batch = InputBatch(4, [8, 16], [4], max_seqs=4, num_speculative_tokens=2)

@@ -15,7 +15,7 @@ from helpers import WARMUP_ENGINE, first_layers
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, SchedulerConfig, bytes_or_fraction
 from jaxserve.engine.llm_engine import StepFailed
-from jaxserve.kv_pool import KVPool, available_host_memory, coarse_floor
+from jaxserve.runner.kv_pool import KVPool, available_host_memory, coarse_floor
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog)
     # Step shapes, not depth, decide what compiles: two layers (tests/test_engine.py's warm-up test builds the same).
     llm = LLM(first_layers(default_loaded), **WARMUP_ENGINE)
     runner = llm.engine.runner
-    with caplog.at_level("INFO", logger="jaxserve.compilation"):
+    with caplog.at_level("INFO", logger="jaxserve.runner.compilation"):
         assert runner.warmup() == len(runner.compiler.buckets.shapes())
     assert f"warm-up: {len(runner.compiler.buckets.shapes())} step variants" in caplog.text
     before = runner.num_compilations
@@ -288,7 +288,7 @@ def test_cpu_pool_sized_from_available_memory(monkeypatch, tmp_path, caplog):
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:    2097152 kB\n")
     assert available_host_memory(str(meminfo)) == 2 << 30
     assert available_host_memory(str(tmp_path / "missing")) > 0  # falls back to sysconf
-    import jaxserve.kv_pool as pool_mod
+    import jaxserve.runner.kv_pool as pool_mod
 
     sched = SchedulerConfig(max_num_seqs=64, max_model_len=2048)  # wants 64 * 128 + 1 pages
     pages = lambda **kw: KVPool.pages_from_memory(_FakePool(), CacheConfig(**kw), sched)  # noqa: E731
@@ -297,7 +297,7 @@ def test_cpu_pool_sized_from_available_memory(monkeypatch, tmp_path, caplog):
     cases = ((2 << 30, 512), ((2 << 30) - (100 << 20), 448), (64 << 30, 4096), (1 << 40, 4096), (8 << 20, 2))
     for available, expected in cases:
         monkeypatch.setattr(pool_mod, "available_host_memory", lambda a=available: a)
-        with caplog.at_level("INFO", logger="jaxserve.kv_pool"):
+        with caplog.at_level("INFO", logger="jaxserve.runner.kv_pool"):
             assert pages() == expected, available
         assert f"KV pool: {expected} pages of 16 tokens = {expected * 16} tokens" in caplog.text
     monkeypatch.setattr(pool_mod, "available_host_memory", lambda: 2 << 30)

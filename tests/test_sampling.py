@@ -560,7 +560,7 @@ def test_argmax_rows_is_argmax():
 def test_prompt_logprobs_in_row_blocks_equal_numpy_over_the_whole_step():
     """A 512-token step's prompt logprobs are computed PROMPT_LOGPROBS_ROWS rows at a time (2 blocks here): the
     same logprobs and top logprobs as numpy's log-softmax over all 512 rows at once; with no target, zeros."""
-    from jaxserve.runner import PROMPT_LOGPROBS_ROWS, _prompt_logprobs
+    from jaxserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, _prompt_logprobs
     from jaxserve.sampling import MAX_LOGPROBS
 
     rng = np.random.default_rng(5)

@@ -34,7 +34,7 @@ from jaxserve.engine.output_processor import OutputProcessor, Sequence, TrackedR
 from jaxserve.engine.remote_replica import GroupLink, RemoteRunner, follow_group
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
-from jaxserve.runner import ModelRunner, default_dtype
+from jaxserve.runner.model_runner import ModelRunner, default_dtype
 from jaxserve.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.structured import StructuredOutputs
 from jaxserve.tokenizer import Tokenizer, load_tokenizer

@@ -25,7 +25,7 @@ import jax
 
 from jaxserve.core.sched.scheduler import SchedulerOutput
 from jaxserve.distributed import StepChannel
-from jaxserve.runner import ModelRunner, RunnerOutput
+from jaxserve.runner.model_runner import ModelRunner, RunnerOutput
 from jaxserve.wire import StepEncoder, has_changes
 
 

@@ -17,7 +17,7 @@ instead of ``tokens``' (-1: none): async scheduling launches a step before the h
 tokens. The step returns its own samples as the next step's ``fed``. Everything the step
 reads is an argument: no Python value is frozen into a trace except the static shapes (and the ``decode_only``
 variant), so one compilation serves every mix of requests of the same bucket. The buckets, the jitted step of each
-variant, warm-up and ahead-of-time lowering are ``jaxserve.compilation``'s (``ModelRunner.compiler``).
+variant, warm-up and ahead-of-time lowering are ``jaxserve.runner.compilation``'s (``ModelRunner.compiler``).
 
 The step is one SPMD program over the runner's mesh (``jaxserve.sharding``): weights placed shard by shard by
 their logical axes, the pool split over KV heads, the kernels under ``shard_map``, the logits gathered once
@@ -40,18 +40,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import kernels, quant
-from jaxserve.compilation import StepBuckets, StepCompiler, padded_batch
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.scheduler import SchedulerOutput
-from jaxserve.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.kernels.attention import cpu as attention_cpu
 from jaxserve.kernels.cpu import ffi as cpu_ffi
 from jaxserve.kernels.matmul import cpu as matmul_cpu
-from jaxserve.kv_pool import KVPool
 from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.models.decoder import OUTPUT_AXES, model_from_params
 from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
+from jaxserve.runner.compilation import StepBuckets, StepCompiler, padded_batch
+from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
+from jaxserve.runner.kv_pool import KVPool
 from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sharding import (
     VOCAB_SPEC,
@@ -118,7 +118,7 @@ def default_dtype() -> str:
 
 class ModelRunner:
     """Owns the parameters, the page pool, the live requests' state, and the running of steps (``launch`` /
-    ``collect``); its ``compiler`` (``jaxserve.compilation.StepCompiler``) owns the compiled steps.
+    ``collect``); its ``compiler`` (``jaxserve.runner.compilation.StepCompiler``) owns the compiled steps.
 
     Args:
         model_cfg: the model.

@@ -12,11 +12,11 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.compilation import pick
 from jaxserve.core.block_manager import NULL_PAGE
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.scheduler import SchedulerOutput
 from jaxserve.models.decoder import AttentionBatch
+from jaxserve.runner.compilation import pick
 from jaxserve.utils import cdiv
 
 

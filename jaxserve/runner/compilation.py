@@ -29,7 +29,7 @@ from jaxserve.models.decoder import AttentionBatch
 from jaxserve.utils import cdiv, next_pow2
 
 if TYPE_CHECKING:
-    from jaxserve.runner import ModelRunner
+    from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class StepCompiler:
 
     Args:
         runner: the ``ModelRunner`` whose step this is: ``runner.step_function(decode_only)`` is what a step computes
-            (a pure function of its arguments, see ``jaxserve.runner``); its weights, KV pool and fed-forward
+            (a pure function of its arguments, see ``jaxserve.runner.model_runner``); its weights, KV pool and fed-forward
             samples, placed on its mesh, give the arguments' shardings, and with its sampler arrays the example
             arguments of warm-up and lowering.
         buckets: the shapes.
