@@ -5,7 +5,7 @@ back every replica from one thread, one replica after another; a replica's devic
 the next replica, but the host work itself adds up. A process per replica, DP 2 / 4 (``jax.distributed`` on
 localhost, one device each, ``jaxserve.engine.remote_replica``): process 0 still schedules every replica, but packs and reads back
 only its own; for the others it encodes their changes and decodes their results. One replica over 2 / 4
-processes (TP 2 / 4, one device each): process 0 also sends its changes to the followers (``jaxserve.wire``).
+processes (TP 2 / 4, one device each): process 0 also sends its changes to the followers (``jaxserve.parallel.step_wire``).
 
 Accounting, per ``engine.step()`` of process 0: its host time is the step's wall time minus the time it blocked,
 waiting for a device's results (``runner._fetch``) or for a remote replica's (the result channel's ``recv``); its
@@ -166,7 +166,7 @@ def main() -> None:
     if args.worker:
         coordinator, n, i = args.group
         if int(n) > 1:
-            from jaxserve.distributed import initialize
+            from jaxserve.parallel.distributed import initialize
 
             initialize(coordinator, int(n), int(i))
         result = measure(*args.worker, args.requests, args.output_len)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.aot import no_persistent_cache, topology_devices
 from jaxserve.config import load_preset
 from jaxserve.models.schema import moe_block
-from jaxserve.sharding import logical_spec, make_mesh, rules_for, shard_moe
+from jaxserve.parallel.sharding import logical_spec, make_mesh, rules_for, shard_moe
 
 _COLLECTIVES = ("all-reduce", "all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter", "collective-permute")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "s8": 1, "u8": 1}

@@ -1,7 +1,7 @@
-"""What process 0 sends its followers per decode step, before and after ``jaxserve.wire``, measured in one process.
+"""What process 0 sends its followers per decode step, before and after ``jaxserve.parallel.step_wire``, measured in one process.
 
 Before (up to fdc36f5) process 0 pickled and compressed each step's packed arrays, the fixed-width sampler arrays
-included; now it sends the scheduler's changes (``jaxserve.wire``). Both are measured on the same steps: the run's
+included; now it sends the scheduler's changes (``jaxserve.parallel.step_wire``). Both are measured on the same steps: the run's
 runner publishes the new message on a recording channel, and the packed arrays the old code sent are pickled and
 compressed beside it, as the old ``StepChannel.send`` did. Host time is what process 0 spends building the message
 (encode, pickle, zlib); the old code also made two synchronous key-value RPCs a step, not counted here.

@@ -349,9 +349,9 @@ def plan(
 
     from jaxserve.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
     from jaxserve.models.schema import param_schema
-    from jaxserve.pipeline import stage_layers
+    from jaxserve.parallel.pipeline import stage_layers
+    from jaxserve.parallel.sharding import MESH_AXES, check_pipeline, kv_heads_for, make_mesh, rules_for
     from jaxserve.runner.model_runner import ModelRunner
-    from jaxserve.sharding import MESH_AXES, check_pipeline, kv_heads_for, make_mesh, rules_for
 
     name, cfg = _model_config(model)
     chip, num_chips = parse_topology(topology)

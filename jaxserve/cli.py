@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         rc, why = 130, "interrupted"
     else:
         why = f"exited with status {rc}"
-    distributed = sys.modules.get("jaxserve.distributed")  # imported only by commands that may join a group
+    distributed = sys.modules.get("jaxserve.parallel.distributed")  # imported only by commands that may join a group
     return distributed.exit_group(rc, why) if rc and distributed else rc
 
 

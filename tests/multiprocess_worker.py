@@ -19,7 +19,7 @@ coordinator, num_processes, process_id, model_dir, tp = sys.argv[1:6]
 dp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
 pp = int(sys.argv[7]) if len(sys.argv) > 7 else 1
 
-from jaxserve.distributed import initialize  # noqa: E402
+from jaxserve.parallel.distributed import initialize  # noqa: E402
 
 initialize(coordinator, int(num_processes), int(process_id))
 

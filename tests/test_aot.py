@@ -76,8 +76,8 @@ def test_tpu_pool_pages_take_their_arithmetic_bytes_at_tp_16():
 
     from jaxserve.aot import no_persistent_cache, topology_devices
     from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.parallel.sharding import kv_heads_for, make_mesh
     from jaxserve.runner.kv_pool import KVPool
-    from jaxserve.sharding import kv_heads_for, make_mesh
 
     cfg = load_preset("llama-3.1-70b")
     cfg = dataclasses.replace(cfg, num_kv_heads=kv_heads_for(cfg, 16))  # as the runner repeats them

@@ -254,7 +254,7 @@ def test_parallelism_split_says_what_the_engine_serves():
     """docs/parallelism.md's "The split" gives an example split (L layers over S stages): jaxserve plan's stage sizes
     as written, and, where the engine refuses it, the engine's own error quoted word for word."""
     from jaxserve import LLM
-    from jaxserve.pipeline import stage_layers
+    from jaxserve.parallel.pipeline import stage_layers
 
     (para,) = [
         p for p in (ROOT / "docs" / "parallelism.md").read_text().split("\n\n") if p.startswith("**The split.**")

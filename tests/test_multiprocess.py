@@ -282,7 +282,7 @@ def test_two_pipeline_stages_serve_like_one_and_losing_either_ends_the_other(tin
     step. Then a process is killed: the other ends non-zero. Process 0, losing its follower, finds it lost itself
     within the heartbeat timeout and exits PROCESS_LOST_EXIT naming it, before jax's coordination service would
     abort it (SIGABRT, exit 134, a C++ stack dump)."""
-    from jaxserve.distributed import PROCESS_LOST_EXIT
+    from jaxserve.parallel.distributed import PROCESS_LOST_EXIT
 
     port = _free_port()
     serve = _serve_cmd(tiny_ckpt, port, 2, 2, "--no-warmup", "--pipeline-parallel-size", "2")

@@ -21,7 +21,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.loading import LoadedModel
 from jaxserve.models.schema import param_schema
-from jaxserve.sharding import DEFAULT_RULES, KV_POOL_SPEC, logical_spec, make_mesh
+from jaxserve.parallel.sharding import DEFAULT_RULES, KV_POOL_SPEC, logical_spec, make_mesh
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64)
@@ -147,7 +147,7 @@ def test_logical_rules_name_the_parameter():
 
 def test_orbax_restores_shards_onto_another_mesh(default_loaded, default_model_path, tmp_path):
     from jaxserve.loading import load_model, orbax_ckpt
-    from jaxserve.sharding import checkpoint_shardings
+    from jaxserve.parallel.sharding import checkpoint_shardings
 
     tiny = _tiny(default_loaded.tokenizer_path, num_heads=8, num_kv_heads=4)
     written = LLM(tiny, tensor_parallel_size=2, **ENGINE)  # the checkpoint is written from arrays split 2 ways
@@ -192,7 +192,7 @@ def test_data_parallel_steady_state_does_not_recompile(tiny):
 
 def test_gguf_loads_tensor_by_tensor_onto_the_mesh(default_model_path, default_loaded):
     from jaxserve.loading import load_model
-    from jaxserve.sharding import checkpoint_shardings
+    from jaxserve.parallel.sharding import checkpoint_shardings
 
     mesh = make_mesh(3)
     loaded = load_model(default_model_path, "float32", shardings=lambda cfg: checkpoint_shardings(cfg, mesh))

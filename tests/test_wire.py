@@ -1,4 +1,4 @@
-"""What process 0 sends its followers each step (``jaxserve.wire``): the scheduler's changes, not packed arrays.
+"""What process 0 sends its followers each step (``jaxserve.parallel.step_wire``): the scheduler's changes, not packed arrays.
 
 The encoding round-trips every field of a ``SchedulerOutput``; a decode step of 128 requests costs at most 4 KB on
 the wire; and a follower that packs its own arrays from the messages computes the tokens process 0 computed (one
@@ -17,13 +17,13 @@ from helpers import tiny_model
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.sched.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
-from jaxserve.wire import StepDecoder, StepEncoder
+from jaxserve.parallel.step_wire import StepDecoder, StepEncoder
 
 DECODE_STEP_BYTES = 4096  # the bound for a decode step of 128 requests, none new
 
 
 def _wire(message) -> bytes:
-    """As ``jaxserve.distributed.StepChannel`` sends it."""
+    """As ``jaxserve.parallel.distributed.StepChannel`` sends it."""
     return zlib.compress(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
 
@@ -195,7 +195,7 @@ def _meshes(per_process: int, processes: int, tp: int):
     ],
 )
 def test_replicas_are_grouped_by_the_processes_they_span(per_process, processes, tp, groups):
-    from jaxserve.distributed import replica_groups
+    from jaxserve.parallel.distributed import replica_groups
 
     assert replica_groups(_meshes(per_process, processes, tp)) == groups
 
@@ -203,7 +203,7 @@ def test_replicas_are_grouped_by_the_processes_they_span(per_process, processes,
 def test_a_replica_sharing_a_process_with_another_is_refused():
     """3 processes x 2 devices at tensor parallelism 3: replica 0 takes process 1's first device, replica 1 its
     second. Process 1 could not follow two groups' steps in order."""
-    from jaxserve.distributed import replica_groups
+    from jaxserve.parallel.distributed import replica_groups
 
     with pytest.raises(ValueError, match=r"replica 0 spans processes \[0, 1\] and replica 1 processes \[1, 2\]"):
         replica_groups(_meshes(2, 3, 3))

@@ -27,15 +27,15 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.scheduler import Scheduler
-from jaxserve.distributed import StepChannel, agree, multi_process, replica_groups
 from jaxserve.draft import DraftProposer
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, Sequence, TrackedRequest
 from jaxserve.engine.remote_replica import GroupLink, RemoteRunner, follow_group
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
+from jaxserve.parallel.distributed import StepChannel, agree, multi_process, replica_groups
+from jaxserve.parallel.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.runner.model_runner import ModelRunner, default_dtype
-from jaxserve.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.structured import StructuredOutputs
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -288,7 +288,7 @@ class LLMEngine:
         """A follower's loop: runs process 0's steps until it releases the followers; returns what it sent.
 
         Raises:
-            jaxserve.distributed.FollowerLost: process 0 died or became unreachable.
+            jaxserve.parallel.distributed.FollowerLost: process 0 died or became unreachable.
         """
         if self._link is not None:
             return follow_group([r.runner for r in self.replicas], self._link)

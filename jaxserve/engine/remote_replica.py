@@ -5,7 +5,7 @@ Under several processes with ``data_parallel_size`` > 1, each replica spans a gr
 all. The replicas of process 0's own group run in process 0, their other processes following as on one replica
 (``ModelRunner.follow``). For every other group, process 0 holds a ``RemoteRunner`` per replica:
 
-- ``launch`` sends the step's changes (``jaxserve.wire``: bytes, not arrays) on the group's step channel and
+- ``launch`` sends the step's changes (``jaxserve.parallel.step_wire``: bytes, not arrays) on the group's step channel and
   returns at once;
 - ``collect`` asks the group to read that replica's oldest step back, and waits for its results, which the
   group's first process sends on a channel of its own.
@@ -24,9 +24,9 @@ import dataclasses
 import jax
 
 from jaxserve.core.sched.scheduler import SchedulerOutput
-from jaxserve.distributed import StepChannel
+from jaxserve.parallel.distributed import StepChannel
+from jaxserve.parallel.step_wire import StepEncoder, has_changes
 from jaxserve.runner.model_runner import ModelRunner, RunnerOutput
-from jaxserve.wire import StepEncoder, has_changes
 
 
 class GroupLink:
@@ -76,7 +76,7 @@ class RemoteRunner:
         return 0  # the group's processes warm their replicas up themselves
 
     def pool_donated(self) -> bool:
-        return False  # a failed step on the group ends every process (jaxserve.distributed)
+        return False  # a failed step on the group ends every process (jaxserve.parallel.distributed)
 
 
 def follow_group(runners: list[ModelRunner], link: GroupLink):
@@ -84,7 +84,7 @@ def follow_group(runners: list[ModelRunner], link: GroupLink):
     when process 0 asks (the group's first process sends them), until process 0 sends an end; returns its payload.
 
     Raises:
-        jaxserve.distributed.FollowerLost: process 0 died or became unreachable.
+        jaxserve.parallel.distributed.FollowerLost: process 0 died or became unreachable.
     """
     in_flight = [collections.deque() for _ in runners]
     while True:

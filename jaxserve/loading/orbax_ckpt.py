@@ -118,7 +118,7 @@ def load(path: str | Path, shardings: Callable[[ModelConfig], dict] | None = Non
     stored = ckpt.metadata(path / "params")
     stored = getattr(stored, "item_metadata", stored)  # orbax >= 0.11 wraps the tree
     placement = shardings(cfg)
-    from jaxserve.sharding import fit_sharding
+    from jaxserve.parallel.sharding import fit_sharding
 
     def abstract(m, sharding):
         return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=fit_sharding(sharding, tuple(m.shape)))

@@ -35,7 +35,7 @@ KINDS = ("embedding", "linear", "bias", "norm", "router", "experts", "absorbed")
 class ParamSpec:
     """One parameter.
 
-    Logical axes (``jaxserve.sharding.DEFAULT_RULES`` maps them to mesh axes): ``layers`` (the stacked layer
+    Logical axes (``jaxserve.parallel.sharding.DEFAULT_RULES`` maps them to mesh axes): ``layers`` (the stacked layer
     axis), ``embed`` (hidden), ``vocab``, ``q_heads`` / ``kv_heads`` (heads x head_dim, flattened), ``heads``
     (one entry per query head), ``head_dim``, ``mlp`` (the MLP hidden), ``experts``, ``expert_mlp`` (one
     expert's hidden) and ``routes`` (the router's output, one per expert).

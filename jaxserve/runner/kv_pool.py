@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve import kernels
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
-from jaxserve.sharding import kv_pool_specs
+from jaxserve.parallel.sharding import kv_pool_specs
 from jaxserve.utils import cdiv
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs

@@ -19,7 +19,7 @@ reads is an argument: no Python value is frozen into a trace except the static s
 variant), so one compilation serves every mix of requests of the same bucket. The buckets, the jitted step of each
 variant, warm-up and ahead-of-time lowering are ``jaxserve.runner.compilation``'s (``ModelRunner.compiler``).
 
-The step is one SPMD program over the runner's mesh (``jaxserve.sharding``): weights placed shard by shard by
+The step is one SPMD program over the runner's mesh (``jaxserve.parallel.sharding``): weights placed shard by shard by
 their logical axes, the pool split over KV heads, the kernels under ``shard_map``, the logits gathered once
 before sampling. With one device the mesh has one device and nothing else changes.
 """
@@ -49,11 +49,7 @@ from jaxserve.kernels.matmul import cpu as matmul_cpu
 from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.models.decoder import OUTPUT_AXES, model_from_params
 from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
-from jaxserve.runner.compilation import StepBuckets, StepCompiler, padded_batch
-from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
-from jaxserve.runner.kv_pool import KVPool
-from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
-from jaxserve.sharding import (
+from jaxserve.parallel.sharding import (
     VOCAB_SPEC,
     PipelineTick,
     fit_sharding,
@@ -66,9 +62,13 @@ from jaxserve.sharding import (
     shard_moe,
     stages,
 )
+from jaxserve.parallel.step_wire import StepDecoder, StepEncoder, has_changes
+from jaxserve.runner.compilation import StepBuckets, StepCompiler, padded_batch
+from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
+from jaxserve.runner.kv_pool import KVPool
+from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.speculative import accepted
 from jaxserve.structured import bitmask_width
-from jaxserve.wire import StepDecoder, StepEncoder, has_changes
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class ModelRunner:
         one_token_buckets: a token bucket of 1 besides those from 8 (default: on the CPU, when the mesh is one
             device); the engine turns it off for data-parallel replicas.
         expert_parallel: a MoE model's whole experts on each device of the mesh's "model" axis instead of every
-            expert split over them (``jaxserve.sharding.shard_moe``).
+            expert split over them (``jaxserve.parallel.sharding.shard_moe``).
 
     Raises:
         ValueError: a quantization the backend cannot run, or a KV pool that does not fit the memory.
@@ -557,7 +557,7 @@ class ModelRunner:
         return result
 
     def _publish(self, sched: SchedulerOutput, token_masks) -> None:
-        """Process 0 of several: sends the step's changes to the others (``jaxserve.wire``), once it is known to be
+        """Process 0 of several: sends the step's changes to the others (``jaxserve.parallel.step_wire``), once it is known to be
         valid and before its own dispatch; each of them packs the same arrays from them (``follow``)."""
         if self.channel is None or not self.channel.leader:
             return
@@ -605,7 +605,7 @@ class ModelRunner:
                 in_flight.append(flight)
 
     def launch_wire(self, wire: tuple) -> InFlight | None:
-        """``launch`` of a step process 0 sent (``jaxserve.wire``), in the order it sent them."""
+        """``launch`` of a step process 0 sent (``jaxserve.parallel.step_wire``), in the order it sent them."""
         return self.launch(*self._decoder.decode(wire))
 
     def pool_donated(self) -> bool:

@@ -21,7 +21,7 @@ def serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.distributed_auto or args.coordinator or args.num_processes is not None or args.process_id is not None:
-        from jaxserve.distributed import initialize
+        from jaxserve.parallel.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id)
     kv_events = getattr(args, "kv_events_config", None)  # parsed by the flag
@@ -72,7 +72,7 @@ def serve(args) -> int:
 
 def _follow(engine) -> int:
     """Processes other than 0 run process 0's steps until it shuts down (0) or is lost (1, with the cause)."""
-    from jaxserve.distributed import FollowerLost
+    from jaxserve.parallel.distributed import FollowerLost
 
     logger.info("following process 0's steps")
     try:

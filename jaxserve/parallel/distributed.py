@@ -38,7 +38,7 @@ import zlib
 
 import jax
 
-logger = logging.getLogger("jaxserve.distributed")
+logger = logging.getLogger("jaxserve.parallel.distributed")
 
 _ACK_EVERY = 16
 DEFAULT_HEARTBEAT_TIMEOUT_S = int(os.environ.get("JAXSERVE_HEARTBEAT_TIMEOUT_S", 20))

@@ -89,7 +89,7 @@ def check_pipeline(cfg: ModelConfig, pipeline_parallel_size: int, dtype: str | N
     MoE layers in separate stacks, and a program XLA aborts on (a SIGABRT, not an error, so refused here):
     weights other than float32 on the CPU ("Invalid binary instruction opcode copy")."""
     from jaxserve.models.schema import block_layers
-    from jaxserve.pipeline import stage_layers
+    from jaxserve.parallel.pipeline import stage_layers
 
     pp = pipeline_parallel_size
     if pp == 1:

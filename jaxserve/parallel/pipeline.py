@@ -4,7 +4,7 @@ Each stage holds a contiguous run of layers, their weights and their KV pages; t
 output head are on every stage (replicated: 2.1 B of Llama-3.1-70B's 70.6 B parameters). Layer counts the stages do
 not divide split as evenly as possible: the first ``num_layers % stages`` stages take one layer more (30 over 4: 8,
 8, 7, 7). ``jaxserve plan`` plans such splits; the engine serves only layer counts the stages divide
-(``jaxserve.sharding.check_pipeline`` refuses the others).
+(``jaxserve.parallel.sharding.check_pipeline`` refuses the others).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Many devices and processes: the mesh and its sharding rules, distributed processes, the step wire, pipeline stages."""
