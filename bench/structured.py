@@ -48,7 +48,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from jaxserve import LLM, SamplingParams
-    from jaxserve.structured import StructuredOutputs
+    from jaxserve.sampling.structured import StructuredOutputs
 
     llm = LLM(None, max_num_seqs=args.num_requests, max_num_batched_tokens=512, max_model_len=1024)
     engine = llm.engine

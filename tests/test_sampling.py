@@ -1,4 +1,4 @@
-"""Tests of jaxserve.sampling: parameter validation, filters against numpy, statistics, seeds, compiles."""
+"""Tests of jaxserve.sampling.sampler: parameter validation, filters against numpy, statistics, seeds, compiles."""
 
 import dataclasses
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from jaxserve import sampling
-from jaxserve.sampling import SamplingMetadata, SamplingParams, compute_logprobs, process_logits, sample
+from jaxserve.sampling import sampler as sampling
+from jaxserve.sampling.sampler import SamplingMetadata, SamplingParams, compute_logprobs, process_logits, sample
 
 # A small known distribution with no ties and no token near a top-p / min-p boundary.
 PROBS = np.array([0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02])
@@ -542,7 +542,7 @@ def test_fixed_widths_one_compile_for_every_size():
 def test_argmax_rows_is_argmax():
     """The greedy token: numpy's argmax (first position on ties), also on all -inf rows and rows of ties; in a row
     with a NaN, a position holding a NaN or the row's largest number."""
-    from jaxserve.sampling import argmax_rows
+    from jaxserve.sampling.sampler import argmax_rows
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 4, (64, 3000)).astype(np.float32)  # many ties
@@ -561,7 +561,7 @@ def test_prompt_logprobs_in_row_blocks_equal_numpy_over_the_whole_step():
     """A 512-token step's prompt logprobs are computed PROMPT_LOGPROBS_ROWS rows at a time (2 blocks here): the
     same logprobs and top logprobs as numpy's log-softmax over all 512 rows at once; with no target, zeros."""
     from jaxserve.runner.model_runner import PROMPT_LOGPROBS_ROWS, _prompt_logprobs
-    from jaxserve.sampling import MAX_LOGPROBS
+    from jaxserve.sampling.sampler import MAX_LOGPROBS
 
     rng = np.random.default_rng(5)
     T, D, V = 512, 16, 300

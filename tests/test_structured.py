@@ -15,8 +15,8 @@ from helpers import SMALL_POOL_ENGINE
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.sampling_params import StructuredOutputsParams
-from jaxserve.sampling import SamplingMetadata, sample
-from jaxserve.structured import ConstraintUnsatisfiable, StructuredOutputs, endless_refs
+from jaxserve.sampling.sampler import SamplingMetadata, sample
+from jaxserve.sampling.structured import ConstraintUnsatisfiable, StructuredOutputs, endless_refs
 
 jsonschema = pytest.importorskip("jsonschema")
 llg_numpy = pytest.importorskip("llguidance.numpy")
@@ -343,7 +343,7 @@ def test_a_regex_the_vocabulary_cannot_follow_fails_that_request_alone(llm):
     """llguidance finds it only mid-generation (its mask then lets a wrong token through): that request fails
     with ConstraintUnsatisfiable, its neighbour finishes, and every page is freed."""
     from jaxserve.engine.llm_engine import StepFailed
-    from jaxserve.structured import ConstraintUnsatisfiable
+    from jaxserve.sampling.structured import ConstraintUnsatisfiable
 
     eng = llm.engine
     eng.add_request("bad", "hi", SamplingParams(max_tokens=8, structured_outputs={"regex": "ab" + UNSPELLABLE}))
@@ -475,7 +475,7 @@ def test_host_side_has_no_jax():
     import subprocess
     import sys
 
-    code = "import sys, jaxserve.structured; assert 'jax' not in sys.modules, 'jax imported'"
+    code = "import sys, jaxserve.sampling.structured; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

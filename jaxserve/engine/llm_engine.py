@@ -36,7 +36,7 @@ from jaxserve.loading.weights import cast_params
 from jaxserve.parallel.distributed import StepChannel, agree, multi_process, replica_groups
 from jaxserve.parallel.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.runner.model_runner import ModelRunner, default_dtype
-from jaxserve.structured import StructuredOutputs
+from jaxserve.sampling.structured import StructuredOutputs
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from jaxserve.core.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.structured import Matcher
+from jaxserve.sampling.structured import Matcher
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:

@@ -66,9 +66,9 @@ from jaxserve.parallel.step_wire import StepDecoder, StepEncoder, has_changes
 from jaxserve.runner.compilation import StepBuckets, StepCompiler, padded_batch
 from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.runner.kv_pool import KVPool
-from jaxserve.sampling import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
+from jaxserve.sampling.sampler import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
+from jaxserve.sampling.structured import bitmask_width
 from jaxserve.speculative import accepted
-from jaxserve.structured import bitmask_width
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ class ModelRunner:
         Args:
             sched: the scheduler's decisions.
             token_masks: structured outputs: request id -> packed allowed-token row ([W] int32, see
-                ``jaxserve.structured``) for the sampling requests under a grammar; the others are unconstrained.
+                ``jaxserve.sampling.structured``) for the sampling requests under a grammar; the others are unconstrained.
         """
         return self.collect(self.launch(sched, token_masks))
 

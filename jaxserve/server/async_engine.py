@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from jaxserve.core.kv_events import make_publisher
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.sampling.structured import ConstraintUnsatisfiable
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.structured import ConstraintUnsatisfiable
 
 logger = logging.getLogger("jaxserve.server")
 

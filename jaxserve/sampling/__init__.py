@@ -1,0 +1,1 @@
+"""Sampling on the device: the sampler, logprobs, and structured outputs' token masks."""
