@@ -514,8 +514,8 @@ class SpeculativeConfig:
     ``ngram`` (prompt lookup) proposes, for a decoding sequence, the tokens that followed the latest earlier
     occurrence of its last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own prompt
     and output; ``draft_model`` has a smaller model of the same vocabulary (``model``) propose them, greedily
-    (``jaxserve.draft``). The step computes them with the sequence's next token, and keeps the longest run the model
-    itself would have produced (see ``jaxserve.speculative``).
+    (``jaxserve.spec_decode.draft_model``). The step computes them with the sequence's next token, and keeps the longest run the model
+    itself would have produced (see ``jaxserve.spec_decode.ngram``).
 
     Raises:
         ValueError: an unknown method or key, or a value out of range (naming it).

@@ -211,7 +211,7 @@ def test_fed_rows_0_and_1_never_read_as_token_ids_or_placeholders():
     their own, apart from the token ids: a draft model's placeholder (-1) left unfilled is refused, never taken for
     fed row 0, and no token id is ever negative."""
     from jaxserve.runner.input_batch import InputBatch
-    from jaxserve.speculative import PLACEHOLDER
+    from jaxserve.spec_decode.ngram import PLACEHOLDER
 
     batch = InputBatch(4, [8, 16], [4], max_seqs=4, num_speculative_tokens=2)
     start, step = _fed_step("ab", [("c", [7, 8, 9], [8, 9])])

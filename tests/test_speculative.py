@@ -15,7 +15,7 @@ from helpers import first_layers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
-from jaxserve.speculative import accepted, propose_ngram
+from jaxserve.spec_decode.ngram import accepted, propose_ngram
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 

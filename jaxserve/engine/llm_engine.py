@@ -27,7 +27,6 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.scheduler import Scheduler
-from jaxserve.draft import DraftProposer
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, Sequence, TrackedRequest
 from jaxserve.engine.remote_replica import GroupLink, RemoteRunner, follow_group
@@ -37,6 +36,7 @@ from jaxserve.parallel.distributed import StepChannel, agree, multi_process, rep
 from jaxserve.parallel.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.runner.model_runner import ModelRunner, default_dtype
 from jaxserve.sampling.structured import StructuredOutputs
+from jaxserve.spec_decode.draft_model import DraftProposer
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -68,7 +68,7 @@ from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.runner.kv_pool import KVPool
 from jaxserve.sampling.sampler import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling.structured import bitmask_width
-from jaxserve.speculative import accepted
+from jaxserve.spec_decode.ngram import accepted
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from jaxserve.core.request import (
     max_computed_tokens,
 )
 from jaxserve.core.sched.step_policy import step_policy
-from jaxserve.speculative import PLACEHOLDER, propose_ngram, speculates
+from jaxserve.spec_decode.ngram import PLACEHOLDER, propose_ngram, speculates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ class ScheduledRequest:
     new: NewRequestData | None = None  # the runner has no state for the request: start it from this
     # Speculative decoding: proposed tokens, the last entries of ``token_ids`` (after the request's next token).
     # The runner samples after each of the chunk's last 1 + len(draft_token_ids) positions and returns the
-    # tokens they confirm (``jaxserve.speculative``).
+    # tokens they confirm (``jaxserve.spec_decode.ngram``).
     draft_token_ids: tuple[int, ...] = ()
     # Async scheduling: the chunk's first token, at ``start_pos``, is the one the previous step samples for this
     # request, whose value the scheduler does not know yet (``jaxserve.core.sched.step_policy``): the runner reads it on the

@@ -1,5 +1,5 @@
 """Speculative decoding with a draft model: a smaller model of the same vocabulary proposes each sequence's next k
-tokens, greedily, and the target verifies them as with n-gram proposals (``jaxserve.speculative``).
+tokens, greedily, and the target verifies them as with n-gram proposals (``jaxserve.spec_decode.ngram``).
 
 The draft model runs in a ``ModelRunner`` of its own, on the target's devices, with its own KV pool indexed by the
 same page ids: the target's block manager allocates for both, so a sequence's page table serves the two pools, and

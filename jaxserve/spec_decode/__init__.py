@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram proposals, draft models, and verification."""
