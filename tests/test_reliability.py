@@ -14,7 +14,7 @@ from helpers import WARMUP_ENGINE, first_layers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, SchedulerConfig, bytes_or_fraction
-from jaxserve.engine.llm_engine import StepFailed
+from jaxserve.engine.exceptions import StepFailed
 from jaxserve.runner.kv_pool import KVPool, available_host_memory, coarse_floor
 
 pytestmark = pytest.mark.slow

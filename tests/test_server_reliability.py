@@ -177,7 +177,7 @@ class OneByOneEngine(FakeEngine):
         self.fail_next = self.fail_always = False
 
     def step(self):
-        from jaxserve.engine.llm_engine import StepFailed
+        from jaxserve.engine.exceptions import StepFailed
 
         self.steps += 1
         time.sleep(self.step_s)

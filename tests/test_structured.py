@@ -342,7 +342,7 @@ def test_a_choice_the_vocabulary_cannot_spell_is_refused_naming_it(llm):
 def test_a_regex_the_vocabulary_cannot_follow_fails_that_request_alone(llm):
     """llguidance finds it only mid-generation (its mask then lets a wrong token through): that request fails
     with ConstraintUnsatisfiable, its neighbour finishes, and every page is freed."""
-    from jaxserve.engine.llm_engine import StepFailed
+    from jaxserve.engine.exceptions import StepFailed
     from jaxserve.sampling.structured import ConstraintUnsatisfiable
 
     eng = llm.engine

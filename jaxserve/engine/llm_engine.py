@@ -27,6 +27,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.engine.exceptions import StepFailed
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, Sequence, TrackedRequest
 from jaxserve.engine.remote_replica import GroupLink, RemoteRunner, follow_group
@@ -86,16 +87,6 @@ def device_memory() -> int | None:
 def _settings_of(*configs) -> dict:
     """Every field of these dataclasses, prefixed by its class: what every process of a group must share."""
     return {f"{type(c).__name__}.{f.name}": getattr(c, f.name) for c in configs for f in dataclasses.fields(c)}
-
-
-class StepFailed(RuntimeError):
-    """Part of a step failed. ``request_ids`` (the requests it held) were aborted and their pages freed;
-    ``outputs`` are the step's outputs of every other request, to deliver as usual; every other request
-    goes on. The cause is ``__cause__``."""
-
-    def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException):
-        super().__init__(f"requests {request_ids[:8]}{'...' if len(request_ids) > 8 else ''} failed: {cause!r}")
-        self.request_ids, self.outputs, self.cause = request_ids, outputs, cause
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from jaxserve.core.kv_events import make_publisher
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.exceptions import EngineDeadError, EngineStepError, ServerBusyError
 from jaxserve.sampling.structured import ConstraintUnsatisfiable
 from jaxserve.server.errors import APIError
 from jaxserve.server.metrics import ServerMetrics
@@ -28,22 +29,6 @@ logger = logging.getLogger("jaxserve.server")
 
 _ABORTED = object()  # the end of a stream the engine aborted (shutdown, drain)
 MAX_STEP_FAILURES = 3  # consecutive failed engine steps after which the engine is declared dead
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; no request can be served (answered 503)."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step raised: the requests in that step failed (answered 500); the engine serves on."""
-
-
-class ServerBusyError(RuntimeError):
-    """Too many requests are waiting, or the server is shutting down (answered 503 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after: int = 1):
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 @dataclasses.dataclass

@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse as _StarletteJSON
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxserve.engine.exceptions import EngineDeadError, EngineStepError, ServerBusyError
+
 logger = logging.getLogger("jaxserve.server")
 
 _TYPES = {
@@ -99,8 +101,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
-
-    from jaxserve.server.async_engine import EngineDeadError, EngineStepError, ServerBusyError
 
     @app.exception_handler(ServerBusyError)
     async def _busy(request: Request, exc: ServerBusyError):

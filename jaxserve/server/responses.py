@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
-from jaxserve.server.async_engine import EngineDeadError, EngineStepError, ServerBusyError
+from jaxserve.engine.exceptions import EngineDeadError, EngineStepError, ServerBusyError
 from jaxserve.server.chat import render_chat
 from jaxserve.server.errors import APIError
 from jaxserve.server.params import Constraint, check_context, renamed_constraint_error, sampling_params

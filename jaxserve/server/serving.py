@@ -14,14 +14,9 @@ from starlette.types import Receive, Scope, Send
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.exceptions import EngineDeadError, EngineStepError, ServerBusyError
 from jaxserve.server import DEFAULT_MAX_PROMPT_CHARS
-from jaxserve.server.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineStepError,
-    RequestStream,
-    ServerBusyError,
-)
+from jaxserve.server.async_engine import AsyncEngine, RequestStream
 from jaxserve.server.errors import APIError, JSONResponse, error_body
 
 # Inputs (characters or token ids) beyond which tokenizing, rendering and detokenizing run in a worker thread. The
