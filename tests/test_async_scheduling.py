@@ -192,7 +192,7 @@ def _fed_step(rids_fed, others=()):
     """A SchedulerOutput over an InputBatch that holds requests a, b, c (prompts of 5): ``rids_fed`` decode the token
     the previous step sampled for them; ``others`` are (request id, token ids, draft token ids) chunks at position
     5."""
-    from jaxserve.core.sched.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+    from jaxserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
     sched = []
     for rid in rids_fed:

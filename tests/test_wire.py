@@ -16,7 +16,7 @@ import pytest
 from helpers import tiny_model
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.core.sched.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from jaxserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxserve.parallel.step_wire import StepDecoder, StepEncoder
 
 DECODE_STEP_BYTES = 4096  # the bound for a decode step of 128 requests, none new

@@ -23,7 +23,7 @@ import dataclasses
 
 import jax
 
-from jaxserve.core.sched.scheduler import SchedulerOutput
+from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.parallel.distributed import StepChannel
 from jaxserve.parallel.step_wire import StepEncoder, has_changes
 from jaxserve.runner.model_runner import ModelRunner, RunnerOutput

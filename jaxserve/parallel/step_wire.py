@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.core.sched.scheduler import ScheduledRequest, SchedulerOutput
+from jaxserve.core.sched.output import ScheduledRequest, SchedulerOutput
 
 # Per scheduled request: handle, start_pos, tokens, flags, pages_from, new pages, proposals.
 _COLUMNS = 7

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxserve.core.block_manager import NULL_PAGE
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.sched.scheduler import SchedulerOutput
+from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.models.decoder import AttentionBatch
 from jaxserve.runner.compilation import pick
 from jaxserve.utils import cdiv

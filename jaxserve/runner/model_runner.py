@@ -1,6 +1,6 @@
 """The device side: weights, the KV page pool, and the step that runs a batch.
 
-The runner receives a :class:`~jaxserve.core.sched.scheduler.SchedulerOutput`, packs it into padded arrays of a
+The runner receives a :class:`~jaxserve.core.sched.output.SchedulerOutput`, packs it into padded arrays of a
 bucketed shape (tokens in the step, sequences, pages per sequence) and calls
 
     step(state, matmul_weights, k_cache, v_cache, tokens, fed_index, batch, logits_indices, sampling, next_tokens, fed)
@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import kernels, quant
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.sched.scheduler import SchedulerOutput
+from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.kernels.attention import cpu as attention_cpu
 from jaxserve.kernels.cpu import ffi as cpu_ffi
 from jaxserve.kernels.matmul import cpu as matmul_cpu

@@ -19,7 +19,8 @@ import dataclasses
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.sched.scheduler import NewRequestData, ScheduledRequest, Scheduler, SchedulerOutput
+from jaxserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from jaxserve.core.sched.scheduler import Scheduler
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

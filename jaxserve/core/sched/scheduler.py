@@ -7,15 +7,13 @@ waiting ones (after a prefix-cache lookup) while budget, sequences and pages las
 mixed batches all come out of that one rule. When a running request cannot get a page, the newest running
 request (lowest priority under "priority") is preempted: its pages are freed, its tokens kept, and it is
 recomputed later. How a step's results come back, after the step or while the next one runs (async scheduling),
-is a policy of its own (``jaxserve.core.sched.step_policy``). Plain Python, no tensor library; ``SchedulerOutput`` is the one
-contract to the runner.
+is a policy of its own (``jaxserve.core.sched.step_policy``). Plain Python, no tensor library; ``SchedulerOutput`` (``jaxserve.core.sched.output``) is
+the one contract to the runner.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
-from typing import Any
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.block_manager import BlockManager
@@ -26,81 +24,9 @@ from jaxserve.core.request import (
     check_prompt_length,
     max_computed_tokens,
 )
+from jaxserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput, SchedulerStats
 from jaxserve.core.sched.step_policy import step_policy
 from jaxserve.spec_decode.ngram import PLACEHOLDER, propose_ngram, speculates
-
-
-@dataclasses.dataclass(frozen=True)
-class NewRequestData:
-    """What the runner keeps about a request, sent once: when it is first scheduled after admission, after a
-    fork, or after a preemption (the runner dropped it then). The runner appends each token it samples."""
-
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated before a preemption; empty otherwise
-    sampling_params: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step, and what changed in its page table since the runner last heard of it."""
-
-    req_id: str
-    # Tokens to compute this step, at positions start_pos, start_pos + 1, ... (after the previous step's token with
-    # ``from_previous_step``).
-    token_ids: list[int]
-    start_pos: int  # == the request's num_computed_tokens before the step
-    sample: bool  # the chunk reaches the end of the request's tokens: sample a token after its last one
-    # The page table from index ``pages_from`` on is ``new_page_ids`` (earlier entries are unchanged): the pages
-    # added for this step, and the page holding ``start_pos`` when copy-on-write replaced it.
-    pages_from: int
-    new_page_ids: list[int]
-    new: NewRequestData | None = None  # the runner has no state for the request: start it from this
-    # Speculative decoding: proposed tokens, the last entries of ``token_ids`` (after the request's next token).
-    # The runner samples after each of the chunk's last 1 + len(draft_token_ids) positions and returns the
-    # tokens they confirm (``jaxserve.spec_decode.ngram``).
-    draft_token_ids: tuple[int, ...] = ()
-    # Async scheduling: the chunk's first token, at ``start_pos``, is the one the previous step samples for this
-    # request, whose value the scheduler does not know yet (``jaxserve.core.sched.step_policy``): the runner reads it on the
-    # device. It is not in ``token_ids``.
-    from_previous_step: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the chunk computes: ``token_ids``, and the previous step's with ``from_previous_step``."""
-        return len(self.token_ids) + self.from_previous_step
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    """Everything the runner needs for one step, as changes to what it already holds (vLLM v1's contract): it
-    owns none of the scheduler's objects, and the scheduler never re-sends what the runner has.
-
-    The runner must first drop its state of ``finished_req_ids`` and ``preempted_req_ids``, then start the
-    ``new`` requests and apply page-table changes, apply ``copy_ops`` (``pages[dst] = pages[src]``, in order or
-    all at once) before it writes this step's KV, and return the sampled token ids of every request with
-    ``sample=True``.
-    """
-
-    scheduled: list[ScheduledRequest]
-    copy_ops: list[tuple[int, int]]  # copy-on-write (src_page, dst_page)
-    finished_req_ids: list[str]  # finished or aborted since the previous step: drop any per-request state
-    preempted_req_ids: list[str]  # preempted this step: their KV is gone, they restart from position 0
-    num_scheduled_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions: int  # total since start
-    num_used_pages: int
-    num_usable_pages: int
-    kv_usage: float  # fraction of usable pages held by requests
-    prefix_cache_queries: int  # tokens looked up at admission
-    prefix_cache_hits: int  # tokens found cached
-    prefix_cache_hit_rate: float
-    spec_draft_tokens: int = 0  # speculative decoding: tokens proposed (total since start)
-    spec_accepted_tokens: int = 0  # of them, accepted
 
 
 def _priority(request: Request) -> tuple:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from jaxserve.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from jaxserve.core.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+    from jaxserve.core.sched.output import ScheduledRequest, SchedulerOutput
+    from jaxserve.core.sched.scheduler import Scheduler
 
 
 class SyncPolicy:
