@@ -16,7 +16,7 @@ from jaxserve.core.block_manager import NULL_PAGE
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.models.decoder import AttentionBatch
-from jaxserve.runner.compilation import pick
+from jaxserve.runner.buckets import pick
 from jaxserve.utils import cdiv
 
 

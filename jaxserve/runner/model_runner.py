@@ -63,7 +63,8 @@ from jaxserve.parallel.sharding import (
     stages,
 )
 from jaxserve.parallel.step_wire import StepDecoder, StepEncoder, has_changes
-from jaxserve.runner.compilation import StepBuckets, StepCompiler, padded_batch
+from jaxserve.runner.buckets import StepBuckets, padded_batch
+from jaxserve.runner.compilation import StepCompiler, StepProgram
 from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.runner.kv_pool import KVPool
 from jaxserve.sampling.sampler import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
@@ -244,7 +245,8 @@ class ModelRunner:
         self._constants: dict[tuple, jax.Array] = {}  # ``_on_device``'s copies of constant sampler arrays
         self.attention_impl = attention_impl
         self.reset_timers()
-        self.compiler = StepCompiler(self, buckets)  # the jitted step of each variant; warm-up, AOT lowering
+        self.buckets = buckets
+        self.compiler = StepCompiler(self.step_program(), buckets)  # jitted step variants; warm-up, AOT lowering
         # What the runner holds of each live request (started by the scheduler's NewRequestData), and the
         # standing page table: one row per live request, updated by each step's page-table changes.
         self.inputs = InputBatch(
@@ -372,6 +374,45 @@ class ModelRunner:
 
         return step
 
+    def step_program(self) -> StepProgram:
+        """The step as the compiler takes it: ``step_function``, placed where this runner's weights, pool and
+        fed-forward samples live (host arrays replicated), with the pool donated."""
+        kv, gathered, fed = self.pool.format, self.replicated, self.fed_sharding
+        placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+        return StepProgram(
+            compute=self.step_function,
+            in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 6 + (fed,),
+            out_shardings=(gathered, gathered, fed, kv, kv),
+            donate_argnums=(2, 3),  # the KV pool, updated in place
+            example_args=self.example_args,
+            host_sharding=gathered,
+            lower_copy=lambda src, dst: self.pool.copy.lower(self.k_cache, self.v_cache, src, dst),
+        )
+
+    def example_args(self, tokens: int, pages: int) -> tuple:
+        """Arguments of a step of an empty batch in the (tokens, pages) bucket (every token is padding)."""
+        sb = min(tokens, self.buckets.max_seqs)
+        batch = padded_batch(None, tokens, sb, pages)
+        fed = self.fed
+        if self.num_stages > 1:  # a batch for each stage, and the hidden states passed between them
+            batch = jax.tree.map(lambda a: np.stack([a] * self.num_stages), batch)
+            fed = self.stage_buffer_struct(tokens)
+        rows = max(self.inputs.sample_rows(tokens), sb)
+        meta = self.sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
+        return (
+            self.state,
+            self.matmul_weights,
+            self.k_cache,
+            self.v_cache,
+            np.zeros(tokens, np.int32),  # tokens
+            np.full(tokens, -1, np.int32),  # fed_index: none
+            batch,
+            np.zeros(rows, np.int32),  # logits_indices
+            meta,
+            np.full(tokens, -1, np.int32),  # next_tokens: no prompt logprobs
+            fed,
+        )
+
     def _rows_fn(self):
         """The C++ products for steps of fewer than 8 rows on bfloat16 matmul weights (XLA:CPU's own is ~15x slower
         than float32 there, so without it such steps keep the float32 weights) and float32 layer stacks (read in
@@ -401,7 +442,7 @@ class ModelRunner:
         step reads it on the device (async scheduling), so this may run before the previous step's ``collect``.
         """
         self.inputs.update(sched)
-        copy = self.compiler.buckets.copy_chunks(sched.copy_ops)
+        copy = self.buckets.copy_chunks(sched.copy_ops)
         if not sched.scheduled:
             self._publish(sched, token_masks)
             self._launch(copy, None)
