@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import kernels, quant
+from jaxserve import kernels
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.output import SchedulerOutput
@@ -47,17 +47,10 @@ from jaxserve.kernels.attention import cpu as attention_cpu
 from jaxserve.kernels.cpu import ffi as cpu_ffi
 from jaxserve.kernels.matmul import cpu as matmul_cpu
 from jaxserve.layers.linear import MatmulPolicy
-from jaxserve.models.decoder import OUTPUT_AXES, model_from_params
-from jaxserve.models.schema import ParamSpec, matmul_names, param_schema, quantizable_names
 from jaxserve.parallel.sharding import (
     VOCAB_SPEC,
     PipelineTick,
-    fit_sharding,
-    kv_heads_for,
     make_mesh,
-    param_shardings,
-    replicate_kv_heads,
-    rules_for,
     shard_kernels,
     shard_moe,
     stages,
@@ -67,6 +60,7 @@ from jaxserve.runner.buckets import StepBuckets, padded_batch
 from jaxserve.runner.compilation import StepCompiler, StepProgram
 from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.runner.kv_pool import KVPool
+from jaxserve.runner.weights import prepare_weights
 from jaxserve.sampling.sampler import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
 from jaxserve.sampling.structured import bitmask_width
 from jaxserve.spec_decode.ngram import accepted
@@ -171,50 +165,26 @@ class ModelRunner:
         self._encoder, self._decoder = StepEncoder(), StepDecoder()  # the steps' changes on that channel
         self._uncollected = 0  # steps launched whose results were not read yet (async scheduling: at most 1)
         self.tensor_parallel_size = self.mesh.shape["model"]
-        # Fewer KV heads than devices: each is repeated so that every device holds one (cfg says how many now).
-        model_cfg, params = replicate_kv_heads(model_cfg, params, kv_heads_for(model_cfg, self.tensor_parallel_size))
-        self.cfg = model_cfg
         self.page_size = cache_cfg.page_size
         self.replicated = NamedSharding(self.mesh, P())
-        schema = param_schema(model_cfg)
-        self.param_shardings = param_shardings(schema, self.mesh, rules_for(model_cfg, self.mesh, expert_parallel))
-        # Tensor by tensor, each device receiving only its shard (every leaf of a quantized one alike).
-        placed = {
-            name: jax.tree.map(lambda x, s=self.param_shardings[name]: _place(x, fit_sharding(s, x.shape)), value)
-            for name, value in params.items()
-        }
-        placed = self._split_expert_groups(placed, schema, dtype)
-        if quantization not in (None, "gguf"):  # "gguf": the checkpoint's own quantized weights, as loaded
-            if platform is None:  # compiling for another platform (jaxserve.aot) checks its chip itself
-                quant.check_backend(quantization)
-            placed = self._quantize(placed, schema, quantization)
-        bf16_products = matmul_dtype is not None and jnp.dtype(matmul_dtype) != dtype
-        if bf16_products and any(quant.is_quantized(v) for v in placed.values()):
-            # No copies: the products that dequantize whole matrices (steps of more than 8 tokens) do it in bfloat16.
-            placed = {
-                n: dataclasses.replace(v, dot_dtype=str(jnp.dtype(matmul_dtype))) if quant.is_quantized(v) else v
-                for n, v in placed.items()
-            }
-            bf16_products = False
-        self.graphdef, self.state = model_from_params(model_cfg, placed)
-        self.matmul_weights = None
-        if bf16_products:
-            make = lambda s: nnx.merge(self.graphdef, s).matmul_weights()  # noqa: E731
-            shapes = {n: a.shape for n, a in jax.eval_shape(make, self.state).items()}  # packed: last dim halved
-            axes = {n: schema[n] for n in matmul_names(schema)} | {"output": ParamSpec(shapes["output"], OUTPUT_AXES)}
-            mm_shardings = param_shardings(axes, self.mesh, shapes=shapes)
-            self.matmul_weights = (
-                jax.tree.map(_place, jax.eval_shape(make, self.state), mm_shardings)
-                if self.abstract
-                else jax.jit(make, out_shardings=mm_shardings)(self.state)
-            )
+        weights = prepare_weights(
+            model_cfg,
+            params,
+            self.mesh,
+            quantization=quantization,
+            matmul_dtype=matmul_dtype,
+            expert_parallel=expert_parallel,
+            platform=platform,
+        )
+        self.cfg, self.param_shardings = weights.cfg, weights.param_shardings
+        self.graphdef, self.state, self.matmul_weights = weights.graphdef, weights.state, weights.matmul_weights
         cpp = (
             attention_impl in ("auto", "xla")
             and attention_cpu.serves(kv_dtype(cache_cfg.dtype, dtype))
             and cpu_ffi.available()
         )
         on_cpu = (platform or jax.default_backend()) == "cpu"
-        self.pool = KVPool(model_cfg, cache_cfg, sched_cfg, self.mesh, dtype, platform, cpp, attention_impl)
+        self.pool = KVPool(self.cfg, cache_cfg, sched_cfg, self.mesh, dtype, platform, cpp, attention_impl)
         self.num_pages = self.pool.num_pages
         self.k_cache, self.v_cache = self.pool.allocate(self.abstract)
         buckets = StepBuckets.choose(
@@ -252,71 +222,6 @@ class ModelRunner:
         self.inputs = InputBatch(
             self.page_size, self.token_buckets, self.page_buckets, self.max_seqs, self.num_speculative_tokens
         )
-
-    def _split_expert_groups(self, params: dict, schema: dict, dtype) -> dict:
-        """A checkpoint's quantized expert stack whose groups tensor parallelism would cut (gpt-oss's MXFP4 down
-        stack: groups of 32 along 2880 inputs, 360 a device at TP 8) cannot be dequantized inside the MoE's
-        ``shard_map`` from the device's own part: it is dequantized to the model's dtype on its devices, logged.
-        Expert parallelism (whole experts per device) never cuts a group."""
-        out = dict(params)
-        for name, w in params.items():
-            if not quant.is_quantized(w) or schema[name].kind != "experts" or w.scale.shape[w.axis] == 1:
-                continue
-            dim, ways = len(w.shape) + w.axis, self._split_ways(name, len(w.shape), w.axis)
-            if ways == 1 or (w.shape[dim] // ways) % w.group == 0:
-                continue
-            logger.warning(
-                "%s: quantized in groups of %d along its %d input channels, which tensor_parallel_size=%d splits "
-                "into %d a device: served as %s (enable_expert_parallel keeps whole experts on each device, "
-                "quantized)",
-                name,
-                w.group,
-                w.shape[dim],
-                ways,
-                w.shape[dim] // ways,
-                jnp.dtype(dtype).name,
-            )
-            fn = functools.partial(quant.dequantize, dtype=dtype)
-            sharding = self.param_shardings[name]
-            out[name] = (
-                jax.ShapeDtypeStruct(w.shape, dtype, sharding=sharding)
-                if self.abstract
-                else jax.jit(fn, out_shardings=sharding)(w)
-            )
-        return out
-
-    def _split_ways(self, name: str, ndim: int, axis: int) -> int:
-        """How many devices parameter ``name``'s axis ``axis`` (of ``ndim``) is split over (1: whole on each)."""
-        spec = tuple(self.param_shardings[name].spec)
-        dim = ndim + axis
-        return self.mesh.shape[spec[dim]] if dim < len(spec) and spec[dim] is not None else 1
-
-    def _quantize(self, params: dict, schema: dict, mode: str) -> dict:
-        """The float weights the schema calls quantizable quantized on their devices, one at a time, each
-        leaf sharded as its weight (int4 groups never straddle a shard: the group divides each device's part)."""
-        out = dict(params)
-        tp = self.tensor_parallel_size
-        for name in quantizable_names(schema):
-            w = params.get(name)
-            if w is None or quant.is_quantized(w):
-                continue
-            sharding = self.param_shardings[name]
-            axis = quant.weight_axis(name)
-            n = w.shape[axis] // self._split_ways(name, len(w.shape), axis)  # each device's part of the axis
-            try:
-                group = quant.pick_group(n, quant.int4_group(name)) if mode == "int4" else None
-            except ValueError as e:
-                raise ValueError(f"quantization={mode!r} of {name!r} under tensor_parallel_size={tp}: {e}") from None
-            fn = functools.partial(quant.quantize_param, name, mode=mode, group=group)
-            shapes = jax.eval_shape(fn, w)
-            leaf_shardings = jax.tree.map(lambda x, s=sharding: fit_sharding(s, x.shape), shapes)
-            if self.abstract:
-                out[name] = jax.tree.map(
-                    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, leaf_shardings
-                )
-            else:
-                out[name] = jax.jit(fn, out_shardings=leaf_shardings)(w)
-        return out
 
     def reset_timers(self) -> None:
         self.num_tokens_computed = 0  # real (unpadded) tokens run through the model
@@ -733,13 +638,6 @@ def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array):
     shapes = jax.eval_shape(run, None)
     skip = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
     return jax.lax.cond(jnp.any(next_tokens >= 0), run, skip, None)
-
-
-def _place(value, sharding: NamedSharding):
-    """A parameter onto its devices; an abstract one (ShapeDtypeStruct) only annotated with its sharding."""
-    if isinstance(value, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-    return jax.device_put(value, sharding)
 
 
 def _fetch(tree):
