@@ -197,7 +197,7 @@ def test_engine_int8_copy_on_write_carries_the_scales(int8_llm):
 @pytest.mark.slow
 def test_engine_int8_pool_under_tensor_parallelism(default_loaded, int8_llm):
     """Three devices, one KV head each: values and scales split over the heads, the same greedy tokens."""
-    from jaxserve.parallel.sharding import KV_POOL_SPEC, KV_SCALES_SPEC
+    from jaxserve.runner.kv_pool import KV_POOL_SPEC, KV_SCALES_SPEC
 
     llm = LLM(default_loaded, kv_cache_dtype="int8", tensor_parallel_size=3, **ENGINE)
     cache = llm.engine.runner.k_cache

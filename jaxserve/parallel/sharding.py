@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,14 +54,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 }
 EXPERT_PARALLEL_RULES: Mapping[str, str | None] = {**DEFAULT_RULES, "experts": "model", "expert_mlp": None}
 
-# The KV pool [layers, pages, page_size, kv_heads, head_dim] and a step's heads [tokens, heads, head_dim].
-KV_POOL_SPEC = P(None, None, None, "model", None)
-KV_SCALES_SPEC = P(None, None, None, "model")  # an int8 pool's scales [layers, pages, page_size, kv_heads]
-# A latent pool (multi-head latent attention) [layers, pages, page_size, width], replicated: every device's heads
-# read every latent, and the latents are computed whole on every device.
-LATENT_POOL_SPEC = P(None, None, None, None)
-# The TPU's pool layout [layers, pages, kv_heads, page_size, head_dim] ("heads_tokens"), split over KV heads.
-HEADS_TOKENS_POOL_SPEC = P(None, None, "model", None, None)
+# A step's heads [tokens, heads, head_dim] (the KV pool's own specs: ``jaxserve.runner.kv_pool``).
 HEADS_SPEC = P(None, "model", None)
 VOCAB_SPEC = P(None, "model")  # [rows, vocab] logits
 
@@ -140,7 +134,7 @@ def kv_heads_for(cfg: ModelConfig, tensor_parallel_size: int) -> int:
     tp, n, k = tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads
     if n % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's {n} attention heads")
-    if cfg.is_mla:  # one latent a token, on every device (LATENT_POOL_SPEC)
+    if cfg.is_mla:  # one latent a token, on every device (the latent pool is replicated: jaxserve.runner.kv_pool)
         return k
     if k % tp == 0:
         return k
@@ -258,27 +252,6 @@ def stages(mesh) -> int:
     return dict(mesh.shape).get("stage", 1)
 
 
-def kv_pool_specs(mesh, latent: bool = False, layout: str = "tokens_heads") -> tuple[P, P]:
-    """(pool spec, int8 scales spec) on ``mesh``: split over KV heads (a ``latent`` pool: replicated; ``layout``:
-    the pool's, ``kernels.POOL_LAYOUTS``), and over layers by pipeline stage."""
-    pool = LATENT_POOL_SPEC if latent else HEADS_TOKENS_POOL_SPEC if layout == "heads_tokens" else KV_POOL_SPEC
-    if stages(mesh) == 1:
-        return pool, KV_SCALES_SPEC
-    return P("stage", *pool[1:]), P("stage", *KV_SCALES_SPEC[1:])
-
-
-def pool_spec(cache, layout: str = "tokens_heads"):
-    """The partition spec of a K or V pool: ``KV_POOL_SPEC`` (a latent pool, 4-D: ``LATENT_POOL_SPEC``; the TPU's
-    layout: ``HEADS_TOKENS_POOL_SPEC``), or for an ``Int8Pages`` one per leaf."""
-    from jaxserve.kernels import Int8Pages
-
-    if isinstance(cache, Int8Pages):
-        return Int8Pages(KV_POOL_SPEC, KV_SCALES_SPEC)
-    if cache.ndim == 4:
-        return LATENT_POOL_SPEC
-    return HEADS_TOKENS_POOL_SPEC if layout == "heads_tokens" else KV_POOL_SPEC
-
-
 def _shard_map(f, mesh: Mesh, in_specs, out_specs):
     """``jax.shard_map`` of ``f`` over ``mesh``; inside a region already manual over some axes (the pipeline's
     stages, ``PipelineTick``), over the context mesh's other axes, the manual ones dropped from the specs."""
@@ -357,11 +330,12 @@ class PipelineTick:
         return x, k_cache, v_cache
 
 
-def shard_kernels(attention, write_kv, mesh: Mesh, layout: str = "tokens_heads"):
+def shard_kernels(attention, write_kv, mesh: Mesh, pool_spec: Callable[[Any], Any]):
     """Wraps the model's (attention, write_kv) so each device runs them on its own heads of q, K/V and the pool.
 
-    Both take and return arrays laid out as ``HEADS_SPEC`` / ``pool_spec`` (of the pool's ``layout``); the batch
-    description is replicated. With one device this is a plain call of the kernel.
+    Both take and return arrays laid out as ``HEADS_SPEC`` / ``pool_spec(cache)`` (the pool's partition spec, which
+    the pool says: ``KVPool.spec_of``); the batch description is replicated. With one device this is a plain call of
+    the kernel.
     """
     rep = P()
 
@@ -369,7 +343,7 @@ def shard_kernels(attention, write_kv, mesh: Mesh, layout: str = "tokens_heads")
         return jax.tree.map(lambda _: rep, batch)
 
     def sharded_attention(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window=0, soft_cap=None, sinks=None):
-        kv = pool_spec(k_cache, layout)
+        kv = pool_spec(k_cache)
 
         def local(q, k_cache, v_cache, layer, batch, sliding_window, sinks):
             return attention(
@@ -393,7 +367,7 @@ def shard_kernels(attention, write_kv, mesh: Mesh, layout: str = "tokens_heads")
         )(q, k_cache, v_cache, layer, batch, sliding_window, sinks)
 
     def sharded_write_kv(k_cache, v_cache, layer, new_k, new_v, batch):
-        kv = pool_spec(k_cache, layout)
+        kv = pool_spec(k_cache)
         rows = rep if k_cache.ndim == 4 else HEADS_SPEC  # a latent pool's rows [T, width]: whole on every device
         return _shard_map(
             write_kv,

@@ -22,16 +22,46 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve import kernels
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, kv_dtype
-from jaxserve.parallel.sharding import kv_pool_specs
+from jaxserve.parallel.sharding import stages
 from jaxserve.utils import cdiv
 
 _CPU_KV_CAP_BYTES = 4 << 30  # on the CPU the pool defaults to at most this, or what the workload needs
 _CPU_KV_AVAILABLE_SHARE = 0.25  # ... and to at most this share of the memory available at startup
 
 logger = logging.getLogger(__name__)
+
+
+# The KV pool [layers, pages, page_size, kv_heads, head_dim], split over KV heads.
+KV_POOL_SPEC = P(None, None, None, "model", None)
+KV_SCALES_SPEC = P(None, None, None, "model")  # an int8 pool's scales [layers, pages, page_size, kv_heads]
+# A latent pool (multi-head latent attention) [layers, pages, page_size, width], replicated: every device's heads
+# read every latent, and the latents are computed whole on every device.
+LATENT_POOL_SPEC = P(None, None, None, None)
+# The TPU's pool layout [layers, pages, kv_heads, page_size, head_dim] ("heads_tokens"), split over KV heads.
+HEADS_TOKENS_POOL_SPEC = P(None, None, "model", None, None)
+
+
+def kv_pool_specs(mesh, latent: bool = False, layout: str = "tokens_heads") -> tuple[P, P]:
+    """(pool spec, int8 scales spec) on ``mesh``: split over KV heads (a ``latent`` pool: replicated; ``layout``:
+    the pool's, ``kernels.POOL_LAYOUTS``), and over layers by pipeline stage."""
+    pool = LATENT_POOL_SPEC if latent else HEADS_TOKENS_POOL_SPEC if layout == "heads_tokens" else KV_POOL_SPEC
+    if stages(mesh) == 1:
+        return pool, KV_SCALES_SPEC
+    return P("stage", *pool[1:]), P("stage", *KV_SCALES_SPEC[1:])
+
+
+def pool_spec(cache, layout: str = "tokens_heads"):
+    """The partition spec of a K or V pool: ``KV_POOL_SPEC`` (a latent pool, 4-D: ``LATENT_POOL_SPEC``; the TPU's
+    layout: ``HEADS_TOKENS_POOL_SPEC``), or for an ``Int8Pages`` one per leaf."""
+    if isinstance(cache, kernels.Int8Pages):
+        return kernels.Int8Pages(KV_POOL_SPEC, KV_SCALES_SPEC)
+    if cache.ndim == 4:
+        return LATENT_POOL_SPEC
+    return HEADS_TOKENS_POOL_SPEC if layout == "heads_tokens" else KV_POOL_SPEC
 
 
 def available_host_memory(meminfo: str = "/proc/meminfo") -> int:
@@ -132,6 +162,11 @@ class KVPool:
             in_shardings=(self.format,) * 2 + (None,) * 2,
             out_shardings=(self.format,) * 2,
         )  # (k, v, src, dst) -> (k, v): copy-on-write of pages src to dst, in place
+
+    def spec_of(self, cache):
+        """The partition spec of a K or V pool of this layout (a leaf-wise ``Int8Pages`` for an int8 one), without the
+        stage axis: what a kernel sharded over the mesh's other axes sees."""
+        return pool_spec(cache, self.layout)
 
     def allocate(self, abstract: bool = False) -> tuple:
         """(k, v) pools of ``num_pages``, allocated already split over KV heads (``abstract``: shapes and

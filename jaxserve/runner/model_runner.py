@@ -241,9 +241,10 @@ class ModelRunner:
     def step_function(self, decode_only: bool):
         """What one step computes (the module docstring's ``step``): a pure function of its arguments, which
         ``self.compiler`` jits; ``decode_only`` (every sequence computes one token) picks the attention's variant."""
-        layout = self.pool.layout
         attention, write = shard_kernels(
-            *_attention_fns(self.attention_impl, decode_only, self.platform, layout), self.mesh, layout
+            *_attention_fns(self.attention_impl, decode_only, self.platform, self.pool.layout),
+            self.mesh,
+            self.pool.spec_of,
         )
         graphdef, gathered = self.graphdef, self.replicated
         policy = MatmulPolicy(rows=self._rows_fn())
