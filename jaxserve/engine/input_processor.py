@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxserve.core.request import Request, check_prompt, out_of_vocabulary
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.output_processor import Sequence, TrackedRequest
+from jaxserve.engine.request_state import Sequence, TrackedRequest
 from jaxserve.sampling.structured import StructuredOutputs
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

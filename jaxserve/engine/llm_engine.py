@@ -7,7 +7,6 @@ strings, and reports every request that made progress.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import gc
 import logging
@@ -19,25 +18,22 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxserve import quant
 from jaxserve.config import EngineConfig
 from jaxserve.core import kv_events
-from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.engine.exceptions import StepFailed
 from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.engine.output_processor import OutputProcessor, Sequence, TrackedRequest
-from jaxserve.engine.remote_replica import GroupLink, RemoteRunner, follow_group
-from jaxserve.loading import LoadedModel, load_model
-from jaxserve.loading.weights import cast_params
-from jaxserve.parallel.distributed import StepChannel, agree, multi_process, replica_groups
-from jaxserve.parallel.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
-from jaxserve.runner.model_runner import ModelRunner, default_dtype
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.remote_replica import GroupLink, follow_group
+from jaxserve.engine.replica import Placement, Replica, ReplicaBuilder, load_draft, load_target, weights_dtype
+from jaxserve.engine.request_state import Sequence, TrackedRequest
+from jaxserve.loading import LoadedModel
+from jaxserve.parallel.distributed import StepChannel, agree, multi_process
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling.structured import StructuredOutputs
-from jaxserve.spec_decode.draft_model import DraftProposer
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -89,22 +85,6 @@ def _settings_of(*configs) -> dict:
     return {f"{type(c).__name__}.{f.name}": getattr(c, f.name) for c in configs for f in dataclasses.fields(c)}
 
 
-@dataclasses.dataclass
-class Replica:
-    """One data-parallel replica: its own devices (a mesh of ``tensor_parallel_size``), weights, KV pool,
-    compiled steps and scheduler. Requests go to the least loaded one and stay there."""
-
-    runner: ModelRunner
-    scheduler: Scheduler
-    drafter: DraftProposer | None = None  # speculative decoding with a draft model
-    in_flight: tuple | None = None  # async scheduling: (SchedulerOutput, runner InFlight) of the step running now
-    # Pipeline stages: the steps in flight, oldest first, up to one per stage (``LLMEngine._step_pipeline``).
-    pipeline: collections.deque = dataclasses.field(default_factory=collections.deque)
-
-    def load(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
-
-
 class LLMEngine:
     """The serving engine: requests in (``add_request``), one ``step()`` at a time, streamed outputs out. ``LLM`` is
     the offline batch API over it; the HTTP server drives it from a thread of its own.
@@ -133,57 +113,9 @@ class LLMEngine:
         if config.compilation_cache:
             enable_compilation_cache()
         t0 = time.perf_counter()
-        tp, dp, pp = config.tensor_parallel_size, config.data_parallel_size, config.pipeline_parallel_size
-        check_parallelism(tp, dp, pipeline_parallel_size=pp)
-        if pp > 1 and config.speculative_config is not None:
-            raise ValueError("pipeline_parallel_size > 1 does not run speculative decoding")
-        if multi_process() and tp * dp * pp != jax.device_count():
-            names, got = ("", "") if pp == 1 else (" x pipeline_parallel_size", f" x {pp}")
-            raise ValueError(
-                f"under {jax.process_count()} processes, the replicas use every device: tensor_parallel_size x "
-                f"data_parallel_size{names} must be {jax.device_count()} (got {tp} x {dp}{got})"
-            )
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        n = tp * pp  # each replica's devices, stage by stage
-        meshes = [make_mesh(tp, devices[i * n : (i + 1) * n], pp) for i in range(dp)]  # disjoint, one per replica
-        # Several processes: the replicas this process runs (its group's); process 0 stands in for the others.
-        groups = replica_groups(meshes) if multi_process() else [((0,), list(range(dp)))]
-        me = jax.process_index()
-        home = next(g for g, (procs, _) in enumerate(groups) if me in procs)
-        local = groups[home][1]
-        dtype = config.dtype or default_dtype()
-        if config.matmul_dtype not in (None, dtype, "bfloat16"):
-            raise ValueError(
-                f"matmul_dtype must be None, the weights' dtype ({dtype}) or 'bfloat16', got {config.matmul_dtype!r}"
-            )
-        if config.quantization is not None:
-            if config.matmul_dtype not in (None, dtype) and config.quantization == "w8a8":
-                raise ValueError(
-                    f"matmul_dtype={config.matmul_dtype!r} cannot be combined with quantization='w8a8', "
-                    "whose products multiply int8 activations by int8 weights"
-                )
-            quant.check_backend(config.quantization)
-
-        def check(cfg):
-            kv_heads_for(cfg, tp)
-            check_pipeline(cfg, pp, dtype)
-
-        if isinstance(model, LoadedModel):  # already in host memory: several engines can share one load
-            check(model.config)
-            if config.quantization == "gguf" and not any(quant.is_quantized(v) for v in model.params.values()):
-                raise ValueError(
-                    "quantization='gguf' serves the quantized weights of a GGUF file: load it with "
-                    "load_model(path, keep_quantized=True), or pass the path"
-                )
-            loaded = dataclasses.replace(model, params=cast_params(model.params, dtype))
-        else:
-            loaded = load_model(
-                model,
-                dtype,
-                check_config=check,
-                shardings=lambda cfg: checkpoint_shardings(cfg, meshes[local[0]], config.enable_expert_parallel),
-                keep_quantized=config.quantization == "gguf",
-            )
+        placement = Placement.plan(config)
+        dtype = weights_dtype(config)
+        loaded = load_target(model, config, placement, dtype)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = load_tokenizer(loaded.tokenizer_path)
@@ -197,36 +129,13 @@ class LLMEngine:
         self.scheduler_config = config.scheduler_config(max_model_len, jax.default_backend(), device_memory())
         if multi_process():  # every process runs the steps process 0 schedules: the same program, same shapes
             agree("settings", _settings_of(config, self.scheduler_config, loaded.config))
-        draft = self._draft_model(self.scheduler_config.speculative, loaded, dtype, tp)
-        self.replicas: list[Replica] = []
-        for mesh in (meshes[i] for i in local):
-            runner = ModelRunner(
-                loaded.config,
-                loaded.params,
-                config.cache_config(),
-                self.scheduler_config,
-                config.attention_impl,
-                config.matmul_dtype,
-                mesh,
-                quantization=config.quantization,
-                one_token_buckets=False if dp > 1 else None,
-                expert_parallel=config.enable_expert_parallel,
-            )
-            block_manager = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
-            drafter = draft and DraftProposer(
-                ModelRunner,
-                draft,
-                runner.num_pages,
-                config.page_size,
-                self.scheduler_config,
-                mesh,
-                config.attention_impl,
-            )
-            self.replicas.append(Replica(runner, Scheduler(self.scheduler_config, block_manager), drafter))
+        draft = load_draft(self.scheduler_config.speculative, loaded, dtype, config.tensor_parallel_size)
+        builder = ReplicaBuilder(config, self.scheduler_config, loaded, draft)
+        self.replicas: list[Replica] = [builder.local(placement.meshes[i]) for i in placement.local]
         self._links: list[GroupLink] = []  # process 0 of several: its links to the other groups' replicas
         self._link: GroupLink | None = None  # a process of another group than process 0's: its link to process 0
         if multi_process():
-            self._connect(groups, home)
+            self._connect(placement, builder)
         self.load_seconds = time.perf_counter() - t0
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -252,10 +161,10 @@ class LLMEngine:
         return self.replicas[0].scheduler
 
     # ------------------------------------------------------------------ several processes
-    def _connect(self, groups: list[tuple[tuple[int, ...], list[int]]], home: int) -> None:
-        """Several processes: the channels from process 0 to the others, and on process 0 a ``RemoteRunner`` for
-        each replica of another group (``jaxserve.engine.remote_replica``). ``home``: this process' group."""
-        me = jax.process_index()
+    def _connect(self, placement: Placement, builder: ReplicaBuilder) -> None:
+        """Several processes: the channels from process 0 to the others, and on process 0 a replica standing in for
+        each replica of another group (``jaxserve.engine.remote_replica``)."""
+        me, groups, home = jax.process_index(), placement.groups, placement.home
         procs, _ = groups[0]  # process 0's group: the other processes of its replica follow its steps
         if len(procs) > 1 and home == 0:
             self.runner.channel = StepChannel("g0", 0, list(procs[1:]))
@@ -266,9 +175,7 @@ class LLMEngine:
                 link = GroupLink(g, procs)
                 self._links.append(link)
                 for k, i in enumerate(indices):
-                    runner = RemoteRunner(link, k, self.runner.num_pages)  # every pool is the smallest any holds
-                    pages = BlockManager(runner.num_pages, self.config.page_size, self.config.enable_prefix_caching)
-                    self.replicas.insert(i, Replica(runner, Scheduler(self.scheduler_config, pages)))
+                    self.replicas.insert(i, builder.remote(link, k, self.runner.num_pages))
 
     @property
     def is_follower(self) -> bool:
@@ -454,29 +361,6 @@ class LLMEngine:
                 0
             ].cause
         return outputs
-
-    @staticmethod
-    def _draft_model(spec, loaded: LoadedModel, dtype: str, tp: int) -> LoadedModel | None:
-        """The draft model of ``speculative_config`` (method draft_model), loaded; None otherwise.
-
-        Raises:
-            ValueError: its vocabulary differs from the target's, or several processes serve (not supported).
-        """
-        if spec is None or spec.method != "draft_model":
-            return None
-        if multi_process():
-            raise ValueError("speculative_config method 'draft_model' is not supported across several processes")
-        draft = spec.model
-        if isinstance(draft, LoadedModel):
-            draft = dataclasses.replace(draft, params=cast_params(draft.params, dtype))
-        else:
-            draft = load_model(draft, dtype, check_config=lambda cfg: kv_heads_for(cfg, tp))
-        if draft.config.vocab_size != loaded.config.vocab_size:
-            raise ValueError(
-                f"speculative_config.model has a vocabulary of {draft.config.vocab_size} tokens; the "
-                f"target's has {loaded.config.vocab_size}: a draft model must share it"
-            )
-        return draft
 
     def _step_replica(self, replica: Replica) -> list[RequestOutput]:
         """One step of a replica. With async scheduling the step is scheduled and launched while the previous one
