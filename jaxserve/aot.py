@@ -349,8 +349,8 @@ def plan(
 
     from jaxserve.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
     from jaxserve.models.schema import param_schema
-    from jaxserve.parallel.pipeline import stage_layers
-    from jaxserve.parallel.sharding import MESH_AXES, check_pipeline, kv_heads_for, make_mesh, rules_for
+    from jaxserve.parallel.pipeline import check_pipeline, stage_layers
+    from jaxserve.parallel.sharding import MESH_AXES, kv_heads_for, make_mesh, rules_for
     from jaxserve.runner.model_runner import ModelRunner
 
     name, cfg = _model_config(model)

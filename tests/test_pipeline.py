@@ -39,7 +39,7 @@ def test_dense_and_moe_layers_apart_are_refused_naming_the_models_own_setting(mo
     setting that model's family has (DeepSeek's first_k_dense_replace, not Qwen3-MoE's mlp_only_layers) and the
     dense layers."""
     from jaxserve.config import ModelConfig
-    from jaxserve.parallel.sharding import check_pipeline
+    from jaxserve.parallel.pipeline import check_pipeline
 
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2)
     moe = dict(num_experts_per_tok=2, moe_intermediate_size=16)

@@ -1,5 +1,5 @@
 """Pipeline parallelism through the engine on the fake CPU devices of conftest.py: the layer stacks and the KV pool
-split over stages (``sharding.PipelineTick``), against the same model on one device (greedy tokens identical,
+split over stages (``pipeline.PipelineTick``), against the same model on one device (greedy tokens identical,
 logprobs within 1e-5), the bytes each device holds, no recompiles in steady state, and the bad degrees."""
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from jaxserve.engine.remote_replica import GroupLink, RemoteRunner
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.weights import cast_params
 from jaxserve.parallel.distributed import multi_process, replica_groups
-from jaxserve.parallel.sharding import check_parallelism, check_pipeline, checkpoint_shardings, kv_heads_for, make_mesh
+from jaxserve.parallel.pipeline import check_pipeline
+from jaxserve.parallel.sharding import check_parallelism, checkpoint_shardings, kv_heads_for, make_mesh
 from jaxserve.runner.model_runner import ModelRunner, default_dtype
 from jaxserve.spec_decode.draft_model import DraftProposer
 

@@ -9,7 +9,7 @@ One engine replica runs one SPMD program over a ``Mesh`` with axes ``("stage", "
 * ``data`` is reserved for data parallelism inside one program; today data-parallel replicas are separate
   programs on disjoint sub-meshes (see ``jaxserve.engine.llm_engine``), so a replica's mesh has ``data`` of size 1.
 * ``stage`` is pipeline parallelism: the layer stacks and the KV pool split over it by layer
-  (``PipelineTick``), each stage's devices holding their layers' weights and pages. Size 1 without it.
+  (``jaxserve.parallel.pipeline.PipelineTick``), each stage's devices holding their layers' weights and pages. Size 1 without it.
 
 Every parameter is declared once with logical axes (``jaxserve.models.schema``); ``DEFAULT_RULES``
 maps logical axes to mesh axes. The custom kernels (Pallas, the CPU's C++ FFI calls) are not partitionable by
@@ -31,7 +31,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import registry
 
 MESH_AXES = ("stage", "data", "model")
 
@@ -74,37 +73,6 @@ def check_parallelism(
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size}{pp} "
             f"needs {need} devices, but {num_devices} {jax.default_backend()} device(s) exist"
-        )
-
-
-def check_pipeline(cfg: ModelConfig, pipeline_parallel_size: int, dtype: str | None = None) -> None:
-    """Raises ValueError, before any weight is read, for what the engine cannot split over that many stages: more
-    stages than layers, layers the stages do not divide (planned by ``jaxserve plan``, not served yet), dense and
-    MoE layers in separate stacks, and a program XLA aborts on (a SIGABRT, not an error, so refused here):
-    weights other than float32 on the CPU ("Invalid binary instruction opcode copy")."""
-    from jaxserve.models.schema import block_layers
-    from jaxserve.parallel.pipeline import stage_layers
-
-    pp = pipeline_parallel_size
-    if pp == 1:
-        return
-    stage_layers(cfg.num_layers, pp)  # more stages than layers: named there
-    if dtype not in (None, "float32") and jax.default_backend() == "cpu":
-        raise ValueError(
-            f"pipeline_parallel_size={pp} on the CPU runs float32 weights (got dtype={dtype!r}): XLA:CPU aborts "
-            "compiling other dtypes inside the pipeline"
-        )
-    if cfg.num_layers % pp:
-        raise ValueError(
-            f"pipeline_parallel_size={pp} must divide the model's {cfg.num_layers} layers: uneven stages are "
-            "planned (jaxserve plan) but not served yet"
-        )
-    dense, moe = block_layers(cfg)
-    if dense not in (None, ()) and moe not in (None, ()):
-        settings = ", ".join(registry.family(cfg.architecture).hf_dense_layer_settings) or "moe_layers"
-        raise ValueError(
-            "pipeline_parallel_size > 1 does not serve a model whose dense and MoE layers are stacked apart yet "
-            f"({cfg.architecture}'s {settings}: dense layers {list(dense)})"
         )
 
 
@@ -254,7 +222,7 @@ def stages(mesh) -> int:
 
 def _shard_map(f, mesh: Mesh, in_specs, out_specs):
     """``jax.shard_map`` of ``f`` over ``mesh``; inside a region already manual over some axes (the pipeline's
-    stages, ``PipelineTick``), over the context mesh's other axes, the manual ones dropped from the specs."""
+    stages, ``jaxserve.parallel.pipeline.PipelineTick``), over the context mesh's other axes, the manual ones dropped from the specs."""
     ctx = jax.sharding.get_abstract_mesh()
     manual = set() if ctx.empty else {n for n, t in zip(ctx.axis_names, ctx.axis_types) if t == AxisType.Manual}
     if not manual:
@@ -274,60 +242,6 @@ def _shard_map(f, mesh: Mesh, in_specs, out_specs):
         axis_names=set(ctx.axis_names) - manual,
         check_vma=False,
     )
-
-
-class PipelineTick:
-    """One tick of the pipeline, as the decoder's ``scan_fn``: every stage runs its layers on its own batch. The layer
-    stacks and the pools are split over the mesh's ``stage`` axis by layer (S stages of L / S layers), and the step's
-    ``batch`` stacks S batches, stage s's being the one that entered the pipeline s ticks ago (an empty one, every
-    slot -1, where none did). Stage 0 takes the embedded tokens of the batch entering now; stage s > 0 the hidden
-    states stage s - 1 passed it at the end of the previous tick, held in ``passed`` ([S, T, D], split over
-    ``stage``). Inside one ``shard_map`` manual over ``stage`` (tensor parallelism stays automatic within a stage):
-    each stage scans its layers, passes its output on (``ppermute``; what stage S - 1 computed, the batch leaving
-    the pipeline, is summed onto every stage and returned) and ``self.passed`` becomes the next tick's.
-
-    Every stage computes every tick, on an empty batch while the pipeline fills or drains: the bubble of
-    docs/parallelism.md (a ``lax.cond`` around a stage's layers made XLA's partitioner abort under tensor
-    parallelism)."""
-
-    def __init__(self, mesh: Mesh, passed: jax.Array):
-        self.mesh, self.passed = mesh, passed
-
-    def __call__(self, layer_on, step, carry, xs):
-        num_stages = stages(self.mesh)
-        x, k_cache, v_cache = carry
-        params, layer_ids, windows = xs
-
-        def body(x, passed, k_cache, v_cache, params, layer_ids, windows, step):
-            s = jax.lax.axis_index("stage")
-            mine = jax.tree.map(lambda a: a[s], step)  # this stage's batch and rotary tables
-            h = jnp.where(s == 0, x, passed[0])
-            local = (params, layer_ids, windows, jnp.arange(layer_ids.shape[0], dtype=jnp.int32))
-            (h, k_cache, v_cache), _ = jax.lax.scan(functools.partial(layer_on, mine), (h, k_cache, v_cache), local)
-            out = jax.lax.psum(jnp.where(s == num_stages - 1, h, jnp.zeros_like(h)), "stage")
-            passed = jax.lax.ppermute(h, "stage", [(j, j + 1) for j in range(num_stages - 1)])  # stage 0 gets zeros
-            return out, passed[None], k_cache, v_cache
-
-        staged = P("stage")
-        every = lambda tree, spec: jax.tree.map(lambda _: spec, tree)  # noqa: E731
-        x, self.passed, k_cache, v_cache = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(
-                P(),
-                staged,
-                every(k_cache, staged),
-                every(v_cache, staged),
-                every(params, staged),
-                staged,
-                staged,
-                every(step, P()),
-            ),
-            out_specs=(P(), staged, every(k_cache, staged), every(v_cache, staged)),
-            axis_names={"stage"},
-            check_vma=False,
-        )(x, self.passed, k_cache, v_cache, params, layer_ids, windows, step)
-        return x, k_cache, v_cache
 
 
 def shard_kernels(attention, write_kv, mesh: Mesh, pool_spec: Callable[[Any], Any]):

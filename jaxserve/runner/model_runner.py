@@ -47,9 +47,9 @@ from jaxserve.kernels.attention import cpu as attention_cpu
 from jaxserve.kernels.cpu import ffi as cpu_ffi
 from jaxserve.kernels.matmul import cpu as matmul_cpu
 from jaxserve.layers.linear import MatmulPolicy
+from jaxserve.parallel.pipeline import PipelineTick
 from jaxserve.parallel.sharding import (
     VOCAB_SPEC,
-    PipelineTick,
     make_mesh,
     shard_kernels,
     shard_moe,
@@ -127,7 +127,7 @@ class ModelRunner:
             cache and the sampler stay float32. Quantized weights are not copied: the products that dequantize
             whole matrices do it to bfloat16 (``QArray.dot_dtype``).
         mesh: the ("stage", "data", "model") mesh the step runs over (default: the first device); its "model" size
-            is the tensor-parallel degree, its "stage" size the pipeline stages (``sharding.PipelineTick``).
+            is the tensor-parallel degree, its "stage" size the pipeline stages (``pipeline.PipelineTick``).
         platform: None (the platform JAX runs on), or "tpu" / "gpu" to build the steps for that platform without
             running them (``jaxserve.aot``; then ``params`` may be ``jax.ShapeDtypeStruct``s).
         quantization: None, or "int8" / "int4" / "w8a8" / "fp8" to quantize the float weights on their devices,
@@ -411,7 +411,7 @@ class ModelRunner:
 
     def _tick(self, entering: InFlight | None) -> None:
         """Pipeline stages: one tick. Every launched step in the pipeline moves one stage on, ``entering`` (None: an
-        empty step, to drain it) into the first; each stage computes its step's layers (``sharding.PipelineTick``),
+        empty step, to drain it) into the first; each stage computes its step's layers (``pipeline.PipelineTick``),
         and the step leaving the last one samples: its ``out`` is set. The stages' batches are padded to one bucket,
         the largest of theirs."""
         self._stages = [entering, *self._stages[:-1]]
