@@ -486,10 +486,12 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority"
     speculative: SpeculativeConfig | None = None
     # Steps scheduled while the previous one runs: each sampled token is counted pending until its step's results are
-    # read (``jaxserve.core.sched.step_policy.AsyncPolicy``), and the runner feeds it to the next step on the device.
+    # read (``jaxserve.core.sched.async_scheduler.AsyncScheduler``), and the runner feeds it to the next step on the
+    # device.
     async_scheduling: bool = False
-    # Pipeline parallelism's batches in flight (one per stage, ``jaxserve.core.sched.step_policy.PipelinePolicy``): each holds at
-    # most max_num_seqs sequences, and the running requests at most this many times that.
+    # Pipeline parallelism's batches in flight (one per stage,
+    # ``jaxserve.core.sched.async_scheduler.PipelineScheduler``): each holds at most max_num_seqs sequences, and the
+    # running requests at most this many times that.
     pipeline_stages: int = 1
 
     @property

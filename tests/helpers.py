@@ -51,7 +51,7 @@ class SchedulerEngine:
         from jaxserve.config import SchedulerConfig
         from jaxserve.core import kv_events
         from jaxserve.core.block_manager import BlockManager
-        from jaxserve.core.sched.scheduler import Scheduler
+        from jaxserve.core.sched.async_scheduler import make_scheduler
 
         self._drain = kv_events.drain
         self.model_name = "fake-scheduler"
@@ -61,7 +61,7 @@ class SchedulerEngine:
         )
         self.config = SimpleNamespace(page_size=page_size, enable_prefix_caching=True, kv_cache_dtype=None)
         self.tokenizer = CharTokenizer()
-        self.scheduler = Scheduler(self.scheduler_config, BlockManager(num_pages, page_size))
+        self.scheduler = make_scheduler(self.scheduler_config, BlockManager(num_pages, page_size))
         self.step_s, self.num_steps = step_s, 0
 
     def add_request(self, rid, prompt, params, priority=0):

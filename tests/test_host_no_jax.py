@@ -6,7 +6,7 @@ import sys
 
 def test_host_modules_import_no_jax():
     code = (
-        "import sys, jaxserve.core.sched.scheduler, jaxserve.core.block_manager, jaxserve.core.request, jaxserve.core.sampling_params, "
+        "import sys, jaxserve.core.sched.async_scheduler, jaxserve.core.block_manager, jaxserve.core.request, jaxserve.core.sampling_params, "
         "jaxserve.parallel.pipeline; "
         "from jaxserve import SamplingParams; "
         "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]; "

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.core.sched.async_scheduler import make_scheduler
 
 
 def kv(prev, token):
@@ -91,7 +91,7 @@ def reference(request, max_model_len, vocab=1000):
 def make(num_pages=64, page_size=4, caching=True, **cfg):
     config = SchedulerConfig(enable_prefix_caching=caching, **cfg)
     bm = BlockManager(num_pages, page_size, caching)
-    return Scheduler(config, bm), FakeRunner(bm)
+    return make_scheduler(config, bm), FakeRunner(bm)
 
 
 def step(sched, runner, log=None):
@@ -245,7 +245,7 @@ def test_rejections():
     with pytest.raises(ValueError, match="empty"):
         Request("e", [], SP())
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        Scheduler(SchedulerConfig(enable_prefix_caching=True), BlockManager(8, 4, False))
+        make_scheduler(SchedulerConfig(enable_prefix_caching=True), BlockManager(8, 4, False))
 
 
 def test_stop_conditions():

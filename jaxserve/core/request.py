@@ -70,7 +70,7 @@ class Request:
         self.priority = priority
         self.output_token_ids: list[int] = []  # sampled tokens whose values are known, and only those
         # Async scheduling: tokens that steps in flight sample, after ``output_token_ids``, counted and never written
-        # there before their values are known (``jaxserve.core.sched.step_policy.AsyncPolicy``).
+        # there before their values are known (``jaxserve.core.sched.async_scheduler.AsyncScheduler``).
         self.num_pending = 0
         # KV of positions [0, num_computed_tokens) is in the page pool.
         self.num_computed_tokens = 0

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jaxserve import quant
 from jaxserve.config import EngineConfig, SchedulerConfig
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.sched.async_scheduler import make_scheduler
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.engine.remote_replica import GroupLink, RemoteRunner
 from jaxserve.loading import LoadedModel, load_model
@@ -182,7 +183,7 @@ class ReplicaBuilder:
 
     def _scheduler(self, num_pages: int) -> Scheduler:
         c = self.config
-        return Scheduler(self.scheduler_config, BlockManager(num_pages, c.page_size, c.enable_prefix_caching))
+        return make_scheduler(self.scheduler_config, BlockManager(num_pages, c.page_size, c.enable_prefix_caching))
 
     def local(self, mesh: Mesh) -> Replica:
         """A replica on ``mesh``, this process' devices: its runner (weights placed, pool allocated), scheduler and

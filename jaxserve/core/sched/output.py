@@ -42,8 +42,8 @@ class ScheduledRequest:
     # tokens they confirm (``jaxserve.spec_decode.ngram``).
     draft_token_ids: tuple[int, ...] = ()
     # Async scheduling: the chunk's first token, at ``start_pos``, is the one the previous step samples for this
-    # request, whose value the scheduler does not know yet (``jaxserve.core.sched.step_policy``): the runner reads it on the
-    # device. It is not in ``token_ids``.
+    # request, whose value the scheduler does not know yet (``jaxserve.core.sched.async_scheduler``): the runner
+    # reads it on the device. It is not in ``token_ids``.
     from_previous_step: bool = False
 
     @property

@@ -6,9 +6,13 @@ a budget of ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences. Ru
 waiting ones (after a prefix-cache lookup) while budget, sequences and pages last. Prefill, decode and
 mixed batches all come out of that one rule. When a running request cannot get a page, the newest running
 request (lowest priority under "priority") is preempted: its pages are freed, its tokens kept, and it is
-recomputed later. How a step's results come back, after the step or while the next one runs (async scheduling),
-is a policy of its own (``jaxserve.core.sched.step_policy``). Plain Python, no tensor library; ``SchedulerOutput`` (``jaxserve.core.sched.output``) is
-the one contract to the runner.
+recomputed later.
+
+``Scheduler`` reads a step's results after the step. ``AsyncScheduler`` (async scheduling) and ``PipelineScheduler``
+(pipeline stages) read them while later steps run (``jaxserve.core.sched.async_scheduler``); they override the few
+methods where that differs (``_is_ending``, ``_is_busy``, ``_may_resume``, ``_update_after_schedule`` and
+``update_from_output``), and ``make_scheduler`` picks the class a config asks for. Plain Python, no tensor library;
+``SchedulerOutput`` (``jaxserve.core.sched.output``) is the one contract to the runner.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from jaxserve.core.request import (
     max_computed_tokens,
 )
 from jaxserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput, SchedulerStats
-from jaxserve.core.sched.step_policy import step_policy
 from jaxserve.spec_decode.ngram import PLACEHOLDER, propose_ngram, speculates
 
 
@@ -34,7 +37,8 @@ def _priority(request: Request) -> tuple:
 
 
 class Scheduler:
-    """Waiting and running queues over a ``BlockManager``.
+    """Waiting and running queues over a ``BlockManager``. Steps run one after the other: a step is scheduled once
+    the previous one's tokens reached the scheduler (``update_from_output``), so no token is ever pending.
 
     Args:
         scheduler_config: budgets, ``max_model_len`` and policy ("fcfs" or "priority").
@@ -57,7 +61,6 @@ class Scheduler:
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding
         self._finished_ids: list[str] = []
         self._known: set[str] = set()  # requests the runner holds state for (sent since admission / resume)
-        self.step_policy = step_policy(self)  # steps one after the other, or async scheduling's pending tokens
 
     # ------------------------------------------------------------------ requests in and out
     def _validate(self, request: Request) -> None:
@@ -190,10 +193,10 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if self.step_policy.is_ending(request):
+            if self._is_ending(request):
                 ending += 1
                 continue
-            if self.step_policy.is_busy(request) or len(chunks) >= self.config.max_num_seqs:
+            if self._is_busy(request) or len(chunks) >= self.config.max_num_seqs:
                 continue
             n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if n <= 0:
@@ -224,7 +227,7 @@ class Scheduler:
             and len(self.running) - ending < seqs * self.config.pipeline_stages
         ):
             request = self.waiting[0]
-            if not self.step_policy.may_resume(request):
+            if not self._may_resume(request):
                 break
             # prompt_logprobs need every prompt position computed, so such requests skip the prefix cache.
             wants_prompt_logprobs = getattr(request.sampling_params, "prompt_logprobs", None) is not None
@@ -271,7 +274,7 @@ class Scheduler:
                     from_previous_step=fed,
                 )
             )
-        self.step_policy.scheduled(scheduled)
+        self._update_after_schedule(scheduled)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -280,6 +283,22 @@ class Scheduler:
             preempted_req_ids=preempted,
             num_scheduled_tokens=sum(s.num_tokens for s in scheduled),
         )
+
+    # What sets a scheduler that reads results while later steps run apart (``jaxserve.core.sched.async_scheduler``).
+    def _is_ending(self, request: Request) -> bool:
+        """A running request that must not be scheduled again: its last token is already in flight."""
+        return False
+
+    def _is_busy(self, request: Request) -> bool:
+        """A running request that sits this step out (pipeline stages: its next token is still in flight)."""
+        return False
+
+    def _may_resume(self, request: Request) -> bool:
+        """Whether a waiting (preempted) request may be admitted now."""
+        return True
+
+    def _update_after_schedule(self, scheduled: list[ScheduledRequest]) -> None:
+        """Bookkeeping once a step is scheduled, before it runs."""
 
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Speculative decoding: n-gram proposals for a decoding request, as many as fit its budget, its
@@ -315,7 +334,36 @@ class Scheduler:
         Raises:
             ValueError: a request that was due a sample has none.
         """
-        return self.step_policy.update_from_output(scheduler_output, sampled_token_ids)
+        live = []
+        for s in scheduler_output.scheduled:
+            request = self.requests.get(s.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted since schedule()
+            if s.sample and not sampled_token_ids.get(s.req_id):
+                raise ValueError(f"update_from_output: no sampled token for request {s.req_id!r}")
+            live.append((s, request))
+        finished = []
+        for s, request in live:
+            # With proposals, only the positions up to the next token are computed for sure; the accepted
+            # proposals' positions count once they are appended (their KV is already written).
+            request.num_computed_tokens = s.start_pos + s.num_tokens - len(s.draft_token_ids)
+            self.block_manager.commit(request)
+            if not s.sample:
+                continue
+            tokens = sampled_token_ids[s.req_id]
+            if s.draft_token_ids:
+                self.num_draft_tokens += len(s.draft_token_ids)
+                self.num_accepted_tokens += len(tokens) - 1
+            for token in tokens:
+                request.output_token_ids.append(token)
+                reason = request.stop_reason(token, self.config.max_model_len)
+                if reason is not None:
+                    finished.append(self.finish_request(request.request_id, reason))
+                    break
+            if s.draft_token_ids and request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens += len(tokens) - 1  # the accepted proposals
+                self.block_manager.commit(request)
+        return finished
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> SchedulerStats:
