@@ -21,6 +21,7 @@ import pytest
 from helpers import Batch, make_batch, sized_copies
 from jaxserve.kernels import AttentionBatch, ragged_paged_attention_ref
 from jaxserve.kernels.attention.xla import ragged_paged_attention_xla
+from jaxserve.kernels.dispatch import choose_kernel
 
 from jaxserve import kernels
 
@@ -177,9 +178,9 @@ def test_bad_arguments():
 
 # ------------------------------------------------------------------------------------------ dispatch
 def test_dispatch_auto_is_xla_on_cpu():
-    assert kernels._choose("auto", None, None)[0] == "xla"
-    assert kernels._choose("xla", None, None)[0] == "xla"
-    assert kernels._choose("reference", None, None)[0] == "reference"
+    assert choose_kernel("auto", None, None)[0] == "xla"
+    assert choose_kernel("xla", None, None)[0] == "xla"
+    assert choose_kernel("reference", None, None)[0] == "reference"
     b = make_batch(MIXED_Q, MIXED_KV, seed=8)
     expected = reference(b)
     fn = jax.jit(functools.partial(kernels.ragged_paged_attention, sm_scale=SM_SCALE, max_q_len=32))  # "auto"

@@ -31,6 +31,7 @@ from jaxserve.kernels import AttentionBatch, write_kv_ref
 from jaxserve.kernels.attention import reference
 from jaxserve.kernels.attention.gpu import ragged_paged_attention_gpu
 from jaxserve.kernels.attention.tpu import ragged_paged_attention_tpu
+from jaxserve.kernels.dispatch import choose_kernel
 
 from jaxserve import kernels
 
@@ -334,10 +335,10 @@ def test_dispatch_auto_on_cpu_is_the_xla_path():
     out = kernels.ragged_paged_attention(*b.args(1), sm_scale=SM_SCALE)
     expected = reference.ragged_paged_attention_ref(*b.args(1), sm_scale=SM_SCALE)
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)  # float32
-    assert kernels._choose("auto", None, None) == ("xla", False)
-    assert kernels._choose("pallas", None, None) == ("gpu", True)
-    assert kernels._choose("pallas", "tpu", None) == ("tpu", True)
-    assert kernels._choose("reference", "tpu", None) == ("reference", False)
+    assert choose_kernel("auto", None, None) == ("xla", False)
+    assert choose_kernel("pallas", None, None) == ("gpu", True)
+    assert choose_kernel("pallas", "tpu", None) == ("tpu", True)
+    assert choose_kernel("reference", "tpu", None) == ("reference", False)
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])

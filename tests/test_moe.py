@@ -154,8 +154,8 @@ def test_grouped_matches_reference(impl, shape):
     x = jnp.asarray(rng.normal(size=(T, D)), F32)
     logits = jnp.asarray(rng.normal(size=(T, E)), F32)
     w = _weights(rng, E, D, F)
-    ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
-    out = kernels.moe(x, logits, **w, top_k=k, impl=impl)
+    ref = kernels.moe_experts(x, logits, **w, top_k=k, impl="reference")
+    out = kernels.moe_experts(x, logits, **w, top_k=k, impl=impl)
     assert out.shape == (T, D) and out.dtype == F32
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
@@ -175,8 +175,8 @@ def test_quantized_expert_stacks_equal_the_reference_on_their_values(impl, mode)
     q = {n: quant.quantize(a, mode) if n.startswith("w_") else a for n, a in w.items()}
     floats = {n: quant.dequantize(a) if quant.is_quantized(a) else a for n, a in q.items()}
     assert all(quant.is_quantized(q[n]) for n in ("w_gate", "w_up", "w_down"))
-    ref = kernels.moe(x, logits, **floats, top_k=k, impl="reference")
-    out = kernels.moe(x, logits, **q, top_k=k, impl=impl)
+    ref = kernels.moe_experts(x, logits, **floats, top_k=k, impl="reference")
+    out = kernels.moe_experts(x, logits, **q, top_k=k, impl=impl)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
 
@@ -191,8 +191,8 @@ def test_quantized_decode_dequantizes_only_the_chosen_experts():
     logits = jnp.asarray(rng.normal(size=(T, E)), F32)
     q = {n: quant.quantize(a, "int8") for n, a in _weights(rng, E, D, F).items()}
     floats = {n: quant.dequantize(a) for n, a in q.items()}
-    ref = kernels.moe(x, logits, **floats, top_k=k, impl="reference")
-    step = functools.partial(kernels.moe, top_k=k, impl="ragged")
+    ref = kernels.moe_experts(x, logits, **floats, top_k=k, impl="reference")
+    step = functools.partial(kernels.moe_experts, top_k=k, impl="ragged")
     assert "ragged_dot" not in str(jax.make_jaxpr(step)(x, logits, **q))
     assert "ragged_dot" in str(jax.make_jaxpr(step)(x, logits, **floats))
     np.testing.assert_allclose(np.asarray(step(x, logits, **q)), np.asarray(ref), rtol=TOL, atol=TOL)
@@ -209,8 +209,8 @@ def test_experts_without_tokens_and_clamped_swiglu_with_biases(impl):
     ids = jnp.asarray(np.where(rng.random((T, 2)) < 0.5, [[1, 4]], [[4, 1]]), jnp.int32)
     cw = jnp.asarray(_softmax(rng.normal(size=(T, 2))), F32)
     kw = dict(activation="swiglu_clamped", **w)
-    ref = kernels.moe(x, (ids, cw), **kw, impl="reference")
-    out = kernels.moe(x, (ids, cw), **kw, impl=impl)
+    ref = kernels.moe_experts(x, (ids, cw), **kw, impl="reference")
+    out = kernels.moe_experts(x, (ids, cw), **kw, impl=impl)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL * 10)
     # the clamps are exercised: some gate pre-activations above the limit, some up ones beyond +-limit
     gate, up = (np.einsum("td,edf->etf", np.asarray(x), np.asarray(w[f"w_{n}"])) for n in ("gate", "up"))
@@ -228,8 +228,8 @@ def test_experts_held_elsewhere_contribute_nothing(impl):
     ids = jnp.asarray(rng.integers(-4, 2 * E, size=(T, k)), jnp.int32)  # about half out of range, both sides
     cw = jnp.asarray(rng.random((T, k)), F32)
     here = (ids >= 0) & (ids < E)
-    ref = kernels.moe(x, (jnp.where(here, ids, 0), jnp.where(here, cw, 0.0)), **w, impl="reference")
-    out = kernels.moe(x, (ids, cw), **w, impl=impl)
+    ref = kernels.moe_experts(x, (jnp.where(here, ids, 0), jnp.where(here, cw, 0.0)), **w, impl="reference")
+    out = kernels.moe_experts(x, (ids, cw), **w, impl=impl)
     assert 0 < int(here.sum()) < T * k
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
@@ -241,8 +241,8 @@ def test_megablox_multiple_row_tiles_and_explicit_tiling():
     x = jnp.asarray(rng.normal(size=(T, D)), F32)
     logits = jnp.asarray(rng.normal(size=(T, E)), F32)
     w = _weights(rng, E, D, F, scale=0.1)
-    ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
-    out = kernels.moe(x, logits, **w, top_k=k, impl="megablox", tiling=(16, 128, 128))
+    ref = kernels.moe_experts(x, logits, **w, top_k=k, impl="reference")
+    out = kernels.moe_experts(x, logits, **w, top_k=k, impl="megablox", tiling=(16, 128, 128))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
 
@@ -252,9 +252,9 @@ def test_bfloat16_weights():
     x = jnp.asarray(rng.normal(size=(T, D)), BF16)
     logits = jnp.asarray(rng.normal(size=(T, E)), F32)
     w = {n: a.astype(BF16) for n, a in _weights(rng, E, D, F).items()}
-    ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
+    ref = kernels.moe_experts(x, logits, **w, top_k=k, impl="reference")
     for impl in ("ragged", "megablox", "gather", "blocked"):
-        out = kernels.moe(x, logits, **w, top_k=k, impl=impl)
+        out = kernels.moe_experts(x, logits, **w, top_k=k, impl=impl)
         assert out.dtype == BF16
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=0.03, atol=0.03)
 
@@ -275,8 +275,8 @@ def test_megablox_irregular_last_blocks_equal_the_reference():
     x = jnp.asarray(rng.normal(size=(T, D)), F32)
     logits = jnp.asarray(rng.normal(size=(T, E)), F32)
     w = _weights(rng, E, D, F, scale=0.05)
-    ref = kernels.moe(x, logits, **w, top_k=k, impl="reference")
-    out = kernels.moe(x, logits, **w, top_k=k, impl="megablox", interpret=True)
+    ref = kernels.moe_experts(x, logits, **w, top_k=k, impl="reference")
+    out = kernels.moe_experts(x, logits, **w, top_k=k, impl="megablox", interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL, atol=TOL)
 
 
@@ -307,7 +307,7 @@ def test_bad_inputs_name_the_argument(change, match):
     x, logits, wg, wu, wd = _moe_args()
     args = dict(router=logits, w_gate=wg, w_up=wu, w_down=wd, top_k=2) | change
     with pytest.raises(ValueError, match=match):
-        kernels.moe(x, args.pop("router"), args.pop("w_gate"), args.pop("w_up"), args.pop("w_down"), **args)
+        kernels.moe_experts(x, args.pop("router"), args.pop("w_gate"), args.pop("w_up"), args.pop("w_down"), **args)
 
 
 def test_moe_spec_validates():
@@ -507,7 +507,7 @@ def test_megablox_compiles_for_tpu_at_real_shapes(topology, shapes):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
 
     def step(x, logits, wg, wu, wd):
-        return kernels.moe(x, logits, wg, wu, wd, top_k=k, impl="megablox", interpret=False)
+        return kernels.moe_experts(x, logits, wg, wu, wd, top_k=k, impl="megablox", interpret=False)
 
     with no_persistent_cache():
         for T in (64, 512):

@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP block: the router's product, then ``jaxserve.kernels.moe`` (routing, the experts'
-grouped products, the combine).
+"""The mixture-of-experts MLP block: the router's product, then ``jaxserve.kernels.moe_experts`` (routing, the
+experts' grouped products, the combine).
 
 One layer's parameters, by name (:func:`moe_param_shapes`; the layout the schema will stack over the layers, a
 leading ``layers`` axis added, as the dense MLP's ``w_gate`` / ``w_up`` / ``w_down``):
@@ -133,8 +133,8 @@ def moe_mlp(
     h: jax.Array, p: dict[str, jax.Array], spec: MoeSpec, *, impl: str = "auto", interpret: bool | None = None
 ) -> jax.Array:
     """The MoE block on the normed hidden states h [T, D] with one layer's parameters ``p`` (names above)
-    -> [T, D] in h.dtype. ``impl`` / ``interpret``: ``jaxserve.kernels.moe``'s."""
-    return kernels.moe(
+    -> [T, D] in h.dtype. ``impl`` / ``interpret``: ``jaxserve.kernels.moe_experts``'s."""
+    return kernels.moe_experts(
         h,
         spec.route(h, p),
         p["expert_gate"],

@@ -342,7 +342,7 @@ def shard_moe(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False, im
     def local(h, p):
         ids, weights = spec.route(h, p)
         here = ids - jax.lax.axis_index("model") * per_expert if expert_parallel else ids
-        y = kernels.moe(
+        y = kernels.moe_experts(
             h,
             (here, weights),
             p["expert_gate"],
