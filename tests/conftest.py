@@ -43,7 +43,7 @@ FAST_FILES = {
     "test_scheduler.py",
     "test_block_manager.py",
     "test_kv_events.py",
-    "test_host_no_jax.py",
+    "test_layout.py",
     "test_server_fake_engine.py",
     "test_sampling.py",
     "test_tokenizer.py",
