@@ -1,3 +1,4 @@
-"""The layers a decoder is built of: norms (``norm``), rotary embeddings (``rope``), the linear product
-(``linear``) and the mixture-of-experts block (``moe``). Pure functions of arrays; the models in
-``jaxserve.models`` compose them."""
+"""The layers a decoder is built of: its blocks, attention (``attention``: grouped-query and latent) and the MLPs
+(``mlp``: gated, and the mixture of experts with shared experts; ``moe``: the routing and the routed experts), and
+what they share: norms (``norm``), rotary embeddings (``rope``) and the linear product (``linear``). Pure functions
+of arrays; ``jaxserve.models.decoder`` composes them."""

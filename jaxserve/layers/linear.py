@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -16,6 +17,10 @@ from jaxserve import quant
 # Below this many rows XLA:CPU's bfloat16 products are slower than float32 ones (a [1, 576] x [576, 49152]
 # product: 1 against 15 GFLOP/s), so such products keep the full-precision weights, or go to a ``RowsFn``.
 MATMUL_WEIGHTS_MIN_ROWS = 8
+
+# mul(x, name) -> x times one layer's matrix ``name`` (``MatmulPolicy.product`` bound to the layer): how the blocks of
+# ``jaxserve.layers`` multiply by their weights, whatever their format and wherever they are read from.
+Product = Callable[[jax.Array, str], jax.Array]
 
 
 class RowsFn(Protocol):

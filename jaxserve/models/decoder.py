@@ -1,13 +1,16 @@
 """The decoder: every family of ``jaxserve.models.registry`` (Llama, SmolLM2, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3,
-and the mixtures of experts Mixtral, Qwen3-MoE, gpt-oss) as one flax NNX module, built from the parameter schema
-(``jaxserve.models.schema``).
+and the mixtures of experts Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V2/V3, Kimi-K2) as one flax NNX module, built
+from the parameter schema (``jaxserve.models.schema``). A layer is a composition of the blocks in
+``jaxserve.layers``: the attention block (``layers/attention.py``: grouped-query or latent) and the MLP block
+(``layers/mlp.py``: gated MLP or mixture of experts), each behind its pre-norm (and Gemma 2/3's post-norm) on the
+residual stream. The math of a block lives in its module; this one picks the blocks per layer and runs the layers.
 
 Weights of all layers are stacked on a leading layer axis and the layers run under ``lax.scan``, so compile
 time does not grow with depth. The runner holds the module split into ``(graphdef, state)``
 (:func:`model_from_params`); its jitted step merges them back (``nnx.merge``) and calls
-:meth:`Decoder.__call__` (hidden states, K/V written into the pool) and :meth:`Decoder.logits`. Attention and the K/V write are arguments
-of ``__call__`` (``attention_fn``, ``write_kv_fn``), so the same model runs on any kernel of
-``jaxserve.kernels``.
+:meth:`Decoder.__call__` (hidden states, K/V written into the pool) and :meth:`Decoder.logits`. Attention and the
+K/V write are arguments of ``__call__`` (``attention_fn``, ``write_kv_fn``), so the same model runs on any kernel
+of ``jaxserve.kernels``.
 
 Dimension letters: T tokens in the step, D hidden, N query heads, K kv heads, H head_dim, F MLP hidden,
 V vocabulary, L layers, S sequences.
@@ -21,34 +24,27 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import AttentionBatch
-from jaxserve.kernels.attention.mla import absorb_query, expand_output, mla_attention
-from jaxserve.layers.linear import PLAIN, MatmulPolicy, matmul, pack_bf16
+from jaxserve.layers.attention import AttentionFn, WriteKVFn, gqa_attention, mla_attention
+from jaxserve.layers.linear import PLAIN, MatmulPolicy, Product, matmul, pack_bf16
+from jaxserve.layers.mlp import MoeFn, gated_mlp, moe_block
 from jaxserve.layers.moe import MoeSpec, moe_mlp
 from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rope import Rope, apply_rope
+from jaxserve.layers.rope import Rope
 from jaxserve.models.schema import block_layers, layer_names, matmul_names, param_schema, partial_names
-
-# attention_fn(q, k_cache, v_cache, layer, batch, *, sm_scale, sliding_window, soft_cap) -> [T, N, H]
-AttentionFn = Callable[..., jax.Array]
-# write_kv_fn(k_cache, v_cache, layer, new_k, new_v, batch) -> (k_cache, v_cache)
-WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
-# moe_fn(h [T, D], one layer's MoE parameters {name: array}) -> [T, D] (``jaxserve.layers.moe``)
-MoeFn = Callable[[jax.Array, dict], jax.Array]
-
 
 # The [D, V] output projection in ``Decoder.matmul_weights`` (the transposed embedding when tied).
 OUTPUT_AXES = ("embed", "vocab")
 
 
 class Decoder(nnx.Module):
-    """Decoder-only transformer: per layer the schema's attention block, then its MLP or MoE block. Parameters are created
-    from ``param_schema`` and filled by the loaders."""
+    """Decoder-only transformer: per layer the schema's attention block, then its MLP or MoE block (the functions of
+    ``jaxserve.layers.attention`` / ``jaxserve.layers.mlp``). Parameters are created from ``param_schema`` and
+    filled by the loaders."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
@@ -99,14 +95,13 @@ class Decoder(nnx.Module):
         bfloat16 copies it may use. ``moe_fn`` runs a MoE layer's block (default: ``jaxserve.layers.moe.moe_mlp``
         on one device; the runner passes it sharded over the mesh). ``scan_fn(layer_on, step, carry, (params,
         layer ids, windows))`` runs the layers (default: one ``lax.scan`` of ``layer_on`` on ``step``; pipeline
-        stages: ``sharding.PipelineTick``), where ``step`` is what a layer reads of the step besides its weights:
+        stages: ``pipeline.PipelineTick``), where ``step`` is what a layer reads of the step besides its weights:
         (batch, rotary tables, local rotary tables or None); under pipeline stages ``batch`` stacks one step per
         stage and each stage reads its own. A layer's inputs end with the index of its entry in the caches it is
         given.
         """
         cfg = self.cfg
         T = tokens.shape[0]
-        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
         # What a layer reads of the step besides its weights: the batch and its rotary tables ([T, H/2] each, shared
         # by the layers; Gemma 3's sliding-window layers have their own, picked per layer).
@@ -130,120 +125,12 @@ class Decoder(nnx.Module):
             {n: getattr(self, n).get_value() for n in layer_names(schema)}, matmul_names(schema), copies, T
         )
         windows = jnp.asarray(cfg.layer_windows(), jnp.int32)  # [L], 0 = full attention
-        # A model that mixes dense and MoE layers holds each block's stack over its own layers (``partial``); each
-        # layer runs one of them (``lax.cond``), from the stack's entry ``index[layer]``.
-        partial = {n: getattr(self, n).get_value() for n in partial_names(schema)}
-        _, moe_layers = block_layers(cfg)
-        flags = cfg.moe_layer_flags()
-        index = jnp.asarray(
-            [(flags[:i].count(True) if f else flags[:i].count(False)) for i, f in enumerate(flags)], jnp.int32
-        )
-        if moe_fn is None and cfg.is_moe:
-            moe_fn = functools.partial(moe_mlp, spec=MoeSpec.of(cfg))
-
-        def dense_mlp(h, mul, names=("w_gate", "w_up", "w_down")):
-            gate = mul(h, names[0])
-            act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-            return mul(act * mul(h, names[1]), names[2])
-
-        def entry(names, i):  # one layer's parameters of a partial stack
-            return {n: jax.lax.dynamic_index_in_dim(partial[n], i, keepdims=False) for n in names}
-
-        def mlp(h, p, mul, layer_idx):
-            if moe_layers == ():
-                return dense_mlp(h, mul)
-            if moe_layers is None:
-                return moe(h, p, mul)
-            i = index[layer_idx]
-
-            def dense(h):
-                w = entry(("w_gate", "w_up", "w_down"), i)
-                return dense_mlp(h, lambda x, n: matmul(x, w[n]))
-
-            def sparse(h):
-                w = entry(moe_names + shared_names, i)
-                return moe(h, w, lambda x, n: matmul(x, w[n]))
-
-            return jax.lax.cond(flags_arr[layer_idx], sparse, dense, h)
-
-        moe_names = tuple(
-            n for n in schema if n in ("router", "router_bias", "router_correction") or n.startswith("expert_")
-        )
-        shared_names = tuple(n for n in schema if n.startswith("shared_"))
-
-        def moe(h, p, mul):  # the routed experts (``moe_fn``), and DeepSeek's shared experts beside them
-            out = moe_fn(h, {n: p[n] for n in moe_names})
-            if shared_names:
-                out = out + dense_mlp(h, mul, ("shared_gate", "shared_up", "shared_down"))
-            return out
-
-        flags_arr = jnp.asarray(flags)
-
-        def gqa(h, p, mul, rope, local, window, caches, cache_idx, batch):  # grouped-query attention -> [T, D]
-            (cos, sin), (k_cache, v_cache) = rope, caches
-            q, k, v = mul(h, "wq"), mul(h, "wk"), mul(h, "wv")
-            if cfg.attention_bias:
-                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
-            if cfg.qk_norm:
-                q, k = rms_norm(q, p["q_norm"], eps, off), rms_norm(k, p["k_norm"], eps, off)
-            if cfg.local_rope_theta is None:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            else:
-                c, s = jnp.where(window > 0, local[0], cos), jnp.where(window > 0, local[1], sin)
-                q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-            k_cache, v_cache = write_kv_fn(k_cache, v_cache, cache_idx, k, v, batch)
-            sinks = {"sinks": p["sinks"]} if cfg.attention_sinks else {}
-            attn = attention_fn(
-                q,
-                k_cache,
-                v_cache,
-                cache_idx,
-                batch,
-                sm_scale=cfg.attn_scale,
-                sliding_window=window,
-                soft_cap=cfg.attn_logit_softcap,
-                **sinks,
-            )  # [T, N, H]
-            return mul(attn.reshape(T, N * H), "wo"), k_cache, v_cache
-
-        def mla(h, p, mul, rope, local, window, caches, cache_idx, batch):  # latent attention, absorbed -> [T, D]
-            (cos, sin), (k_cache, v_cache) = rope, caches
-            R, dn, dv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
-            q = (
-                mul(h, "wq")
-                if cfg.q_lora_rank is None
-                else mul(rms_norm(mul(h, "wq_a"), p["q_a_norm"], eps, off), "wq_b")
-            )
-            q = q.reshape(T, N, H)
-            q_nope, q_pe = q[..., :dn], q[..., dn:]
-            kv = mul(h, "wkv_a")  # [T, R + r]: the latent c before its norm, and the shared rotary key
-            c, k_pe = rms_norm(kv[:, :R], p["kv_a_norm"], eps, off), kv[:, None, R:]
-            if cfg.rope_interleave:  # pairs (x0, x1), (x2, x3) ...: rotated as halves, the same order in q and k
-                r = cfg.rotary_dim
-                deinterleave = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
-                q_pe, k_pe = q_pe[..., deinterleave], k_pe[..., deinterleave]
-            q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
-            latent = jnp.concatenate([c, k_pe[:, 0].astype(c.dtype)], axis=-1)  # [T, R + r]
-            k_cache, v_cache = write_kv_fn(k_cache, v_cache, cache_idx, latent, latent, batch)  # the latent pool
-            w = p["wkv_b"].reshape(R, N, dn + dv)  # each head's key (d_nope) and value (d_v) up-projections
-            q_latent = absorb_query(q_nope, w[..., :dn].transpose(1, 2, 0))  # [T, N, R]
-            context = mla_attention(  # over the latent pool: each latent is every head's key and value
-                q_latent,
-                q_pe,
-                k_cache,
-                cache_idx,
-                batch,
-                sm_scale=cfg.attn_scale,
-                attention=attention_fn,
-                sliding_window=window,
-                soft_cap=None,
-            )
-            out = expand_output(context, w[..., dn:].transpose(1, 2, 0))  # [T, N, d_v]
-            return mul(out.reshape(T, N * dv), "wo"), k_cache, v_cache
+        attention = mla_attention if cfg.is_mla else gqa_attention
+        attend = functools.partial(attention, cfg, attention_fn=attention_fn, write_kv_fn=write_kv_fn)
+        mlp = self._mlp(schema, moe_fn)
 
         def layer_on(step, carry, xs):  # one layer on this step's tokens, its K/V written where ``batch`` says
-            batch, (cos, sin), local = step
+            batch, rope, local = step
             x, k_cache, v_cache = carry
             p, layer_idx, window, cache_idx = xs  # cache_idx: the layer's entry in these caches (a stage's own)
 
@@ -251,10 +138,17 @@ class Decoder(nnx.Module):
                 return policy.product(h, name, p, whole, layer_idx)
 
             h = rms_norm(x, p["attn_norm"], eps, off)
-            attend = mla if cfg.is_mla else gqa
-            o, k_cache, v_cache = attend(h, p, mul, (cos, sin), local, window, (k_cache, v_cache), cache_idx, batch)
-            if cfg.o_bias:
-                o = o + p["bo"]
+            o, k_cache, v_cache = attend(
+                h,
+                p,
+                mul,
+                (k_cache, v_cache),
+                cache_idx=cache_idx,
+                batch=batch,
+                rope=rope,
+                local_rope=local,
+                window=window,
+            )
             if cfg.sandwich_norms:
                 o = rms_norm(o, p["post_attn_norm"], eps, off)
             x = x + o
@@ -272,6 +166,45 @@ class Decoder(nnx.Module):
         else:
             x, k_cache, v_cache = scan_fn(layer_on, step, (x, k_cache, v_cache), (layer_params, layer_ids, windows))
         return rms_norm(x, self.final_norm[...], eps, off), k_cache, v_cache
+
+    def _mlp(self, schema: dict, moe_fn: MoeFn | None) -> Callable[[jax.Array, dict, Product, jax.Array], jax.Array]:
+        """A layer's MLP block, ``mlp(h, p, mul, layer) -> [T, D]``: the gated MLP, the MoE block (routed experts on
+        ``moe_fn``, default ``jaxserve.layers.moe.moe_mlp`` on one device), or in a model that mixes them the layer's
+        own (``lax.cond``), whose weights are entry ``index[layer]`` of its block's stack over its own layers
+        (``ParamSpec.layers``) rather than the layer scan's slice ``p``."""
+        cfg = self.cfg
+        dense_layers, moe_layers = block_layers(cfg)
+        if moe_fn is None and cfg.is_moe:
+            moe_fn = functools.partial(moe_mlp, spec=MoeSpec.of(cfg))
+        if moe_layers == ():
+            return lambda h, p, mul, layer_idx: gated_mlp(cfg, h, mul)
+        if moe_layers is None:
+            return lambda h, p, mul, layer_idx: moe_block(cfg, h, p, mul, moe_fn)
+        partial = {n: getattr(self, n).get_value() for n in partial_names(schema)}
+        flags = cfg.moe_layer_flags()
+        index = jnp.asarray(
+            [(flags[:i].count(True) if f else flags[:i].count(False)) for i, f in enumerate(flags)], jnp.int32
+        )
+        flags_arr = jnp.asarray(flags)
+
+        def entry(layers, i):  # one layer's parameters of the stack over ``layers``
+            names = (n for n in partial if schema[n].layers == layers)
+            return {n: jax.lax.dynamic_index_in_dim(partial[n], i, keepdims=False) for n in names}
+
+        def mlp(h, p, mul, layer_idx):
+            i = index[layer_idx]
+
+            def dense(h):
+                w = entry(dense_layers, i)
+                return gated_mlp(cfg, h, lambda x, n: matmul(x, w[n]))
+
+            def sparse(h):
+                w = entry(moe_layers, i)
+                return moe_block(cfg, h, w, lambda x, n: matmul(x, w[n]), moe_fn)
+
+            return jax.lax.cond(flags_arr[layer_idx], sparse, dense, h)
+
+        return mlp
 
     def logits(
         self, hidden: jax.Array, policy: MatmulPolicy = PLAIN, copies: dict[str, jax.Array] | None = None

@@ -110,8 +110,9 @@ def _on(spec: ParamSpec, layers: tuple[int, ...] | None) -> ParamSpec:
 
 
 def attention_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Pre-norm grouped-query attention: q/k/v/o projections, optional q/k/v biases (Qwen2; gpt-oss: o too), q/k
-    norms (Qwen3, Gemma 3), sinks (gpt-oss) and the norm after attention (sandwich norms, Gemma 2/3)."""
+    """Pre-norm grouped-query attention (``jaxserve.layers.attention.gqa_attention``): q/k/v/o projections, optional
+    q/k/v biases (Qwen2; gpt-oss: o too), q/k norms (Qwen3, Gemma 3), sinks (gpt-oss) and the norm after attention
+    (sandwich norms, Gemma 2/3)."""
     L, D, N, K, H = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers, embed, q, kv = (L, "layers"), (D, "embed"), (N * H, "q_heads"), (K * H, "kv_heads")
     block = {
@@ -141,11 +142,12 @@ def attention_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
 
 def mla_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Pre-norm multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; ``kernels.attention.mla``): the query from
-    the hidden state directly (``wq``) or through a low-rank ``wq_a``, its norm and ``wq_b``; the latent
-    [c ; k_pe] from ``wkv_a``, c normed by ``kv_a_norm``; ``wkv_b`` [R, N (d_nope + d_v)], each head's key and value
-    up-projections, absorbed into the query and the output; ``wo``. The latent dims (``latent``) are replicated:
-    every device computes the whole latent and keeps it in its pool; the heads split after the up-projections."""
+    """Pre-norm multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; ``jaxserve.layers.attention.mla_attention``
+    on ``kernels.attention.mla``): the query from the hidden state directly (``wq``) or through a low-rank ``wq_a``,
+    its norm and ``wq_b``; the latent [c ; k_pe] from ``wkv_a``, c normed by ``kv_a_norm``; ``wkv_b``
+    [R, N (d_nope + d_v)], each head's key and value up-projections, absorbed into the query and the output; ``wo``.
+    The latent dims (``latent``) are replicated: every device computes the whole latent and keeps it in its pool;
+    the heads split after the up-projections."""
     L, D, N = cfg.num_layers, cfg.hidden_size, cfg.num_heads
     R, r, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
     layers, embed, q = (L, "layers"), (D, "embed"), (N * cfg.head_dim, "q_heads")
@@ -178,10 +180,11 @@ def block_layers(cfg: ModelConfig) -> tuple[tuple[int, ...] | None, tuple[int, .
 
 
 def mlp_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Gated MLP (SwiGLU / GeGLU): pre-norm, gate and up projections, down projection, and the norm after it
-    under sandwich norms. HF calls the pre-MLP norm ``post_attention_layernorm`` unless the model has sandwich
-    norms, where that name is the norm after attention and this one is ``pre_feedforward_layernorm``. In a MoE
-    model the norms stay (every layer has them) and the matrices are on the dense layers only (none, or some)."""
+    """Gated MLP (SwiGLU / GeGLU, ``jaxserve.layers.mlp.gated_mlp``): pre-norm, gate and up projections, down
+    projection, and the norm after it under sandwich norms. HF calls the pre-MLP norm ``post_attention_layernorm``
+    unless the model has sandwich norms, where that name is the norm after attention and this one is
+    ``pre_feedforward_layernorm``. In a MoE model the norms stay (every layer has them) and the matrices are on the
+    dense layers only (none, or some)."""
     L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     layers, embed, mlp = (L, "layers"), (D, "embed"), (F, "mlp")
     pre = "pre_feedforward_layernorm.weight" if cfg.sandwich_norms else "post_attention_layernorm.weight"
@@ -201,9 +204,9 @@ def mlp_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
 
 def moe_block(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """The mixture of experts (``jaxserve.layers.moe``) on the MoE layers: the router, the experts' stacked gate /
-    up / down matrices and, for gpt-oss, their biases. HF names are Qwen3-MoE's (one tensor per expert); families
-    that name them otherwise rename on load (``registry.Family.hf_renames``)."""
+    """The mixture of experts (``jaxserve.layers.mlp.moe_block``, ``jaxserve.layers.moe``) on the MoE layers: the
+    router, the experts' stacked gate / up / down matrices and, for gpt-oss, their biases. HF names are Qwen3-MoE's
+    (one tensor per expert); families that name them otherwise rename on load (``registry.Family.hf_renames``)."""
     _, moe = block_layers(cfg)
     if moe == ():
         return {}
