@@ -5,7 +5,7 @@
    longer than max_tokens, so constrained requests generate as many tokens as the others). Runs alternate (plain,
    constrained, plain, constrained) on one warmed-up engine; the figure of merit is output tokens/s, since a
    grammar may end a request early. Also reports the host time spent filling the token masks.
-2. Grammar compile time per schema (the ten schemas of tests/test_structured.py): cold (first compile) and
+2. Grammar compile time per schema (the ten schemas of tests/sampling/test_structured.py): cold (first compile) and
    cached, and the one-off build of the grammar engine's tokenizer.
 
     python bench/structured.py [--num-requests 64] [--output-len 128] [--rounds 2]

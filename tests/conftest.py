@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # helpers.py, shared by the test modules
+# helpers.py, shared by the test modules, and each room's folder of tests (tests/<room>/ mirrors jaxserve/<room>/):
+# a test module may import another's fixtures or references by name (pytest imports test modules by path).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS] + sorted(
+    entry.path for entry in os.scandir(_TESTS) if entry.is_dir() and not entry.name.startswith((".", "_"))
+)
 
 # Before jax is imported anywhere: eight fake CPU devices for sharding tests, float32 matmuls.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

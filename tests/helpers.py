@@ -111,7 +111,7 @@ class SchedulerEngine:
 # The session's shared engine (conftest's default_llm) and the engines that serve the same traffic (the OpenAI
 # servers of test_server_api and test_server_tools): one setting, so their steps are compiled once per run.
 DEFAULT_ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=256, max_model_len=2048, num_pages=1024)
-# Settings of the engines that warm up every step variant (tests/test_engine.py, tests/test_reliability.py, both on
+# Settings of the engines that warm up every step variant (tests/engine/test_engine.py, tests/engine/test_reliability.py, both on
 # the default model's first two layers): one setting, so whichever runs second loads the variants from the run's
 # compilation cache.
 WARMUP_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_pages=300)
@@ -314,7 +314,7 @@ def longrope(short_factor: list[float], long_factor: list[float], original: int 
     )
 
 
-# Tiny random HF checkpoints served with the default model's tokenizer (tests/test_moe_models.py, test_deepseek.py).
+# Tiny random HF checkpoints served with the default model's tokenizer (tests/models/test_moe_models.py, test_deepseek.py).
 TINY_VOCAB = 49152  # SmolLM2's tokenizer
 TINY_ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, dtype="float32")
 

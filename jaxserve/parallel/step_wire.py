@@ -8,7 +8,7 @@ did: the fixed-width sampler arrays ([B, V/32] token masks, [B, max_model_len] h
 Encoding: a request is named by a small integer handle from the step it starts (its id travels once); the
 per-request fields of a step are int32 columns, and the token ids, new pages and proposals are flat int32 arrays
 they index. A decode step of 128 requests with no new one is about 4.2 KB pickled, 1.3 KB compressed
-(``tests/test_wire.py`` bounds it at 4 KB; ``bench/step_bytes.py`` compares it with the packed arrays).
+(``tests/parallel/test_wire.py`` bounds it at 4 KB; ``bench/step_bytes.py`` compares it with the packed arrays).
 """
 
 from __future__ import annotations

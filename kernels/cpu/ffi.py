@@ -76,7 +76,7 @@ def target_march() -> str:
 
 def compile_command(cxx: str, out: str | None, *, march: str | None = "native", syntax_only: bool = False) -> list[str]:
     """The compiler's command line for the library (``syntax_only``: every source checked, nothing written, about
-    3 s a source instead of 20: what tests/test_cpu_kernels_build.py runs for each ISA level)."""
+    3 s a source instead of 20: what tests/kernels/test_cpu_kernels_build.py runs for each ISA level)."""
     flags = [f for f in _FLAGS if not (syntax_only and f in ("-shared", "-O3"))]
     flags += [f"-march={march}"] if march else []
     flags += ["-fsyntax-only"] if syntax_only else []

@@ -53,7 +53,7 @@ def _idle(engine):
 
 
 def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog):
-    # Step shapes, not depth, decide what compiles: two layers (tests/test_engine.py's warm-up test builds the same).
+    # Step shapes, not depth, decide what compiles: two layers (tests/engine/test_engine.py's warm-up test builds the same).
     llm = LLM(first_layers(default_loaded), **WARMUP_ENGINE)
     runner = llm.engine.runner
     with caplog.at_level("INFO", logger="jaxserve.runner.compilation"):

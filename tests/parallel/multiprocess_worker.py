@@ -1,6 +1,6 @@
-"""One process of a jax.distributed group (tests/test_multiprocess.py starts several).
+"""One process of a jax.distributed group (tests/parallel/test_multiprocess.py starts several).
 
-    python tests/multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID MODEL_DIR TP [DP [PP]]
+    python tests/parallel/multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID MODEL_DIR TP [DP [PP]]
 
 Generates greedily through ``LLM``, with default options otherwise (async scheduling with $JAXSERVE_TEST_ASYNC),
 for the prompts in $JAXSERVE_TEST_PROMPTS (JSON token-id lists) and prints the tokens as one JSON line prefixed

@@ -5,7 +5,7 @@
   expert on every token), float32 within 2e-5 (values of order 1): odd sizes, experts with no token, top-k 1 and 4;
 - the layer against transformers' own blocks (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock with norm_topk_prob
   True and False, GptOssMLP) on random weights copied into our layout, within 1e-5;
-- megablox compiles for v5e and v6e at Qwen3-30B-A3B's shapes (deviceless AOT, as tests/test_tpu_kernels_aot.py);
+- megablox compiles for v5e and v6e at Qwen3-30B-A3B's shapes (deviceless AOT, as tests/kernels/test_tpu_kernels_aot.py);
 - bad inputs raise ValueError naming the argument.
 """
 

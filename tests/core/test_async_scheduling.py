@@ -1,6 +1,6 @@
 """Async scheduling: each step is scheduled and launched while the previous one runs, its sampled tokens fed to the
 next step on the device. Reference: the same engine with ``async_scheduling=False`` (steps one after the other),
-whose greedy output is checked against HF transformers elsewhere (tests/test_engine.py). Everything a user sees must
+whose greedy output is checked against HF transformers elsewhere (tests/engine/test_engine.py). Everything a user sees must
 be the same: tokens, logprobs (to float tolerance: the batches are composed differently), text cut at stop strings,
 finish reasons; and no token past a request's end may ever reach a user, not even in a streamed output.
 

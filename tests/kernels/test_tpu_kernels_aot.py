@@ -4,7 +4,7 @@
 devices of a TPU topology that exists only as a description, and ``jit(...).lower(abstract args).compile()``
 runs the real compilers on them. That checks what interpret mode cannot: Mosaic lowering (layouts, matmul
 operand types, DMA shapes, scalar prefetch) and the scoped-VMEM limit. Numerics are checked elsewhere
-(tests/test_kernels.py, interpret mode against the reference).
+(tests/kernels/test_kernels.py, interpret mode against the reference).
 
 The grid covers the corners of what we serve on v5e, v6e and v5p: head_dim 64/128/256, GQA groups 1-8
 (and an odd one), page sizes 16/32/64, bf16 and float32 caches, decode-only and mixed prefill steps,

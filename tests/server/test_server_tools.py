@@ -450,7 +450,7 @@ def test_json_schemas_hold_at_temperatures_0_and_1(served):
 
 @slow
 def test_ten_more_schemas_through_the_openai_client(served):
-    """The ten schemas the engine-level tests use (tests/test_structured.py), each with its prompt, through
+    """The ten schemas the engine-level tests use (tests/sampling/test_structured.py), each with its prompt, through
     /v1/chat/completions at temperatures 0 and 1: every answer parses and validates."""
     from test_structured import PROMPTS
     from test_structured import SCHEMAS as ENGINE_SCHEMAS

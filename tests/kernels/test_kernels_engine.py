@@ -2,6 +2,7 @@
 the TPU's over the TPU's pool layout) gives the same greedy tokens as with the jnp reference."""
 
 import pytest
+from helpers import first_layers
 
 from jaxserve import LLM, SamplingParams
 
@@ -9,12 +10,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_pallas_interpret_matches_reference(default_loaded):
+    """Engine mechanics (each implementation's pool layout, page tables and K/V writes through the engine's steps)
+    against the same engine with the jnp reference attention: on the default model's first two layers
+    (``helpers.first_layers``: real tokens, a fifteenth of the interpreted kernels' blocks a step). The kernels'
+    numerics against the reference are tests/kernels/test_kernels.py's."""
+    model = first_layers(default_loaded)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
     outs = {}
     for impl in ("reference", "pallas", "pallas-tpu"):  # pallas-tpu: the TPU kernels over the TPU's pool layout
         llm = LLM(
-            default_loaded,
+            model,
             attention_impl=impl,
             max_num_seqs=4,
             max_num_batched_tokens=32,

@@ -135,7 +135,7 @@ def test_stop_strings_across_tokens(small_llm):
 
 def test_no_recompilation_after_warmup(default_loaded):
     # Mechanics: the step's shapes do not depend on the depth, so the default model's first two layers (a quarter of
-    # the cost a token) compile the same variants; tests/test_reliability.py warms up the same engine.
+    # the cost a token) compile the same variants; tests/engine/test_reliability.py warms up the same engine.
     llm = LLM(first_layers(default_loaded), **WARMUP_ENGINE)
     runner = llm.engine.runner
     # On the CPU the widest page table serves every step (the C++ attention reads only each sequence's pages).
