@@ -326,12 +326,14 @@ def test_the_server_counts_proposals_in_metrics(model):
     from jaxserve.server.launch import ServerThread
     from jaxserve.server.metrics import parse_metrics
 
+    # The settings of the module's n-gram engine (``engines``): the same step programs, loaded from the compilation
+    # cache instead of compiled again for other budgets.
     engine = LLMEngine(
         model,
-        max_num_seqs=4,
-        max_num_batched_tokens=128,
-        max_model_len=256,
-        num_pages=32,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        num_pages=256,
         speculative_config=SPEC,
     )
     app = build_app(engine, shutdown_timeout=5)
