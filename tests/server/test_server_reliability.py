@@ -329,8 +329,8 @@ def test_accepted_edge_fields():
 
 # ---------------------------------------------------------------------------------------------------- signals
 SERVE = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, sys.argv[1])
+    import os, sys
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # the fake engine's folder, and tests/ (helpers)
     from test_server_fake_engine import FakeEngine
     from jaxserve.server.app import build_app
     from jaxserve.server.launch import serve
