@@ -351,6 +351,7 @@ def plan(
     from jaxserve.models.schema import param_schema
     from jaxserve.parallel.pipeline import check_pipeline, stage_layers
     from jaxserve.parallel.sharding import MESH_AXES, kv_heads_for, make_mesh, rules_for
+    from jaxserve.runner.kv_pool import page_bytes as pool_page_bytes
     from jaxserve.runner.model_runner import ModelRunner
 
     name, cfg = _model_config(model)
@@ -403,10 +404,9 @@ def plan(
         )
 
     kv = kv_dtype(config.kv_cache_dtype, _np_dtype(dtype))
-    # K and V rows (MLA: the latent, and no V); int8 rows carry a float32 scale
-    row_bytes = sum(d * kv.itemsize + (4 if kv == np.int8 else 0) for d in cfg.kv_cache_dims)
     heads_per_chip = 1 if cfg.is_mla else kv_heads // tp  # MLA: the latent pool, whole on every chip
-    page_bytes = max(map(len, stages)) * config.page_size * heads_per_chip * row_bytes
+    # a chip's share of the largest stage's page (the pool's own arithmetic; compiled, the TPU's padding replaces it)
+    page_bytes = pool_page_bytes(cfg, config.page_size, kv, layers=max(map(len, stages)), kv_heads=heads_per_chip)
     compiled: list[Variant] = []
     if compile:
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))

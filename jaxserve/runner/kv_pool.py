@@ -64,6 +64,16 @@ def pool_spec(cache, layout: str = "tokens_heads"):
     return HEADS_TOKENS_POOL_SPEC if layout == "heads_tokens" else KV_POOL_SPEC
 
 
+def page_bytes(cfg: ModelConfig, page_size: int, dtype, layers: int | None = None, kv_heads: int | None = None) -> int:
+    """Bytes of one page of the K and V pools of ``dtype``, before any device's padding: ``layers`` layers (default:
+    all) of ``kv_heads`` KV heads (default: the model's), a row of each of ``cfg.kv_cache_dims`` a token (int8 rows
+    carry a float32 scale). ``jaxserve.aot`` asks it for a chip's share of a stage."""
+    dtype = np.dtype(dtype)
+    rows = sum(d * dtype.itemsize + (4 if dtype == np.int8 else 0) for d in cfg.kv_cache_dims)
+    layers = cfg.num_layers if layers is None else layers
+    return layers * page_size * (cfg.num_kv_heads if kv_heads is None else kv_heads) * rows
+
+
 def available_host_memory(meminfo: str = "/proc/meminfo") -> int:
     """Bytes of host memory available now: MemAvailable from /proc/meminfo (what the kernel can hand out
     without swapping), else the free physical pages."""
@@ -184,9 +194,7 @@ class KVPool:
 
     def page_bytes(self) -> int:
         """Bytes of one page of the K and V pools over every layer (before any device's padding)."""
-        c = self.cfg
-        rows = sum(d * self.dtype.itemsize + (4 if self.int8 else 0) for d in c.kv_cache_dims)  # int8: + a scale
-        return c.num_layers * self.page_size * c.num_kv_heads * rows
+        return page_bytes(self.cfg, self.page_size, self.dtype)
 
     def shape(self, num_pages: int, value: bool = False) -> tuple[int, ...]:
         """The K pool's shape (``value``: the V pool's)."""
