@@ -16,8 +16,9 @@ step's sampled tokens, on the device, and ``fed_index`` [T] the row of ``fed`` w
 instead of ``tokens``' (-1: none): async scheduling launches a step before the host has read the previous one's
 tokens. The step returns its own samples as the next step's ``fed``. Everything the step
 reads is an argument: no Python value is frozen into a trace except the static shapes (and the ``decode_only``
-variant), so one compilation serves every mix of requests of the same bucket. The buckets, the jitted step of each
-variant, warm-up and ahead-of-time lowering are ``jaxserve.runner.compilation``'s (``ModelRunner.compiler``).
+variant), so one compilation serves every mix of requests of the same bucket. The buckets are
+``jaxserve.runner.buckets``'; the jitted step of each variant, warm-up and ahead-of-time lowering are
+``jaxserve.runner.compilation``'s (``ModelRunner.compiler``, given ``step_program()``).
 
 The step is one SPMD program over the runner's mesh (``jaxserve.parallel.sharding``): weights placed shard by shard by
 their logical axes, the pool split over KV heads, the kernels under ``shard_map``, the logits gathered once
@@ -164,7 +165,6 @@ class ModelRunner:
         self.channel = None  # under several processes: the StepChannel to the other processes (set by the engine)
         self._encoder, self._decoder = StepEncoder(), StepDecoder()  # the steps' changes on that channel
         self._uncollected = 0  # steps launched whose results were not read yet (async scheduling: at most 1)
-        self.tensor_parallel_size = self.mesh.shape["model"]
         self.page_size = cache_cfg.page_size
         self.replicated = NamedSharding(self.mesh, P())
         weights = prepare_weights(
