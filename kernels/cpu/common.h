@@ -16,6 +16,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -99,6 +103,20 @@ inline float Sum16(V16 v) {
 // Claims chunks [0, chunks) on the calling thread and up to ``helpers`` of XLA's pool threads (no thread is created
 // per call); returns when every claimed chunk is done. The shared state outlives the call: a helper that starts
 // after it has returned finds no chunk left and touches nothing else.
+// The CPUs this process may run on (its affinity mask; the hardware's count elsewhere), read once. XLA's pool has a
+// thread per device, at least, so a process pinned to fewer CPUs than it has devices (a test worker of eight fake
+// devices on one core) would hand each call's work to more threads than can run at once.
+inline int64_t SchedulableCpus() {
+  static const int64_t count = [] {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<int64_t>(std::max(1, CPU_COUNT(&set)));
+#endif
+    return static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  }();
+  return count;
+}
+
 template <typename Fn>
 void RunChunks(ffi::ThreadPool& pool, int64_t chunks, int64_t helpers, Fn run) {
   struct Shared {
@@ -111,7 +129,7 @@ void RunChunks(ffi::ThreadPool& pool, int64_t chunks, int64_t helpers, Fn run) {
       st.done.fetch_add(1, std::memory_order_release);
     }
   };
-  helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, helpers));
+  helpers = std::max<int64_t>(0, std::min({pool.num_threads() - 1, SchedulableCpus() - 1, helpers}));
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared, claim]() { claim(*shared); });
   claim(*shared);
   while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
