@@ -148,7 +148,9 @@ def test_every_preset_plans_on_a_v5p_slice(preset):
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
 def test_gemma3_local_and_global_layers_compile_for_tpu(tmp_path, topology):
     """Gemma 3's layers (5 local : 1 global, each kind on its own rope, q/k and sandwich norms) through XLA's and
-    Mosaic's TPU compilers: a small model of the family with a decode and a mixed step."""
+    Mosaic's TPU compilers: a small model of the family, its largest step (16 tokens, mixed: with max_num_seqs=4 no
+    decode-only bucket exists). The layers are scanned, so one step compiles every kind of layer; the smaller bucket
+    is the same program over fewer tokens, and every bucket's compile is checked on the default model above."""
     import json
 
     config = {
@@ -170,9 +172,9 @@ def test_gemma3_local_and_global_layers_compile_for_tpu(tmp_path, topology):
     (tmp_path / "config.json").write_text(json.dumps(config))
     # The pool given (as for Llama-3-8B above): unsized, plan compiles the 16-token step a first time only to measure
     # its activations, then again over the sized pool (the sizing is checked on the default model).
-    settings = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_pages=64, variants="all")
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_pages=64, variants="corners")
     p = plan(str(tmp_path), topology, 1, **settings)
-    assert p.fits and [(v.tokens, v.decode_only) for v in p.variants] == [(8, False), (16, False)]
+    assert p.fits and [(v.tokens, v.decode_only) for v in p.variants] == [(16, False)]
     assert all(v.flops > 0 and v.code_bytes > 0 for v in p.variants)
 
 
