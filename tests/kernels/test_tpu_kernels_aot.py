@@ -77,6 +77,7 @@ def _check_tpu_kernel(compiled, name: str) -> None:
     assert mem is not None and mem.argument_size_in_bytes > 0
 
 
+@functools.cache  # an identical compile in two tests (Llama-3-8B's decode is also a corner) is done once
 def compile_attention(
     topology,
     dtype,
