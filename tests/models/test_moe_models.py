@@ -143,31 +143,51 @@ def test_dequantized_mxfp4_equals_transformers():
         dequantize_mxfp4(blocks, scales[:, :, :3])
 
 
-def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path, default_model_path, caplog):
+@pytest.fixture(scope="module")
+def mxfp4_one_device(tmp_path_factory, default_model_path):
+    """The MXFP4 gpt-oss checkpoint (``write_mxfp4_checkpoint``), its one-device engine (``LLM(path, **ENGINE)``),
+    the text that engine logged at INFO while loading, and its greedy outputs of ``tiny_prompts()``: the reference
+    of the two tests below (written and compiled once)."""
+    import logging
+
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    write_mxfp4_checkpoint(path)
+    orbax_ckpt.copy_tokenizer(default_model_path, path)
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    try:
+        llm = LLM(str(path), **ENGINE)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    text = "\n".join(r.getMessage() for r in records)
+    return path, llm, text, llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_hf(mxfp4_one_device):
     """The hub's gpt-oss layout: MXFP4 expert stacks, read by jaxserve and by transformers' own dequantizer."""
-    write_mxfp4_checkpoint(tmp_path)
-    orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
+    path, llm, log_text, res = mxfp4_one_device
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
     ).eval()
-    with caplog.at_level("INFO"):
-        llm = LLM(str(tmp_path), **ENGINE)
-    assert "MXFP4 expert weights are served as int8 in groups of 32" in caplog.text
+    assert "MXFP4 expert weights are served as int8 in groups of 32" in log_text
     for name in ("expert_gate", "expert_up", "expert_down"):
         w = llm.engine.runner.state[name].get_value()
         assert w.q.dtype == np.int8 and w.group == 32, name
-    res = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
     assert_matches_hf(hf, tiny_prompts(), [o.outputs[0] for o in res])
 
 
-def test_mxfp4_stacks_split_by_tensor_parallelism_are_served_as_floats(tmp_path, default_model_path, caplog):
+def test_mxfp4_stacks_split_by_tensor_parallelism_are_served_as_floats(mxfp4_one_device, caplog):
     """At TP 2 each device holds 32 of gpt-oss's 64 down-projection inputs: whole groups of 32, served quantized.
     A stack whose groups a degree would cut is served dequantized, logged; expert parallelism keeps it quantized.
     Either way one device's tokens (with expert parallelism over quantized experts: the int8 test of the flag
     below)."""
-    write_mxfp4_checkpoint(tmp_path)
-    orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
-    one = LLM(str(tmp_path), **ENGINE).generate(tiny_prompts(), GREEDY, use_tqdm=False)
+    tmp_path, _, _, one = mxfp4_one_device
     for tp, ep, quantized in ((2, False, True), (4, False, False), (4, True, True)):
         caplog.clear()
         with caplog.at_level("WARNING"):
