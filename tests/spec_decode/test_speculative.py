@@ -318,24 +318,17 @@ def test_a_draft_of_another_vocabulary_is_refused(default_loaded):
 
 
 @pytest.mark.slow
-def test_the_server_counts_proposals_in_metrics(model):
+def test_the_server_counts_proposals_in_metrics(engines):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from jaxserve import LLMEngine
     from jaxserve.server.app import build_app
     from jaxserve.server.launch import ServerThread
     from jaxserve.server.metrics import parse_metrics
 
-    # The settings of the module's n-gram engine (``engines``): the same step programs, loaded from the compilation
-    # cache instead of compiled again for other budgets.
-    engine = LLMEngine(
-        model,
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-        max_model_len=512,
-        num_pages=256,
-        speculative_config=SPEC,
-    )
+    # The module's n-gram engine (``engines``), its steps compiled already; the counters are the engine's, so what
+    # this request proposed and had accepted is their growth from the engine's stats before it.
+    engine = engines[1].engine
+    before = engine.get_stats()
     app = build_app(engine, shutdown_timeout=5)
     with ServerThread(app) as thread:
         r = httpx.post(
@@ -343,6 +336,6 @@ def test_the_server_counts_proposals_in_metrics(model):
         )
         assert r.status_code == 200, r.text
         metrics = parse_metrics(httpx.get(thread.url + "/metrics", timeout=60).text)
-    drafted = metrics["jaxserve:spec_decode_num_draft_tokens_total"]
-    accepted_ = metrics["jaxserve:spec_decode_num_accepted_tokens_total"]
+    drafted = metrics["jaxserve:spec_decode_num_draft_tokens_total"] - before["spec_draft_tokens"]
+    accepted_ = metrics["jaxserve:spec_decode_num_accepted_tokens_total"] - before["spec_accepted_tokens"]
     assert drafted > 0 and 0 < accepted_ <= drafted, (drafted, accepted_)
