@@ -66,18 +66,23 @@ FAST_TESTS = {"test_default_model.py::test_greedy_matches_hf_token_for_token"}
 # files (``--dist loadfile``) end together instead of one running a long file alone at the end; the rest follow
 # in their own order.
 HEAVY_FILES = [
-    "test_quant.py",
     "test_notebooks.py",
+    "test_quant.py",
+    "test_docs.py",
+    "test_multiprocess.py",
     "test_aot.py",
     "test_speculative.py",
-    "test_docs.py",
+    "test_moe_models.py",
     "test_tpu_kernels_aot.py",
-    "test_engine.py",
-    "test_multiprocess.py",
     "test_sharding.py",
-    "test_server.py",
-    "test_server_tools.py",
+    "test_engine.py",
+    "test_deepseek.py",
     "test_structured.py",
+    "test_pipeline_engine.py",
+    "test_kernels.py",
+    "test_moe.py",
+    "test_server_tools.py",
+    "test_reliability.py",
 ]
 
 
