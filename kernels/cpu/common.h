@@ -100,9 +100,6 @@ inline float Sum16(V16 v) {
   return Reduce16(v, [](V16 x, V16 y) { return x + y; });
 }
 
-// Claims chunks [0, chunks) on the calling thread and up to ``helpers`` of XLA's pool threads (no thread is created
-// per call); returns when every claimed chunk is done. The shared state outlives the call: a helper that starts
-// after it has returned finds no chunk left and touches nothing else.
 // The CPUs this process may run on (its affinity mask; the hardware's count elsewhere), read once. XLA's pool has a
 // thread per device, at least, so a process pinned to fewer CPUs than it has devices (a test worker of eight fake
 // devices on one core) would hand each call's work to more threads than can run at once.
@@ -117,6 +114,9 @@ inline int64_t SchedulableCpus() {
   return count;
 }
 
+// Claims chunks [0, chunks) on the calling thread and up to ``helpers`` of XLA's pool threads, and fewer than
+// SchedulableCpus() of them (no thread is created per call); returns when every claimed chunk is done. The shared
+// state outlives the call: a helper that starts after it has returned finds no chunk left and touches nothing else.
 template <typename Fn>
 void RunChunks(ffi::ThreadPool& pool, int64_t chunks, int64_t helpers, Fn run) {
   struct Shared {
