@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxserve.core.block_manager import NULL_PAGE
 from jaxserve.runner.buckets import StepBuckets, next_pow2_buckets
+from jaxserve.sampling.sampler import FULL, VARIANTS
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class StepProgram:
             ``jaxserve.runner.model_runner``); ``decode_only`` picks the attention's variant.
         in_shardings / out_shardings: of the step's arguments (weights, KV pool, host arrays, fed-forward samples)
             and results; ``donate_argnums``: the arguments updated in place (the KV pool).
-        example_args: ``example_args(tokens, pages)``, the arguments of a step of an empty batch in that bucket.
+        example_args: ``example_args(tokens, pages, variant)``, the arguments of a step of an empty batch in that
+            bucket, for one of the sampler's variants (``jaxserve.sampling.sampler.VARIANTS``).
         host_sharding: where host (numpy) arguments go; ``lower_step`` gives them that sharding.
         lower_copy: ``lower_copy(src, dst)``, the pool's page copy lowered for those index arrays (warm-up).
     """
@@ -64,9 +66,9 @@ class StepCompiler:
     def step(self, decode_only: bool) -> Callable:
         """The jitted step of every bucket; ``decode_only`` is the one variant besides the shapes.
 
-        Request parameters change no shape (fixed-width sampler arrays, top logprobs always [B, K]) and the
-        optional work (top logprobs, prompt logprobs) runs under ``lax.cond``, so nothing a request asks for can
-        trigger a compile after warm-up.
+        Request parameters change no shape (fixed-width sampler arrays, top logprobs always [B, K]); what they
+        ask for picks one of the sampler's variants (``SamplingMetadata.variant``, static: one trace each), which
+        warm-up compiles, so nothing a request asks for triggers a compile after warm-up.
         """
         fn = self._steps.get(decode_only)
         if fn is not None:
@@ -100,7 +102,9 @@ class StepCompiler:
         program, buckets = self.program, self.buckets
         t0, before = time.perf_counter(), self.num_compilations
         lowered = [
-            self.step(decode).trace(*program.example_args(tb, pb)).lower() for tb, pb, decode in buckets.shapes()
+            self.step(decode).trace(*program.example_args(tb, pb, variant)).lower()
+            for tb, pb, decode in buckets.shapes()
+            for variant in VARIANTS
         ]
         copies = [buckets.copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in next_pow2_buckets(1, buckets.max_seqs)]
         lowered += [program.lower_copy(src, dst) for src, dst in copies]
@@ -109,21 +113,23 @@ class StepCompiler:
             list(pool.map(lambda x: x.compile(), lowered))
         n = self.num_compilations - before
         logger.info(
-            "warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d) and %d "
-            "page-copy lengths in %.1fs (%.1fs tracing and lowering)",
+            "warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d, %d sampler "
+            "variants) and %d page-copy lengths in %.1fs (%.1fs tracing and lowering)",
             n,
             len(buckets.token_buckets),
             len(buckets.page_buckets),
             buckets.max_seqs,
+            len(VARIANTS),
             len(copies),
             time.perf_counter() - t0,
             t1 - t0,
         )
         return n
 
-    def lower_step(self, tokens: int, pages: int, decode_only: bool = False):
+    def lower_step(self, tokens: int, pages: int, decode_only: bool = False, variant: str = FULL):
         """The step of one bucket lowered on abstract arguments (``.compile()`` then gives the partitioned HLO and
-        what a device needs); runs nothing, and works for a topology's devices too (``jaxserve.aot``)."""
+        what a device needs), with the sampler's ``variant`` (the default, ``"full"``, holds every other's work);
+        runs nothing, and works for a topology's devices too (``jaxserve.aot``)."""
         host = self.program.host_sharding
 
         def abstract(x):
@@ -131,4 +137,5 @@ class StepCompiler:
                 return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=host)
             return x
 
-        return self.step(decode_only).lower(*jax.tree.map(abstract, self.program.example_args(tokens, pages)))
+        args = self.program.example_args(tokens, pages, variant)
+        return self.step(decode_only).lower(*jax.tree.map(abstract, args))

@@ -62,7 +62,14 @@ from jaxserve.runner.compilation import StepCompiler, StepProgram
 from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.runner.kv_pool import KVPool
 from jaxserve.runner.weights import prepare_weights
-from jaxserve.sampling.sampler import MAX_LOGPROBS, SamplingMetadata, bias_width, compute_logprobs, sample
+from jaxserve.sampling.sampler import (
+    FULL,
+    MAX_LOGPROBS,
+    SamplingMetadata,
+    bias_width,
+    compute_logprobs,
+    sample,
+)
 from jaxserve.sampling.structured import bitmask_width
 from jaxserve.spec_decode.ngram import accepted
 
@@ -271,8 +278,12 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
-            # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits).
-            plp = _prompt_logprobs(lambda h: logits(model, h, mm), hidden, next_tokens)
+            # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits), in the
+            # sampler's "full" variant only (the host picks it for a step with targets).
+            if meta.variant == FULL:
+                plp = _prompt_logprobs(lambda h: logits(model, h, mm), hidden, next_tokens)
+            else:
+                plp = _no_prompt_logprobs(next_tokens.shape[0])
             if pipelined:
                 return out, plp, scan.passed, k_cache, v_cache
             feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
@@ -295,8 +306,9 @@ class ModelRunner:
             lower_copy=lambda src, dst: self.pool.copy.lower(self.k_cache, self.v_cache, src, dst),
         )
 
-    def example_args(self, tokens: int, pages: int) -> tuple:
-        """Arguments of a step of an empty batch in the (tokens, pages) bucket (every token is padding)."""
+    def example_args(self, tokens: int, pages: int, variant: str = FULL) -> tuple:
+        """Arguments of a step of an empty batch in the (tokens, pages) bucket (every token is padding), for the
+        sampler's ``variant`` (``jaxserve.sampling.sampler.VARIANTS``)."""
         sb = min(tokens, self.buckets.max_seqs)
         batch = padded_batch(None, tokens, sb, pages)
         fed = self.fed
@@ -304,7 +316,9 @@ class ModelRunner:
             batch = jax.tree.map(lambda a: np.stack([a] * self.num_stages), batch)
             fed = self.stage_buffer_struct(tokens)
         rows = max(self.inputs.sample_rows(tokens), sb)
-        meta = self.sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows)
+        meta = dataclasses.replace(
+            self.sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows), variant=variant
+        )
         return (
             self.state,
             self.matmul_weights,
@@ -385,6 +399,8 @@ class ModelRunner:
             p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
             for p, s, r in zip(params, sched.scheduled, reqs)
         ]
+        if any(want_plp):  # prompt logprobs: only the sampler's "full" variant computes them
+            meta = functools.partial(meta, full=True)
         # -1: no position has a target, and the step skips the prompt logprobs.
         next_tokens = targets(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
         t1 = time.perf_counter()
@@ -619,6 +635,15 @@ def _no_targets(tokens: int) -> np.ndarray:
 # T x V x 4 bytes (Llama-3's 128K vocabulary: 1 GB at 2,048 tokens, 4.2 GB at 8,192), which every mixed step would
 # hold as temporaries, taken from the KV pool.
 PROMPT_LOGPROBS_ROWS = 256
+
+
+def _no_prompt_logprobs(tokens: int):
+    """The prompt logprobs' outputs of a step that computes none (zeros of their shapes)."""
+    return (
+        jnp.zeros(tokens, jnp.float32),
+        jnp.zeros((tokens, MAX_LOGPROBS), jnp.int32),
+        jnp.zeros((tokens, MAX_LOGPROBS), jnp.float32),
+    )
 
 
 def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array):

@@ -1,10 +1,13 @@
 """Sampling: user-facing ``SamplingParams`` and a jitted, batched sampler driven by per-row arrays.
 
 Host side, ``SamplingParams`` validates one request's settings and ``SamplingMetadata.from_params`` packs a
-batch of them into padded arrays. Device side, ``sample`` reads only those arrays, so one compile serves every
-mix of temperatures, top-k/top-p/min-p, penalties, biases, logprobs and seeds at a given shape. The runner
-asks for fixed widths (bias entries and token history), so no request parameter can change a shape and
-trigger a compile after warm-up; without them the widths are bucketed to what the batch needs.
+batch of them into padded arrays. Device side, ``sample`` reads only those arrays and the batch's ``variant``,
+which the host picks from them: ``"greedy"`` when every row is greedy with nothing else asked (an argmax and the
+chosen tokens' logprobs: no conditional, no pass over the vocabulary greedy decoding does not need), else
+``"full"``, which serves every mix of temperatures, top-k/top-p/min-p, penalties, biases, structured-output masks,
+logprobs and seeds (what no row asks for is skipped at run time, under ``lax.cond``). One compile per variant
+serves a shape. The runner asks for fixed widths (bias entries and token history), so no request parameter can
+change a shape; without them the widths are bucketed to what the batch needs.
 
 The order follows vLLM v1: logit bias (and the ``min_tokens`` ban on stop tokens), penalties, the
 structured-output token mask (last of the three, so no extreme penalty can lift a ban), then temperature, min-p,
@@ -70,10 +73,16 @@ def _width(name: str, need: int, fixed: int | None, minimum: int) -> int:
     return fixed
 
 
+# The sampler's compiled variants (``SamplingMetadata.variant``): "full" serves every batch, "greedy" the batches of
+# greedy rows that ask for nothing else (on the CPU it compiles in a third of the time).
+GREEDY, FULL = "greedy", "full"
+VARIANTS = (GREEDY, FULL)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
-    """Per-row sampling arrays for a batch of B rows (a pytree; every leaf is an array, nothing static).
+    """Per-row sampling arrays for a batch of B rows (a pytree: every leaf an array, and the static ``variant``).
 
     Built on the host by ``from_params``; padding rows are greedy and neutral.
     """
@@ -97,6 +106,9 @@ class SamplingMetadata:
     # [B, W] int32 packed allowed tokens (bit t % 32 of word t // 32; tokens past 32 W are allowed): structured
     # outputs' grammar masks. All ones (-1) = no constraint; the unpacking runs only when some row has one.
     token_mask: jax.Array
+    # Which of the sampler's programs runs (``VARIANTS``): static, so each is its own compile, chosen on the host by
+    # ``from_params``. The default serves any batch.
+    variant: str = dataclasses.field(default=FULL, metadata=dict(static=True))
 
     @classmethod
     def from_params(
@@ -115,6 +127,7 @@ class SamplingMetadata:
         bias_width: int | None = None,
         token_mask: np.ndarray | None = None,
         token_mask_width: int = 1,
+        full: bool = False,
     ) -> SamplingMetadata:
         """Pack a batch of requests into padded numpy-backed arrays of bucketed or fixed shapes.
 
@@ -135,6 +148,10 @@ class SamplingMetadata:
             token_mask: [len(params) or pad_to, W] int32 packed allowed-token masks (see ``token_mask``); rows
                 past it are unconstrained. None: no row is constrained (a shared constant [B, token_mask_width]
                 of ones).
+            full: the ``"full"`` variant whatever the rows ask (the runner's steps with prompt logprobs).
+
+        The variant is ``"greedy"`` when every row is greedy (temperature < GREEDY_EPS) with no logit bias (nor
+        ``min_tokens`` ban), no penalty, no constraining token mask and no top logprobs; ``"full"`` otherwise.
 
         Raises:
             ValueError: ``pad_to`` is smaller than the batch, a per-row list has the wrong length, or a row
@@ -208,10 +225,19 @@ class SamplingMetadata:
                 raise ValueError(f"token_mask must be [rows <= {b}, W], got shape {token_mask.shape}")
             mask = np.full((b, token_mask.shape[1]), -1, np.int32)
             mask[: len(token_mask)] = token_mask
+        plain = not (
+            full
+            or any(biases)
+            or np.any(temperature >= GREEDY_EPS)
+            or np.any((rep != 1.0) | (pres != 0.0) | (freq != 0.0))
+            or (token_mask is not None and np.any(mask != -1))
+            or np.any(num_logprobs > 0)
+        )
         return cls(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq, seed=seed, step=step, num_logprobs=num_logprobs,
             bias_ids=bias_ids, bias_values=bias_values, history=history, num_prompt=num_prompt, token_mask=mask,
+            variant=GREEDY if plain else FULL,
         )  # fmt: skip
 
 
@@ -343,9 +369,15 @@ def _apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
-    """Logits to draw from, and the greedy mask. Greedy rows get the biased, penalized logits unfiltered."""
+    """Logits to draw from, and the greedy mask. Greedy rows get the biased, penalized logits unfiltered.
+
+    The ``"full"`` variant skips the work no row asks for at run time (``lax.cond``); ``"greedy"`` (no row asks
+    for any) returns the logits as they are."""
     b, v = logits.shape
     logits = logits.astype(jnp.float32)
+    greedy = meta.temperature < GREEDY_EPS  # [B]
+    if meta.variant == GREEDY:
+        return logits, greedy
     rows = jnp.arange(b)[:, None]
     biased = jnp.any(meta.bias_values != 0.0)  # a scatter over [B, V] only when some row has a bias
     logits = jax.lax.cond(
@@ -355,7 +387,6 @@ def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.
     logits = jax.lax.cond(jnp.any(penalized), _apply_penalties, lambda x, _: x, logits, meta)
     constrained = jnp.any(meta.token_mask != -1)  # structured outputs: only then is the mask unpacked
     logits = jax.lax.cond(constrained, _apply_token_mask, lambda x, _: x, logits, meta.token_mask)
-    greedy = meta.temperature < GREEDY_EPS  # [B]
 
     def filtered(x):
         # Banned tokens stay -inf: a huge temperature's reciprocal flushes to 0, and -inf * 0 is nan.
@@ -379,8 +410,9 @@ def process_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return _process(logits, meta)[0]
 
 
-def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array | None = None):
-    """Chosen tokens' logprobs [T] and the top-k [T, K]; the top-k runs only when ``wanted`` (zeros else)."""
+def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array | bool | None = None):
+    """Chosen tokens' logprobs [T] and the top-k [T, K]; the top-k runs only when ``wanted`` (zeros else: False
+    leaves it out of the program, an array skips it at run time)."""
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [T, 1]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]  # [T]
     n, k = logits.shape[0], min(k, logits.shape[-1])
@@ -392,8 +424,8 @@ def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Arra
     def skipped(_):
         return jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32)
 
-    if k == 0 or wanted is None:
-        return (chosen, *(skipped if k == 0 else top)(logits))
+    if k == 0 or wanted is None or wanted is False:
+        return (chosen, *(skipped if k == 0 or wanted is False else top)(logits))
     return (chosen, *jax.lax.cond(wanted, top, skipped, logits))
 
 
@@ -416,7 +448,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         logits: [B, V] model logits (cast to float32).
         meta: the batch's ``SamplingMetadata`` with B rows.
         max_logprobs: static K of the top-logprob outputs, capped at V (0 skips them; the host slices
-            per request). The top-K runs only when some row's ``num_logprobs`` is positive (zeros else).
+            per request). The top-K runs only when some row's ``num_logprobs`` is positive (zeros else), which
+            only ``meta``'s ``"full"`` variant computes.
 
     Returns:
         ``SamplerOutput`` with tokens [B], their raw logprobs [B] and the top-K raw logprobs [B, K].
@@ -432,8 +465,12 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)  # [B]
         return jnp.where(greedy, argmax, drawn)
 
-    tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
-    chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs, jnp.any(meta.num_logprobs > 0))
+    if meta.variant == GREEDY:
+        tokens = argmax
+    else:
+        tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
+    wanted = jnp.any(meta.num_logprobs > 0) if meta.variant == FULL else False
+    chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs, wanted)
     return SamplerOutput(tokens=tokens, logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_values)
 
 

@@ -10,6 +10,7 @@ import pytest
 from helpers import SMALL_POOL_ENGINE, WARMUP_ENGINE, first_layers, hf_greedy_choices
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.sampling.sampler import VARIANTS
 from jaxserve.utils import cdiv, next_pow2
 
 pytestmark = pytest.mark.slow
@@ -140,11 +141,11 @@ def test_no_recompilation_after_warmup(default_loaded):
     runner = llm.engine.runner
     # On the CPU the widest page table serves every step (the C++ attention reads only each sequence's pages).
     assert runner.page_buckets == [next_pow2(cdiv(WARMUP_ENGINE["max_model_len"], runner.page_size))]
-    compiled = runner.warmup()
+    compiled = runner.warmup()  # every bucket, once for each of the sampler's variants (greedy, full)
     assert (
         compiled
-        == len(runner.compiler.buckets.shapes())
-        == len(runner.token_buckets) + len([b for b in runner.token_buckets if b <= runner.max_seqs])
+        == len(runner.compiler.buckets.shapes()) * len(VARIANTS)
+        == (len(runner.token_buckets) + len([b for b in runner.token_buckets if b <= runner.max_seqs])) * 2
     )
     rng = random.Random(5)
     prompts = [_prompt(rng, rng.randint(1, 120)) for _ in range(100)]
@@ -161,5 +162,6 @@ def test_no_recompilation_after_warmup(default_loaded):
     ]
     before = llm.engine.runner.num_compilations
     outs = llm.generate(prompts, params, use_tqdm=False)
+    outs += llm.generate(prompts[:20], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # all greedy
     assert all(o.finished for o in outs)
     assert llm.engine.runner.num_compilations == before

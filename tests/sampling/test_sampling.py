@@ -472,6 +472,7 @@ def test_compute_logprobs_for_prompt():
 
 
 def test_one_compile_serves_every_parameter_mix():
+    """One trace per sampler variant: the all-greedy batch's, and one for every other mix."""
     traces = 0
 
     def counted(logits, meta):
@@ -492,11 +493,55 @@ def test_one_compile_serves_every_parameter_mix():
     ]
     for mix in mixes:
         meta = meta_for(mix, prompt_ids=hist, output_ids=hist, pad_to=8, eos_token_ids=[2])
+        assert meta.variant == ("greedy" if mix is mixes[0] else "full")
         step(logits, meta).tokens.block_until_ready()
-    assert traces == 1
+    assert traces == 2
     # The counter is live: a new batch bucket is a new compile.
     step(jnp.concatenate([logits, logits]), meta_for(mixes[2], pad_to=16)).tokens.block_until_ready()
-    assert traces == 2
+    assert traces == 3
+
+
+@pytest.mark.parametrize(
+    "params, variant",
+    [
+        (dict(temperature=0.0), "greedy"),
+        (dict(temperature=0.0, max_tokens=3, stop_token_ids=[5], ignore_eos=True), "greedy"),
+        (dict(temperature=0.7), "full"),
+        (dict(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2), "greedy"),  # filters act on sampled rows only
+        (dict(temperature=0.0, logit_bias={3: 1.0}), "full"),
+        (dict(temperature=0.0, min_tokens=2), "full"),  # bans EOS for two tokens: a bias
+        (dict(temperature=0.0, repetition_penalty=1.1), "full"),
+        (dict(temperature=0.0, presence_penalty=0.5), "full"),
+        (dict(temperature=0.0, frequency_penalty=-0.5), "full"),
+        (dict(temperature=0.0, logprobs=0), "greedy"),  # the chosen token's logprob: every variant has it
+        (dict(temperature=0.0, logprobs=2), "full"),
+    ],
+)
+def test_variant_is_greedy_only_when_no_row_asks_for_more(params, variant):
+    rows = [SamplingParams(temperature=0.0), SamplingParams(**params)]
+    kw = dict(prompt_ids=[[1], [1]], output_ids=[[], []], pad_to=4, eos_token_ids=[2])
+    assert meta_for(rows, **kw).variant == variant
+    # A constraining mask on any row, or the runner's prompt logprobs (``full``), needs the full variant.
+    assert meta_for(rows, token_mask=np.array([[-1], [3]], np.int32), **kw).variant == "full"
+    assert meta_for(rows, token_mask=np.full((2, 1), -1, np.int32), **kw).variant == variant
+    assert meta_for(rows, full=True, **kw).variant == "full"
+
+
+def test_greedy_variant_equals_numpy_and_the_full_variant():
+    """The greedy variant's tokens and logprobs: numpy's argmax and log-softmax (1e-5), and exactly what the full
+    variant gives the same batch; its top logprobs are zeros (no row asked)."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(6, 300)).astype(np.float32) * 4
+    meta = meta_for([SamplingParams(temperature=0.0)] * 5, pad_to=6)
+    assert meta.variant == "greedy"
+    out = sample(jnp.asarray(logits), meta, max_logprobs=4)
+    np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))
+    ref = np.log(softmax(logits))[np.arange(6), logits.argmax(-1)]
+    np.testing.assert_allclose(np.asarray(out.logprobs), ref, rtol=1e-5, atol=1e-5)
+    assert np.asarray(out.top_logprob_ids).shape == (6, 4) and not np.asarray(out.top_logprobs).any()
+    full = sample(jnp.asarray(logits), dataclasses.replace(meta, variant="full"), max_logprobs=4)
+    np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(out.tokens))
+    np.testing.assert_array_equal(np.asarray(full.logprobs), np.asarray(out.logprobs))
 
 
 def test_fixed_widths_one_compile_for_every_size():

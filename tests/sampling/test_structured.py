@@ -480,14 +480,18 @@ def test_host_side_has_no_jax():
 
 
 def test_mask_unpacking_compiles_once():
-    """The packed mask is an ordinary argument: constrained or not, one compile serves a shape."""
+    """The packed mask is an ordinary argument: constrained or not, the sampler's "full" variant compiles once per
+    shape; greedy rows under no constraint take the "greedy" variant (its own compile, once)."""
     logits = np.zeros((2, 64), np.float32)
     sample._clear_cache()
     p = [SamplingParams(temperature=0.0)] * 2
-    sample(logits, SamplingMetadata.from_params(p, token_mask_width=2), max_logprobs=0)
-    mask = np.array([[1, 0], [-1, -1]], np.int32)
-    sample(logits, SamplingMetadata.from_params(p, token_mask=mask), max_logprobs=0)
-    assert sample._cache_size() == 1
+    plain = SamplingMetadata.from_params(p, token_mask_width=2)
+    constrained = SamplingMetadata.from_params(p, token_mask=np.array([[1, 0], [-1, -1]], np.int32))
+    hot = SamplingMetadata.from_params([SamplingParams(temperature=1.0, seed=1)] * 2, token_mask_width=2)
+    assert (plain.variant, constrained.variant, hot.variant) == ("greedy", "full", "full")
+    for meta in (plain, constrained, hot, plain):
+        sample(logits, meta, max_logprobs=0)
+    assert sample._cache_size() == 2
 
 
 @pytest.mark.slow
