@@ -34,18 +34,21 @@ run: $(VENV)/.base
 # the test targets: make run keeps the engine's own cache (~/.cache/jaxserve/xla).
 test test-fast: export JAXSERVE_COMPILATION_CACHE ?= $(CURDIR)/.cache/xla
 
-# Two workers, each taking whole test files (module fixtures built once); then the tests that time something
-# (marked serial) alone, as the other worker's load would skew them. docs/development.md has the times.
+# Two workers, each taking whole test files (module fixtures built once): first the tests on one fake CPU device
+# (XLA keeps a thread per device, and eight on a worker's one core made a decode step ~20-25% slower), then those
+# marked multidevice (a mesh of several) on eight; then the tests that time something (marked serial) alone, as the
+# other worker's load would skew them. The first phase to fail ends it. docs/development.md has the times.
 test: $(VENV)/.dev
 	@start=$$(date +%s); \
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial" && \
+	JAXSERVE_TEST_DEVICES=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial and not multidevice" && \
+	JAXSERVE_TEST_DEVICES=8 $(VENV)/bin/pytest -q -n 2 --dist loadfile -m "multidevice and not serial" && \
 	$(VENV)/bin/pytest -q -m serial; rc=$$?; \
 	echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 # The inner loop (its goal: under 5 minutes): host logic, kernels against their references, one end-to-end generation on
-# the default model, the server's contract.
+# the default model, the server's contract. On one fake CPU device: none of it needs a mesh (make test runs those).
 test-fast: $(VENV)/.dev
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "fast"
+	JAXSERVE_TEST_DEVICES=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile -m "fast and not multidevice"
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,5 @@
-"""Shared fixtures. Tests run on the CPU; a fake 8-device mesh is available to tests that ask for it."""
+"""Shared fixtures. Tests run on the CPU, on JAXSERVE_TEST_DEVICES fake CPU devices (default 8); the tests that need
+a mesh of several are marked ``multidevice`` and fail, named, on fewer than MULTIDEVICE_DEVICES."""
 
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ sys.path[:0] = [_TESTS] + sorted(
     entry.path for entry in os.scandir(_TESTS) if entry.is_dir() and not entry.name.startswith((".", "_"))
 )
 
-# Before jax is imported anywhere: eight fake CPU devices for sharding tests, float32 matmuls.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Before jax is imported anywhere: JAXSERVE_TEST_DEVICES fake CPU devices (default 8, what the tests marked
+# multidevice need: a mesh over several, tensor / data / expert / pipeline parallelism up to 8), float32 matmuls.
+# XLA keeps a pool thread per fake device: on a worker's one core a decode step took ~20-25% longer with 8 devices
+# than with 1, so ``make test`` runs the tests not marked multidevice with JAXSERVE_TEST_DEVICES=1 and the marked
+# ones apart with 8. The processes the tests start (servers, docs blocks, notebooks) inherit XLA_FLAGS, so they see
+# as many. A user's own XLA_FLAGS wins.
+MULTIDEVICE_DEVICES = 8
+TEST_DEVICES = int(os.environ.get("JAXSERVE_TEST_DEVICES") or MULTIDEVICE_DEVICES)
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={TEST_DEVICES}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # NumPy asks for transparent huge pages for arrays of 4 MiB and more. On a VM whose host backs them slowly (the CI's
 # kind: Firecracker with free-page reporting) the first touch of 512 MiB took 8.2 s that way and 0.5 s in 4 KiB pages,
@@ -25,7 +33,8 @@ def _pin_xdist_worker() -> None:
     """Each pytest-xdist worker on its own share of the CPUs (gw0 the first, gw1 the second, ...), and every process
     it starts too (affinity is inherited). Unpinned, two workers' XLA, C++ and torch threads contend for the same
     cores: two engines generating side by side on the 2-core VM took 29.7 s unpinned and 22.5 s pinned one core each.
-    XLA's intra-op pool keeps a thread per fake device, so the C++ kernels still split their work over 8 threads.
+    XLA's intra-op pool keeps a thread per fake device on that core: eight by default, one with
+    JAXSERVE_TEST_DEVICES=1 (``make test``'s first phase).
     JAXSERVE_TEST_PIN=0 turns it off."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not (worker and count and hasattr(os, "sched_setaffinity")) or os.environ.get("JAXSERVE_TEST_PIN") == "0":
@@ -41,9 +50,9 @@ import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
-# ``make test-fast`` (``-m fast``, under 5 minutes): host logic, kernels against their references, tokenizers and GGUF
-# parsing, the server's contract on a fake engine (the tests of these files not marked slow), and one end-to-end
-# generation on the default model against HF transformers.
+# ``make test-fast`` (``-m fast``, on one device, under 5 minutes): host logic, kernels against their references,
+# tokenizers and GGUF parsing, the server's contract on a fake engine (the tests of these files not marked slow), and
+# one end-to-end generation on the default model against HF transformers.
 FAST_FILES = {
     "test_scheduler.py",
     "test_block_manager.py",
@@ -94,6 +103,24 @@ def pytest_collection_modifyitems(config, items):
         fast_file = name in FAST_FILES and item.get_closest_marker("slow") is None
         if fast_file or f"{name}::{item.originalname}" in FAST_TESTS:
             item.add_marker(pytest.mark.fast)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test marked ``multidevice`` on fewer than MULTIDEVICE_DEVICES devices fails here, before its fixtures build
+    anything, naming what it needs (a skip would hide it: ``make test``'s first phase runs on one device)."""
+    if item.get_closest_marker("multidevice") is None:
+        return
+    import jax  # after the environment above: XLA_FLAGS is read when jax starts its CPU client
+
+    if (count := jax.device_count()) < MULTIDEVICE_DEVICES:
+        pytest.fail(
+            f"{item.nodeid} is marked multidevice: it needs {MULTIDEVICE_DEVICES} fake CPU devices and this process "
+            f"has {count} (JAXSERVE_TEST_DEVICES={os.environ.get('JAXSERVE_TEST_DEVICES', '')!r}, "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}). Run it with JAXSERVE_TEST_DEVICES unset or "
+            f"{MULTIDEVICE_DEVICES} (make test's second phase), or deselect it with -m 'not multidevice'.",
+            pytrace=False,
+        )
 
 
 def _worker_load() -> tuple[int, int]:

@@ -385,6 +385,7 @@ def test_default_model_quantized_on_load(
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 @pytest.mark.parametrize("mode", ["int4", "int8", "w8a8"])
 def test_quantized_under_tensor_parallelism_equals_one_device(default_loaded, mode):
     prompts = ["The capital of France is", "def add(a, b):"]

@@ -219,6 +219,7 @@ def test_unsupported_quantization_is_named(tmp_path, qcfg, words):
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 def test_the_engine_serves_a_compressed_directory_quantized(tmp_path, default_loaded):
     """``LLM(dir)`` (weights placed on the 8 test devices as loaded, tensor-parallel 2): greedy tokens that HF,
     teacher-forced on them, ranks first (within 1e-4 of its best logit, for near-ties of a random model)."""

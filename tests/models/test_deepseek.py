@@ -152,6 +152,7 @@ def test_prefix_caching_preemption_and_chunked_prefill_on_the_latent_pool(checkp
     assert_same_completions([o.outputs[0] for o in got], [o.outputs[0] for o in want], atol=1e-4)
 
 
+@pytest.mark.multidevice
 def test_expert_parallel_gives_one_devices_tokens(checkpoint, one_device):
     """TP 2 with whole experts per device: the heads split after the up-projections, the latent on every device."""
     llm = LLM(str(checkpoint[0]), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)

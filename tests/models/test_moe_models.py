@@ -182,6 +182,7 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(mxfp4_one_device):
     assert_matches_hf(hf, tiny_prompts(), [o.outputs[0] for o in res])
 
 
+@pytest.mark.multidevice
 def test_mxfp4_stacks_split_by_tensor_parallelism_are_served_as_floats(mxfp4_one_device, caplog):
     """At TP 2 each device holds 32 of gpt-oss's 64 down-projection inputs: whole groups of 32, served quantized.
     A stack whose groups a degree would cut is served dequantized, logged; expert parallelism keeps it quantized.
@@ -213,6 +214,7 @@ def test_mxfp4_blocks_without_their_scales_are_named(tmp_path):
         LLM(str(tmp_path), **ENGINE)
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize(
     ("family", "tp", "ep"), [("gpt_oss", 2, True), ("gpt_oss", 4, True), ("qwen3_moe", 4, True), ("mixtral", 4, False)]
 )
@@ -236,6 +238,7 @@ def test_parallel_layouts_give_one_devices_tokens(family, tp, ep, checkpoints, o
     assert runner.num_compilations == compiled
 
 
+@pytest.mark.multidevice  # the degree is checked against the experts once 4 devices exist
 def test_expert_parallel_degree_must_divide_the_experts(tmp_path, default_model_path):
     write_checkpoint("mixtral", tmp_path, num_local_experts=6)
     orbax_ckpt.copy_tokenizer(default_model_path, tmp_path)
@@ -261,6 +264,7 @@ def test_a_checkpoint_missing_an_expert_is_named(tmp_path):
         load_model(str(tmp_path), "float32")
 
 
+@pytest.mark.multidevice
 def test_orbax_checkpoint_of_a_moe_restores_onto_expert_parallel_devices(checkpoints, one_device, tmp_path):
     """``jaxserve convert`` of gpt-oss (a directory whose tokenizer is a ``tokenizer.gguf``), restored straight onto
     2 devices with whole experts on each: one device's tokens."""
@@ -288,7 +292,7 @@ def _hf_with_experts(hf, experts):
     return hf
 
 
-@pytest.mark.parametrize(("mode", "tp"), [("int4", 1), ("int8", 2)])
+@pytest.mark.parametrize(("mode", "tp"), [("int4", 1), pytest.param("int8", 2, marks=pytest.mark.multidevice)])
 def test_quantized_expert_stacks_match_hf_on_their_values(mode, tp, checkpoints):
     """Only the expert stacks quantized: served as 8 / 4-bit values (each device holding 1 / degree of them under
     expert parallelism), tokens and logprobs those of HF with the experts set to the dequantized values."""
@@ -319,6 +323,7 @@ def test_quantized_expert_stacks_match_hf_on_their_values(mode, tp, checkpoints)
     assert_matches_hf(ref, tiny_prompts(), [o.outputs[0] for o in res])
 
 
+@pytest.mark.multidevice
 def test_quantization_flag_quantizes_the_experts_and_expert_parallel_keeps_its_tokens(checkpoints):
     """``quantization="int8"`` quantizes the expert stacks with the rest: 1 byte a weight, and TP 2 with expert
     parallelism gives one device's tokens on them."""

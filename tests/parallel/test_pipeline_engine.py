@@ -9,6 +9,8 @@ from helpers import DEFAULT_ENGINE, assert_same_completions, tiny_model
 
 from jaxserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.multidevice  # stages over up to 5 fake CPU devices
+
 ENGINE = dict(num_pages=64, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, dtype="float32")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 40, 11)]  # one over the 32-token budget: chunked prefill

@@ -24,6 +24,8 @@ from jaxserve.models.schema import param_schema
 from jaxserve.parallel.sharding import DEFAULT_RULES, logical_spec, make_mesh
 from jaxserve.runner.kv_pool import KV_POOL_SPEC
 
+pytestmark = pytest.mark.multidevice  # meshes of up to 8 fake CPU devices
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 ENGINE = dict(num_pages=64, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64)
 

@@ -195,6 +195,7 @@ def test_engine_int8_copy_on_write_carries_the_scales(int8_llm):
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 def test_engine_int8_pool_under_tensor_parallelism(default_loaded, int8_llm):
     """Three devices, one KV head each: values and scales split over the heads, the same greedy tokens."""
     from jaxserve.runner.kv_pool import KV_POOL_SPEC, KV_SCALES_SPEC

@@ -506,6 +506,7 @@ def test_cli_constrains_and_names_a_bad_regex(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 def test_tensor_parallel_constrained_equals_one_device(default_loaded, llm):
     prompts = [_chat(llm, p) for p in PROMPTS[:4]]
     params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"json": s}) for s in SCHEMAS[:4]]
