@@ -438,8 +438,8 @@ def _rpa_tpu(
     starts = jnp.where(seq < num_seqs, cu_q_lens[:-1], big)
     ends = jnp.where(seq < num_seqs, cu_q_lens[1:], big)
     blk = jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q
-    blk_seq_lo = jnp.searchsorted(ends, blk, side="right").astype(jnp.int32)
-    blk_seq_hi = jnp.searchsorted(starts, blk + block_q, side="left").astype(jnp.int32)
+    blk_seq_lo = jnp.searchsorted(ends, blk, side="right", method="compare_all").astype(jnp.int32)
+    blk_seq_hi = jnp.searchsorted(starts, blk + block_q, side="left", method="compare_all").astype(jnp.int32)
     blk_seq_hi = jnp.maximum(jnp.minimum(blk_seq_hi, num_seqs), blk_seq_lo)
     scalars = jnp.stack([layer.reshape(()), sliding_window.reshape(()), num_seqs.reshape(())])
 
