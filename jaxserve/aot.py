@@ -106,6 +106,8 @@ class Variant:
     code_bytes: int
     flops: float
     bytes_accessed: float
+    sampler: str = "full"  # the sampler's variant it was compiled with (jaxserve.sampling.sampler.VARIANTS)
+    hlo: str = ""  # the optimized HLO, where ``plan(keep_hlo=True)`` asked for it
 
     @property
     def peak_bytes(self) -> int:
@@ -322,6 +324,8 @@ def plan(
     variants: str = "corners",
     compile: bool = True,
     num_slices: int = 1,
+    sampler: str = "full",
+    keep_hlo: bool = False,
     **settings,
 ) -> Plan:
     """Plans (and on a TPU topology, compiles) one engine replica over ``tensor_parallel_size`` chips.
@@ -340,6 +344,9 @@ def plan(
         compile: False plans by arithmetic only (as for GPUs).
         num_slices: copies of ``topology`` joined over the data-center network (TPU multislice), e.g. two v5e-8
             slices for 2 stages of 8 chips.
+        sampler: the sampler's variant the steps compile with: "full" (every sampling option: the one whose memory
+            bounds the other's) or "greedy" (the step of batches that are all greedy and ask for nothing else).
+        keep_hlo: keep each compiled step's optimized HLO (``Variant.hlo``), to audit what the chip will run.
 
     Raises:
         ValueError: an unknown topology or model, a degree the model or the topology cannot take, or a model
@@ -353,7 +360,10 @@ def plan(
     from jaxserve.parallel.sharding import MESH_AXES, kv_heads_for, make_mesh, rules_for
     from jaxserve.runner.kv_pool import page_bytes as pool_page_bytes
     from jaxserve.runner.model_runner import ModelRunner
+    from jaxserve.sampling.sampler import VARIANTS
 
+    if sampler not in VARIANTS:
+        raise ValueError(f"sampler must be one of {', '.join(map(repr, VARIANTS))}, got {sampler!r}")
     name, cfg = _model_config(model)
     chip, num_chips = parse_topology(topology)
     if not isinstance(num_slices, int) or num_slices < 1:
@@ -503,7 +513,7 @@ def plan(
                 f"batches of at most max_num_seqs={sched_cfg.max_num_seqs} tokens, the smallest bucket "
                 f"is {final.token_buckets[0]})"
             )
-        compiled = _compile(final, shapes)
+        compiled = _compile(final, shapes, sampler, keep_hlo)
         activations = max([activations, *(v.temp_bytes for v in compiled)])
         peak = max(v.peak_bytes for v in compiled)
         if peak > chip.hbm_bytes:
@@ -530,14 +540,15 @@ def no_persistent_cache():
         compilation_cache.reset_cache()
 
 
-def _compile(runner, shapes) -> list[Variant]:
-    """Compiles the runner's step for each (tokens, pages, decode_only) on abstract arguments, for its mesh."""
+def _compile(runner, shapes, sampler: str = "full", keep_hlo: bool = False) -> list[Variant]:
+    """Compiles the runner's step for each (tokens, pages, decode_only) on abstract arguments, for its mesh, with
+    the sampler's ``sampler`` variant."""
     out = []
     with no_persistent_cache(), jax.set_mesh(runner.mesh):
         for tokens, pages, decode_only in shapes:
             t0 = time.perf_counter()
             try:
-                exe = runner.compiler.lower_step(tokens, pages, decode_only).compile()
+                exe = runner.compiler.lower_step(tokens, pages, decode_only, sampler).compile()
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
@@ -559,6 +570,8 @@ def _compile(runner, shapes) -> list[Variant]:
                     mem.generated_code_size_in_bytes,
                     float(cost.get("flops", 0.0)),
                     float(cost.get("bytes accessed", 0.0)),
+                    sampler,
+                    exe.as_text() if keep_hlo else "",
                 )
             )
     return out

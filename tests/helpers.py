@@ -301,6 +301,15 @@ def sized_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
     return found
 
 
+def hlo_ops(hlo: str, opcode: str) -> list[str]:
+    """The instructions of an optimized HLO module's text with ``opcode`` (``conditional``, ``while``, ...): the
+    first 120 characters of each line."""
+    import re
+
+    pattern = re.compile(rf" = .*\s{re.escape(opcode)}\(")  # after the result's type (which may hold "/*index=5*/")
+    return [line.strip()[:120] for line in hlo.splitlines() if pattern.search(line)]
+
+
 def longrope(short_factor: list[float], long_factor: list[float], original: int = 64, **extra) -> dict:
     """A transformers-5 ``rope_parameters`` dict for longrope (Phi-3): a factor per rotated frequency, the original
     context above the tests' sequences (so that the short factors apply), base 10,000."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from helpers import hlo_ops
 
 from jaxserve.aot import CHIPS, GiB, parse_topology, plan
 from jaxserve.config import load_preset
@@ -56,15 +57,44 @@ def test_llama3_8b_tp8_on_v5e_2x4_compiles_and_fits():
     # The pool as the plan sizes it for this slice (bench/RESULTS.md: 46,767 pages of 256 KiB, 23,384 of 512 in the
     # [.., page_size, KV heads, head_dim] layout); given here, so that only the decode step compiles (the sizing
     # itself is checked on the default model above).
-    p = plan("llama-3-8b", "v5e:2x4", 8, max_num_seqs=64, max_model_len=2048, variants="decode", num_pages=46000)
+    p = plan(
+        "llama-3-8b",
+        "v5e:2x4",
+        8,
+        max_num_seqs=64,
+        max_model_len=2048,
+        variants="decode",
+        num_pages=46000,
+        keep_hlo=True,
+    )
     _check_against_arithmetic(p, "llama-3-8b", 8, sized=False)
     (decode,) = p.variants
+    # The sampler's full variant skips what no row asks for under conditionals (the greedy one has none: below).
+    assert decode.sampler == "full" and len(hlo_ops(decode.hlo, "conditional")) >= 5
     assert decode.decode_only and 13 * GiB < decode.peak_bytes < 16 * GiB
     assert p.page_bytes_per_chip == 32 * 16 * 2 * 128 * 2  # the arithmetic: one KV head per chip, K and V
     assert p.max_sequences == 46000 // 128
     # Roofline: weights (1.9 GiB) + 64 x 2048 tokens of KV per step at 819 GB/s.
     step_bytes = p.weight_bytes_per_chip + 64 * 2048 * p.page_bytes_per_chip / 16
     assert p.decode_tokens_per_s() == pytest.approx(64 / (step_bytes / 819e9), rel=1e-6)
+
+
+def test_greedy_decode_step_for_v5e_has_no_conditional_and_one_loop_the_layers():
+    """The step of all-greedy batches, as a v5e-8 runs it for 64 sequences at Llama-3-8B's shapes (four of its
+    layers: the layers are scanned, the property does not depend on depth): no conditional (on GPUs one blocks the
+    host until the device is idle; on TPUs they multiply compile time), and one while loop, the layers' scan (the
+    attention wrappers' block owners were a searchsorted loop in every layer: three loops then)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(load_preset("llama-3-8b"), num_layers=4)
+    settings = dict(max_num_seqs=64, max_model_len=2048, num_pages=4096, variants="decode")
+    p = plan(cfg, "v5e:2x4", 8, sampler="greedy", keep_hlo=True, **settings)
+    (decode,) = p.variants
+    assert decode.sampler == "greedy" and decode.decode_only and decode.tokens == 64
+    assert hlo_ops(decode.hlo, "conditional") == []
+    assert len(hlo_ops(decode.hlo, "while")) == 1, hlo_ops(decode.hlo, "while")
+    with pytest.raises(ValueError, match="sampler must be one of 'greedy', 'full', got 'fast'"):
+        plan(cfg, "v5e:2x4", 8, sampler="fast", compile=False)
 
 
 def test_tpu_pool_pages_take_their_arithmetic_bytes_at_tp_16():
