@@ -64,7 +64,7 @@ class StepCompiler:
         self._steps: dict[bool, Callable] = {}
 
     def step(self, decode_only: bool) -> Callable:
-        """The jitted step of every bucket; ``decode_only`` is the one variant besides the shapes.
+        """The jitted step of every bucket and sampler variant; ``decode_only`` picks the attention's variant.
 
         Request parameters change no shape (fixed-width sampler arrays, top logprobs always [B, K]); what they
         ask for picks one of the sampler's variants (``SamplingMetadata.variant``, static: one trace each), which

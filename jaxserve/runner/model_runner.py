@@ -280,10 +280,7 @@ class ModelRunner:
             out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits), in the
             # sampler's "full" variant only (the host picks it for a step with targets).
-            if meta.variant == FULL:
-                plp = _prompt_logprobs(lambda h: logits(model, h, mm), hidden, next_tokens)
-            else:
-                plp = _no_prompt_logprobs(next_tokens.shape[0])
+            plp = _prompt_logprobs(lambda h: logits(model, h, mm), hidden, next_tokens, meta.variant == FULL)
             if pipelined:
                 return out, plp, scan.passed, k_cache, v_cache
             feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
@@ -637,19 +634,11 @@ def _no_targets(tokens: int) -> np.ndarray:
 PROMPT_LOGPROBS_ROWS = 256
 
 
-def _no_prompt_logprobs(tokens: int):
-    """The prompt logprobs' outputs of a step that computes none (zeros of their shapes)."""
-    return (
-        jnp.zeros(tokens, jnp.float32),
-        jnp.zeros((tokens, MAX_LOGPROBS), jnp.int32),
-        jnp.zeros((tokens, MAX_LOGPROBS), jnp.float32),
-    )
-
-
-def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array):
+def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array, compiled: bool = True):
     """Logprobs of ``next_tokens`` under ``logits_fn(hidden)`` [T, V] and the top MAX_LOGPROBS, computed only when
-    some position has a target (>= 0); zeros otherwise, so one compile serves steps with and without them. The
-    logits are computed ``PROMPT_LOGPROBS_ROWS`` rows at a time (``lax.map``), never all T rows at once."""
+    some position has a target (>= 0); zeros otherwise, so one compile serves steps with and without them
+    (``compiled=False``: zeros always, and the work left out of the program). The logits are computed
+    ``PROMPT_LOGPROBS_ROWS`` rows at a time (``lax.map``), never all T rows at once."""
     T = hidden.shape[0]
     rows = PROMPT_LOGPROBS_ROWS if T % PROMPT_LOGPROBS_ROWS == 0 else T
 
@@ -663,6 +652,8 @@ def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array):
 
     shapes = jax.eval_shape(run, None)
     skip = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    if not compiled:
+        return skip(None)
     return jax.lax.cond(jnp.any(next_tokens >= 0), run, skip, None)
 
 

@@ -424,8 +424,10 @@ def _top_logprobs(logits: jax.Array, tokens: jax.Array, k: int, wanted: jax.Arra
     def skipped(_):
         return jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32)
 
-    if k == 0 or wanted is None or wanted is False:
-        return (chosen, *(skipped if k == 0 or wanted is False else top)(logits))
+    if k == 0 or wanted is False:
+        return (chosen, *skipped(logits))
+    if wanted is None:
+        return (chosen, *top(logits))
     return (chosen, *jax.lax.cond(wanted, top, skipped, logits))
 
 

@@ -172,9 +172,8 @@ def _pack_blocks(q_lens, cu_q_lens, kv_lens, take, block_q: int, num_blocks: int
     per_seq = jnp.where(take, cdiv(q_lens, block_q), 0)  # [S]
     ends = jnp.cumsum(per_seq)
     b = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right", method="compare_all"), q_lens.shape[0] - 1).astype(
-        jnp.int32
-    )
+    owner = jnp.searchsorted(ends, b, side="right", method="compare_all")  # not a loop of tiny ops per layer
+    seq = jnp.minimum(owner, q_lens.shape[0] - 1).astype(jnp.int32)
     first = (b - (ends[seq] - per_seq[seq])) * block_q  # block's first token within its sequence
     pos0 = kv_lens[seq] - q_lens[seq] + first
     return seq, cu_q_lens[seq] + first, pos0, jnp.clip(q_lens[seq] - first, 0, block_q), ends[-1]
