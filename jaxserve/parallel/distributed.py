@@ -79,8 +79,10 @@ def initialize(
     timeout = heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S
     # jax's own heartbeat check aborts every process (SIGABRT and a C++ stack dump: its client's callback cannot be
     # replaced from Python) when a process goes silent; ours (_watch_heartbeats) ends the group first, cleanly, so
-    # jax's is given twice the time, a backstop.
-    jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=2 * timeout)
+    # jax's is a backstop given twice the time and 30 s more. With twice the time alone, a busy host lost the race:
+    # our check restarts its count when its own thread was held up (to blame no follower for it), and on two loaded
+    # cores jax's 10 s check aborted process 0 before ours, at 5 s, had named the lost process (CI, stop 62).
+    jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=_backstop_s(timeout))
     logger.info(
         "process %d of %d; %d local / %d global devices",
         jax.process_index(),
@@ -90,6 +92,11 @@ def initialize(
     )
     if jax.process_count() > 1:
         _install_fault_handlers(timeout)
+
+
+def _backstop_s(timeout: float) -> int:
+    """jax's own heartbeat timeout for ours of ``timeout`` seconds: late enough that ours always ends the group first."""
+    return int(2 * timeout + 30)
 
 
 def multi_process() -> bool:
@@ -325,7 +332,7 @@ def _beat(interval: float) -> None:
 def _watch_process_0(timeout: float, interval: float) -> None:
     """A follower's check of process 0: its coordination service has not answered a heartbeat (``_beat``) for
     ``timeout`` seconds (process 0 stopped, or its host unreachable) ends this process with ``PROCESS_LOST_EXIT``,
-    before jax's own check (twice as long) would abort it. A process 0 that dies outright closes its connections:
+    before jax's own check (``_backstop_s``) would abort it. A process 0 that dies outright closes its connections:
     jax's client then aborts this process at once (a C++ thread of its own, which no Python thread outruns)."""
     _state["answered"] = before = time.monotonic()
     while not _stop_beating.wait(interval):
