@@ -8,8 +8,9 @@ checks everything but numerics: the Pallas kernels' lowering, the sharded step, 
 
 :func:`plan` builds the runner abstractly (``ModelRunner`` on ShapeDtypeStruct parameters: nothing allocated),
 sizes the KV pool from the chip's HBM the way the runner does on a device, compiles the step variants, and
-estimates decode throughput from bytes moved per step and the chip's published bandwidth. GPU topologies
-("h100:8") are planned by arithmetic only: no GPU compiler runs without a GPU.
+estimates decode throughput from bytes moved per step and the chip's published bandwidth. GPUs ("h100:8",
+"h200:1") compile the same way with the CUDA plugin, which needs no GPU (:func:`gpu_devices`; the target
+descriptions are in ``jaxserve/configs/gpus/``).
 
 A mixture of experts holds every expert but computes, per token, only its ``num_experts_per_tok`` of them: the plan
 counts its parameters in total and active per token (:func:`param_counts`), and a decode step of B sequences reads
@@ -26,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+from jaxserve.audit import StepAudit, audit
 from jaxserve.config import EngineConfig, ModelConfig, kv_dtype
 from jaxserve.utils import cdiv
 
@@ -75,10 +77,17 @@ def parse_topology(topology: str) -> tuple[Chip, int]:
 
 def topology_devices(topology: str, num_slices: int = 1) -> list:
     """The devices of a TPU slice description, or of ``num_slices`` such slices joined over the data-center network,
-    slice by slice (no TPU needed; libtpu is)."""
+    slice by slice (no TPU needed; libtpu is); or of a GPU topology ("h200:8": one host's GPUs; no GPU needed, the
+    CUDA plugin is)."""
     import os
 
     from jax.experimental import topologies
+
+    chip, count = parse_topology(topology)
+    if not chip.tpu:
+        if num_slices > 1:
+            raise ValueError(f"num_slices is for TPU slices; a GPU topology counts its GPUs ({topology!r})")
+        return gpu_devices(topology.partition(":")[0].lower(), count)
 
     # libtpu takes a machine-wide lock meant for real TPUs; describing a topology touches no TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -89,6 +98,60 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
         raise ValueError(
             f"cannot describe TPU topology {topology!r} (needs libtpu: pip install 'jax[tpu]'): {e}"
         ) from e
+
+
+def gpu_targets() -> dict[str, str]:
+    """The GPUs jaxserve can compile for without one: name -> the path of its target description (XLA's
+    ``GpuTargetConfigProto`` in text form, in ``jaxserve/configs/gpus/``)."""
+    from importlib import resources
+
+    folder = resources.files("jaxserve.configs") / "gpus"
+    return {
+        f.name.removesuffix(".txtpb"): str(f) for f in sorted(folder.iterdir(), key=str) if f.name.endswith(".txtpb")
+    }
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is installed (whether it can compile for GPUs here: ``gpu_devices``)."""
+    import importlib.util
+
+    return (
+        any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (13, 12))
+        if importlib.util.find_spec("jax_plugins")
+        else False
+    )
+
+
+def gpu_devices(name: str, count: int = 1) -> list:
+    """``count`` compile-only devices of the GPU ``name`` ("h100", "h200", "a100"): jitted functions lowered on
+    arguments placed on them compile with XLA's GPU compiler and Triton, on any machine. Needs the CUDA plugin
+    (``pip install jax-cuda13-plugin jax-cuda13-pjrt``, jax's version; no driver, no GPU) and JAX_PLATFORMS not
+    asking for CUDA (the plugin checks the CUDA libraries only for a platform asked for; unset, it is set to cpu
+    here, before JAX picks its backends).
+
+    Raises:
+        ValueError: a GPU with no target description (naming those there are), or no CUDA plugin.
+    """
+    import os
+
+    from jax._src import xla_bridge
+    from jax.experimental import topologies
+
+    targets = gpu_targets()
+    if name not in targets:
+        raise ValueError(f"no GPU target description for {name!r}: jaxserve compiles for {', '.join(targets)}")
+    if not xla_bridge._backends and not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        with open(targets[name]) as f:
+            desc = topologies.get_topology_desc("", "cuda", target_config=f.read(), topology=f"1x1x{count}")
+    except Exception as e:  # noqa: BLE001 - no plugin, or one that did not register
+        raise ValueError(
+            f"cannot compile for {name!r} without a GPU: needs the CUDA plugin at jax's version (pip install "
+            f"jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}), registered (JAX_PLATFORMS "
+            f"unset or cpu): {e}"
+        ) from e
+    return list(desc.devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +171,7 @@ class Variant:
     bytes_accessed: float
     sampler: str = "full"  # the sampler's variant it was compiled with (jaxserve.sampling.sampler.VARIANTS)
     hlo: str = ""  # the optimized HLO, where ``plan(keep_hlo=True)`` asked for it
+    audit: StepAudit | None = None  # what the step does on the chip, from its optimized HLO (jaxserve.audit)
 
     @property
     def peak_bytes(self) -> int:
@@ -139,6 +203,22 @@ class Plan:
     expert_parallel: bool = False
     pipeline_parallel_size: int = 1
     stage_layer_counts: tuple[int, ...] = ()  # layers of each stage (pipeline parallel)
+    not_compiled: str = "arithmetic only"  # why no variant was compiled, where none was
+    gathered_bytes_per_chip: int = 0  # the embedding table when the model has its own output head: rows looked up
+
+    def kv_bytes_read(self, tokens: int) -> float:
+        """KV bytes a chip reads in a decode step of ``tokens`` sequences of ``seq_len`` tokens of context."""
+        return tokens * self.seq_len * self.page_bytes_per_chip / self.page_size
+
+    def floor_bytes(self, variant: Variant) -> float:
+        """The least a chip must read in a decode step: its weights once (a MoE: the experts its tokens can pick;
+        the embedding table only by rows) and its share of every sequence's KV."""
+        weights = self.weight_bytes_read(variant.tokens) - self.gathered_bytes_per_chip
+        return weights + self.kv_bytes_read(variant.tokens)
+
+    def audited_bytes(self, variant: Variant) -> float:
+        """What the compiled decode step moves per chip (``Variant.audit``), its KV read priced as in the floor."""
+        return variant.audit.bytes + self.kv_bytes_read(variant.tokens)
 
     @property
     def kv_bytes_per_chip(self) -> int:
@@ -220,7 +300,7 @@ class Plan:
             f"  weights per chip      {self.weight_bytes_per_chip / GiB:8.2f} GiB"
             + (f" (experts {self.expert_bytes_per_chip / GiB:.2f} GiB)" if self.num_experts else ""),
             f"  activations per chip  {self.activation_bytes_per_chip / GiB:8.2f} GiB"
-            + ("" if self.variants else "  (not compiled: arithmetic only)"),
+            + ("" if self.variants else f"  (not compiled: {self.not_compiled})"),
             f"  KV pool per chip      {self.kv_bytes_per_chip / GiB:8.2f} GiB: {self.num_pages} pages of "
             f"{self.page_size} tokens ({self.page_bytes_per_chip / 1024:.0f} KiB per chip per page)",
             f"  HBM per chip          {hbm / GiB:8.2f} GiB (pool sized to {self.kv_cache_memory_fraction:.0%} of it)",
@@ -249,10 +329,13 @@ class Plan:
             for v in self.variants:
                 lines.append(
                     f"    tokens {v.tokens:5d} pages {v.pages:4d} {'decode' if v.decode_only else 'mixed '}: "
-                    f"peak {v.peak_bytes / GiB:6.2f} GiB/chip (temp {v.temp_bytes / GiB:.2f}), code "
-                    f"{v.code_bytes / 2**20:.1f} MiB, {v.flops / 1e9:,.0f} GFLOP, "
-                    f"{v.bytes_accessed / GiB:.2f} GiB accessed, {v.compile_s:.1f}s"
+                    f"peak {v.peak_bytes / GiB:6.2f} GiB/chip (temp {v.temp_bytes / GiB:.2f}), {v.sampler} sampler, "
+                    f"{v.compile_s:.1f}s"
                 )
+                if v.audit is not None:
+                    floor = self.floor_bytes(v) if v.decode_only else None
+                    kv = self.kv_bytes_read(v.tokens) if v.decode_only else 0.0
+                    lines.append(f"      {v.audit.summary(floor, kv)}")
         return "\n".join(lines)
 
 
@@ -322,7 +405,7 @@ def plan(
     *,
     seq_len: int | None = None,
     variants: str = "corners",
-    compile: bool = True,
+    compile: bool | None = None,
     num_slices: int = 1,
     sampler: str = "full",
     keep_hlo: bool = False,
@@ -332,7 +415,8 @@ def plan(
 
     Args:
         model: a preset name, an HF config.json (or its directory), or a ModelConfig; no weights are read.
-        topology: "v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v5e:4x4", ... or a GPU "h100:8" (arithmetic only).
+        topology: "v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v5e:4x4", ... or GPUs "h100:8", "h200:1" (compiled with the
+            CUDA plugin where it is installed: ``gpu_devices``).
         tensor_parallel_size: chips per replica (default: all of the topology's).
         config / settings: the engine's settings (``EngineConfig``; ``pipeline_parallel_size`` splits the layers
             over stages of ``tensor_parallel_size`` chips, compiled where the engine serves the split, by arithmetic
@@ -341,7 +425,8 @@ def plan(
         seq_len: context length for "how many sequences fit" and the roofline (default: max_model_len).
         variants: "corners" (the largest mixed and decode-only buckets), "decode" (the largest decode-only one)
             or "all" (every bucket the runner compiles at warm-up).
-        compile: False plans by arithmetic only (as for GPUs).
+        compile: False plans by arithmetic only; True compiles (or raises where no compiler for the topology is
+            installed); None (default): a TPU's always, a GPU's where the CUDA plugin is installed.
         num_slices: copies of ``topology`` joined over the data-center network (TPU multislice), e.g. two v5e-8
             slices for 2 stages of 8 chips.
         sampler: the sampler's variant the steps compile with: "full" (every sampling option: the one whose memory
@@ -388,12 +473,18 @@ def plan(
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     sched_cfg = config.scheduler_config(max_model_len, "tpu" if chip.tpu else "gpu", chip.hbm_bytes)
     seq_len = seq_len or max_model_len
-    compile = compile and chip.tpu
+    not_compiled = "arithmetic only"
+    if compile is None:
+        compile = chip.tpu or cuda_plugin_installed()
+        if not compile:
+            not_compiled = (
+                f"no CUDA plugin: pip install jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}"
+            )
     if compile and pp > 1:
         try:
             check_pipeline(cfg, pp)
         except ValueError:  # a split the engine does not serve yet (uneven stages): planned by arithmetic
-            compile = False
+            compile, not_compiled = False, f"the engine does not serve {cfg.num_layers} layers over {pp} stages"
     mesh = make_mesh(tp, topology_devices(slice_topology, num_slices)[: tp * pp], pp) if compile else None
     # the expert-parallel degree must divide the experts (checked on an abstract mesh when nothing compiles)
     rules_for(cfg, mesh or AbstractMesh((pp, 1, tp), MESH_AXES), config.enable_expert_parallel)
@@ -408,7 +499,7 @@ def plan(
             "pallas",
             config.matmul_dtype,
             mesh,
-            platform="tpu",
+            platform="tpu" if chip.tpu else "gpu",
             quantization=config.quantization,
             expert_parallel=config.enable_expert_parallel,
         )
@@ -418,12 +509,15 @@ def plan(
     # a chip's share of the largest stage's page (the pool's own arithmetic; compiled, the TPU's padding replaces it)
     page_bytes = pool_page_bytes(cfg, config.page_size, kv, layers=max(map(len, stages)), kv_heads=heads_per_chip)
     compiled: list[Variant] = []
+    gathered = 0  # the floor's: known where the step compiles (Plan.floor_bytes)
     if compile:
         probe = runner(num_pages=config.num_pages or 2 * cdiv(max_model_len, config.page_size))
         page_bytes = probe.pool.device_page_bytes()  # with the TPU's tile padding
         weights = _per_chip_bytes((probe.state, probe.matmul_weights))
         experts = [n for n, s in param_schema(probe.cfg).items() if _is_expert(s) and n in probe.state]
         expert_bytes = _per_chip_bytes([probe.state[n].get_value() for n in experts])  # quantized: values + scales
+        if "lm_head" in probe.state:
+            gathered = _per_chip_bytes([probe.state["embed"].get_value()])
     else:
         params = _abstract_params(cfg, dtype)
         if config.quantization:
@@ -486,6 +580,8 @@ def plan(
         config.enable_expert_parallel and cfg.is_moe,
         pp,
         tuple(map(len, stages)) if pp > 1 else (),
+        not_compiled,
+        gathered,
     )
     if not result.fits:
         raise ValueError(
@@ -554,7 +650,7 @@ def _compile(runner, shapes, sampler: str = "full", keep_hlo: bool = False) -> l
                     raise
                 raise ValueError(f"the step for {tokens} tokens over {pages} pages does not fit a chip: {e}") from e
             dt = time.perf_counter() - t0
-            mem = exe.memory_analysis()
+            mem, text = exe.memory_analysis(), exe.as_text()
             cost = exe.cost_analysis()
             cost = cost[0] if isinstance(cost, list) else cost or {}
             out.append(
@@ -571,7 +667,8 @@ def _compile(runner, shapes, sampler: str = "full", keep_hlo: bool = False) -> l
                     float(cost.get("flops", 0.0)),
                     float(cost.get("bytes accessed", 0.0)),
                     sampler,
-                    exe.as_text() if keep_hlo else "",
+                    text if keep_hlo else "",
+                    audit(text),
                 )
             )
     return out

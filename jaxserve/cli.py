@@ -169,7 +169,7 @@ def cmd_plan(args) -> int:
         config.tensor_parallel_size,
         config=config,
         seq_len=args.seq_len,
-        compile=not args.no_compile,
+        compile=False if args.no_compile else None,
         variants="all" if args.all_variants else "corners",
         num_slices=args.num_slices,
     )
@@ -211,14 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser(
         "plan",
-        help="will a model fit a TPU/GPU slice? compile its steps for a TPU slice here",
+        help="will a model fit a TPU/GPU slice? compile its steps for that TPU or GPU here",
         description="Plans one replica on a topology: per-chip weights, KV pool and activations, how "
-        "many sequences fit, a decode roofline; on a TPU topology it also compiles the "
-        "step for that TPU on this machine (needs libtpu: pip install 'jax[tpu]').",
+        "many sequences fit, a decode roofline; it also compiles the step for that TPU or GPU on this "
+        "machine, which needs none (TPU: libtpu, pip install 'jax[tpu]'; GPU: JAX's CUDA plugin, pip install "
+        "jax-cuda13-plugin jax-cuda13-pjrt at jax's version, else arithmetic only).",
     )
     pl.add_argument("--model", default="smollm2-135m", help="a preset (configs/) or an HF config.json / directory")
     pl.add_argument(
-        "--topology", required=True, help="v5e:2x4, v6e:2x4, v5p:2x2x1, v5e:4x4, ..., or h100:8 (GPUs: arithmetic only)"
+        "--topology", required=True, help="v5e:2x4, v6e:2x4, v5p:2x2x1, v5e:4x4, ..., or GPUs: h100:8, h200:1, a100:4"
     )
     pl.add_argument("--seq-len", type=int, default=None, help="context per sequence (default: --max-model-len)")
     pl.add_argument("--all-variants", action="store_true", help="compile every bucket (default: the largest ones)")

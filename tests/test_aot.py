@@ -97,6 +97,18 @@ def test_greedy_decode_step_for_v5e_has_no_conditional_and_one_loop_the_layers()
         plan(cfg, "v5e:2x4", 8, sampler="fast", compile=False)
 
 
+def test_gpu_targets_and_a_target_without_one():
+    from jaxserve.aot import gpu_devices, gpu_targets
+
+    assert set(gpu_targets()) >= {"a100", "h100", "h200"}
+    with pytest.raises(
+        ValueError, match="no GPU target description for 'b200': jaxserve compiles for a100, h100, h200"
+    ):
+        gpu_devices("b200")
+    with pytest.raises(ValueError, match="unknown topology 'b200:8'"):
+        plan("llama-3-8b", "b200:8", compile=False)
+
+
 def test_tpu_pool_pages_take_their_arithmetic_bytes_at_tp_16():
     """Llama-3.1-70B's pool on a two-host v5e:4x4 at TP 16 (8 KV heads, each on 2 chips), as XLA:TPU lays it out:
     one KV head per chip a page, 80 x 16 x 128 x 2 bytes for K and for V, 640 KiB (1,280 in the old layout)."""
@@ -126,9 +138,9 @@ def test_llama31_70b_needs_a_bigger_slice_than_v5e_8():
     assert p.page_bytes_per_chip == _kv_bytes_per_page("llama-3.1-70b", 16)
 
 
-def test_gpu_topologies_are_planned_by_arithmetic():
-    p = plan("llama-3.1-70b", "h100:8", 8)
-    assert not p.variants and p.chip is CHIPS["h100"]
+def test_gpu_topologies_plan_by_arithmetic_where_asked():
+    p = plan("llama-3.1-70b", "h100:8", 8, compile=False)
+    assert not p.variants and p.chip is CHIPS["h100"] and "(not compiled: arithmetic only)" in p.summary()
     assert p.weight_bytes_per_chip == _weight_bytes("llama-3.1-70b") // 8
     assert p.kv_bytes_per_chip == p.num_pages * _kv_bytes_per_page("llama-3.1-70b", 8)
 
@@ -225,7 +237,7 @@ def test_plan_reads_an_hf_config_json(tmp_path):
             }
         )
     )
-    p = plan(str(tmp_path), "h100:2", 2)
+    p = plan(str(tmp_path), "h100:2", 2, compile=False)
     embed = 32000 * 2048
     layer = 2048 * 2048 * 2 + 2048 * 256 * 2 + 3 * 2048 * 5632 + 2 * 2048
     assert p.weight_bytes_per_chip == (2 * embed + 22 * layer + 2048) * 2 // 2  # untied head, bf16, TP 2
@@ -249,7 +261,7 @@ def test_quantized_default_model_compiles_for_v5e(mode, max_ratio):
 def test_fp8_plans_only_where_the_chip_has_fp8():
     with pytest.raises(ValueError, match="fp8 arithmetic"):
         plan("smollm2-135m", "v5e:2x4", 1, quantization="fp8", compile=False)
-    p = plan("llama-3-8b", "h100:8", 8, quantization="fp8", max_model_len=2048)
+    p = plan("llama-3-8b", "h100:8", 8, quantization="fp8", max_model_len=2048, compile=False)
     assert p.weight_bytes_per_chip == pytest.approx(_weight_bytes("llama-3-8b", 1) / 8, rel=0.02)
 
 
@@ -257,7 +269,7 @@ def test_int8_kv_pages_plan_and_compile_for_v5e():
     """kv_cache_dtype="int8": on a GPU the page is int8 values plus a float32 scale per token and KV head; on a v5e
     the whole step (Mosaic attention and write over Int8Pages, under TP 3) compiles, its pool measured as laid out,
     and the engine warns that the tile padding makes those pages larger than bfloat16's there."""
-    p = plan("llama-3-8b", "h100:8", 8, kv_cache_dtype="int8", max_model_len=2048)
+    p = plan("llama-3-8b", "h100:8", 8, kv_cache_dtype="int8", max_model_len=2048, compile=False)
     assert p.page_bytes_per_chip == 2 * 32 * 16 * 1 * (128 + 4)  # 8 KV heads over 8 GPUs: one each
     settings = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, num_pages=64, variants="corners")
     with pytest.warns(RuntimeWarning, match="more HBM per page than bfloat16 on a TPU"):
@@ -302,7 +314,7 @@ def test_moe_steps_compile_and_plan_by_active_parameters(topology, expert_parall
 
 
 def test_moe_plans_by_arithmetic_on_gpus_and_checks_the_expert_parallel_degree():
-    p = plan("qwen3-30b-a3b", "h200:1", 1)
+    p = plan("qwen3-30b-a3b", "h200:1", 1, compile=False)
     assert p.fits and not p.variants and p.weight_bytes_per_chip == p.total_params * 2
     assert p.expert_bytes_per_chip == 48 * 128 * 3 * 2048 * 768 * 2
     assert p.active_params == p.total_params - 48 * 120 * 3 * 2048 * 768  # 8 of 128 experts per layer
@@ -310,9 +322,9 @@ def test_moe_plans_by_arithmetic_on_gpus_and_checks_the_expert_parallel_degree()
     with pytest.raises(ValueError, match="tensor_parallel_size=64 must divide the model's 32 experts"):
         plan("gpt-oss-20b", "h100:64", 64, enable_expert_parallel=True, compile=False)
     with pytest.raises(ValueError, match="gpt-oss-120b does not fit h200:1"):  # 117 B parameters in bfloat16
-        plan("gpt-oss-120b", "h200:1", 1)
+        plan("gpt-oss-120b", "h200:1", 1, compile=False)
     # int8 experts fit it: 1 byte a weight, a float32 scale per expert and output channel, bfloat16 biases
-    q = plan("gpt-oss-120b", "h200:1", 1, quantization="int8")
+    q = plan("gpt-oss-120b", "h200:1", 1, quantization="int8", compile=False)
     L, E, D = 36, 128, 2880  # gate, up [E, D, F]; down [E, F, D]; F = D
     assert q.fits and q.expert_bytes_per_chip == L * E * (3 * D * D + 3 * D * 4 + 3 * D * 2)
     assert q.weight_bytes_read(1) < q.weight_bytes_per_chip / 15  # 4 of 128 experts read at batch 1

@@ -287,7 +287,7 @@ def test_the_deepseek_v2_lite_preset_is_its_hub_config():
     )
     ours = ModelConfig.from_hf(transformers.DeepseekV2Config(**hub).to_dict())
     assert ours == load_preset("deepseek-v2-lite")
-    p = plan("deepseek-v2-lite", "h200:1", 1)
+    p = plan("deepseek-v2-lite", "h200:1", 1, compile=False)
     embedding = 102400 * 2048
     assert round(p.total_params / 1e9, 1) == 15.7 and (p.active_params - embedding) // 10**8 == 24  # 2.45 B
     assert p.fits and p.page_bytes_per_chip == 27 * 16 * 576 * 2
