@@ -97,6 +97,24 @@ def test_greedy_decode_step_for_v5e_has_no_conditional_and_one_loop_the_layers()
         plan(cfg, "v5e:2x4", 8, sampler="fast", compile=False)
 
 
+def test_greedy_decode_step_for_h200_reads_each_weight_once():
+    """The same step compiled for an H200 on this CPU (JAX's CUDA plugin and our target description; no GPU): inside
+    the layers' scan XLA:GPU copied each layer's slice of every weight stack before its product read it (7 copies a
+    layer, 0.44 GB each step at Llama-3-8B's shapes); the Pallas product reads each in place. No conditional (on a
+    GPU one blocks the host until the device is idle), one loop, and the bytes the step moves (the audit of its
+    optimized HLO, loops times their trips) within 1.15x the floor: the weights once and the KV of 64 sequences."""
+    import dataclasses
+
+    cfg = dataclasses.replace(load_preset("llama-3-8b"), num_layers=4)
+    settings = dict(max_num_seqs=64, max_model_len=2048, num_pages=4096, variants="decode")
+    p = plan(cfg, "h200:1", 1, sampler="greedy", **settings)
+    (decode,) = p.variants
+    a = decode.audit
+    assert (a.weight_copies, a.conditionals, a.whiles, a.unknown_trips) == (0, 0, 1, 0), a
+    assert p.floor_bytes(decode) < p.audited_bytes(decode) <= 1.15 * p.floor_bytes(decode), p.summary()
+    assert "x the floor of" in p.summary()
+
+
 def test_gpu_targets_and_a_target_without_one():
     from jaxserve.aot import gpu_devices, gpu_targets
 

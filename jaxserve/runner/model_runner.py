@@ -47,6 +47,7 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.kernels.attention import cpu as attention_cpu
 from jaxserve.kernels.cpu import ffi as cpu_ffi
 from jaxserve.kernels.matmul import cpu as matmul_cpu
+from jaxserve.kernels.matmul import gpu as matmul_gpu
 from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.parallel.pipeline import PipelineTick
 from jaxserve.parallel.sharding import (
@@ -335,9 +336,14 @@ class ModelRunner:
         than float32 there, so without it such steps keep the float32 weights) and float32 layer stacks (read in
         place, where XLA copies the scan's slices), and of up to 8 on quantized weights (read packed, never
         dequantized to a float copy): on one CPU device, when built (``matmul_cpu.RowsProduct`` says which weights it
-        takes)."""
-        ok = (self.platform or jax.default_backend()) == "cpu" and self.mesh.size == 1 and cpu_ffi.available()
-        return matmul_cpu.ROWS if ok else None
+        takes). On one GPU, the Pallas product that reads each layer's matrix in place for decode batches, where
+        XLA:GPU copies the scan's slice of every weight stack first (``kernels/matmul/gpu.py``)."""
+        platform = self.platform or jax.default_backend()
+        if self.mesh.size != 1:
+            return None
+        if platform == "cpu":
+            return matmul_cpu.ROWS if cpu_ffi.available() else None
+        return matmul_gpu.ROWS if platform == "gpu" else None
 
     # ------------------------------------------------------------------ packing
     # ------------------------------------------------------------------ execution
