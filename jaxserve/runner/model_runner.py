@@ -255,7 +255,8 @@ class ModelRunner:
             self.pool.spec_of,
         )
         graphdef, gathered = self.graphdef, self.replicated
-        policy = MatmulPolicy(rows=self._rows_fn())
+        on_tpu = (self.platform or jax.default_backend()) == "tpu"
+        policy = MatmulPolicy(rows=self._rows_fn(), pinned=("wq",) if on_tpu else ())
         moe = None
         if self.cfg.is_moe:  # megablox compiled for a TPU (jaxserve.aot), ragged_dot on a GPU, "auto" where it runs
             impl = {"tpu": "megablox", "gpu": "ragged"}.get(self.platform, "auto")
@@ -263,11 +264,13 @@ class ModelRunner:
             moe = shard_moe(self.cfg, self.mesh, expert_parallel=self.expert_parallel, impl=impl, interpret=interpret)
         pipelined = self.num_stages > 1
 
-        def logits(model, hidden, mm):  # computed per vocabulary shard, gathered once for the sampler
+        def logits(model, hidden, mm, gather=True):
+            """Computed per vocabulary shard and gathered once for the sampler, or left in their shards (the greedy
+            sampler's argmax and logsumexp are reductions: each chip reduces its shard, and only [B] values cross)."""
             per_shard = jax.lax.with_sharding_constraint(
                 model.logits(hidden, policy, mm), NamedSharding(self.mesh, VOCAB_SPEC)
             )
-            return jax.lax.with_sharding_constraint(per_shard, gathered)
+            return jax.lax.with_sharding_constraint(per_shard, gathered) if gather else per_shard
 
         def step(state, mm, k_cache, v_cache, tokens, fed_index, batch, logits_indices, meta, next_tokens, fed):
             scan = None
@@ -278,7 +281,9 @@ class ModelRunner:
                 tokens = jnp.where(fed_index >= 0, fed[jnp.clip(fed_index, 0, fed.shape[0] - 1)], tokens)
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
-            out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
+            out = sample(
+                logits(model, hidden[logits_indices], mm, gather=meta.variant == FULL), meta, max_logprobs=MAX_LOGPROBS
+            )
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits), in the
             # sampler's "full" variant only (the host picks it for a step with targets).
             plp = _prompt_logprobs(lambda h: logits(model, h, mm), hidden, next_tokens, meta.variant == FULL)

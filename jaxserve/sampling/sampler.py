@@ -438,8 +438,12 @@ def argmax_rows(x: jax.Array) -> jax.Array:
     is the first position holding a NaN or the row's largest number (argmax: the first NaN). [..., V] -> [...]
     int32."""
     top = jnp.max(x, axis=-1, keepdims=True)
-    pos = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where((x == top) | jnp.isnan(x), pos, x.shape[-1]), axis=-1)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), _positions(x), x.shape[-1]), axis=-1)
+
+
+def _positions(x: jax.Array) -> jax.Array:
+    """Each element's position along the last axis (int32, x's shape)."""
+    return jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("max_logprobs",))
@@ -468,10 +472,13 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         return jnp.where(greedy, argmax, drawn)
 
     if meta.variant == GREEDY:
-        tokens = argmax
-    else:
-        tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
-    wanted = jnp.any(meta.num_logprobs > 0) if meta.variant == FULL else False
+        # Reductions only (no gather by token id), so that logits sharded over the vocabulary stay in their shards.
+        chosen = jnp.sum(jnp.where(_positions(logits) == argmax[:, None], logits, 0.0), axis=-1)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        no_top = jnp.zeros((logits.shape[0], min(max_logprobs, logits.shape[-1])))
+        return SamplerOutput(argmax, chosen - lse, no_top.astype(jnp.int32), no_top)
+    tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
+    wanted = jnp.any(meta.num_logprobs > 0)
     chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs, wanted)
     return SamplerOutput(tokens=tokens, logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_values)
 
