@@ -93,6 +93,14 @@ def test_greedy_decode_step_for_v5e_has_no_conditional_and_one_loop_the_layers()
     assert decode.sampler == "greedy" and decode.decode_only and decode.tokens == 64
     assert hlo_ops(decode.hlo, "conditional") == []
     assert len(hlo_ops(decode.hlo, "while")) == 1, hlo_ops(decode.hlo, "while")
+    # The audit: no weight copied (XLA laid q out heads-major and copied each layer's wq transposed to make it, until
+    # the runner pinned q's layout), within 1.15x the floor, and no collective but the two all-reduces of the hidden
+    # states a layer (the sampler's argmax and logsumexp reduce each chip's vocabulary shard: the logits gathered
+    # whole were f32[8, 16032, 64], 31 MiB a step).
+    a = decode.audit
+    assert (a.weight_copies, a.conditionals, a.whiles, a.unknown_trips) == (0, 0, 1, 0), a
+    assert p.floor_bytes(decode) < p.audited_bytes(decode) <= 1.15 * p.floor_bytes(decode), p.summary()
+    assert a.collective_bytes <= 2 * cfg.num_layers * 64 * 4096 * 2 + (1 << 20), a
     with pytest.raises(ValueError, match="sampler must be one of 'greedy', 'full', got 'fast'"):
         plan(cfg, "v5e:2x4", 8, sampler="fast", compile=False)
 

@@ -85,6 +85,10 @@ class MatmulPolicy:
     """
 
     rows: RowsFn | None = None
+    # Products whose outputs keep the row-major layout they are computed in (an optimization barrier): on a TPU,
+    # with few query heads per chip, XLA lays q out heads-major for the rotary embedding and produced it by copying
+    # each layer's wq transposed, every step (runner: ("wq",) on TPUs).
+    pinned: tuple[str, ...] = ()
 
     def uses_copies(self, copies: dict | None, rows: int) -> bool:
         return copies is not None and (rows >= MATMUL_WEIGHTS_MIN_ROWS or self.rows is not None)
@@ -104,8 +108,10 @@ class MatmulPolicy:
     def product(self, x: jax.Array, name: str, sliced: dict, whole: dict, layer: jax.Array) -> jax.Array:
         """x times layer ``layer``'s matrix ``name``, from the scan's slice or read whole from its stack."""
         if name in whole:
-            return matmul(x, whole[name], self.rows, layer)
-        return matmul(x, sliced[name])
+            out = matmul(x, whole[name], self.rows, layer)
+        else:
+            out = matmul(x, sliced[name])
+        return jax.lax.optimization_barrier(out) if name in self.pinned else out
 
     def output(self, x: jax.Array, w, copies: dict | None) -> jax.Array:
         """x [..., D] times the output projection ``w`` (the model's own, or the copies' "output")."""
