@@ -121,6 +121,9 @@ def test_greedy_decode_step_for_h200_reads_each_weight_once():
     assert (a.weight_copies, a.conditionals, a.whiles, a.unknown_trips) == (0, 0, 1, 0), a
     assert p.floor_bytes(decode) < p.audited_bytes(decode) <= 1.15 * p.floor_bytes(decode), p.summary()
     assert "x the floor of" in p.summary()
+    # Kernels per step: at most 800 at 32 layers, 24 a layer (q, k and v in one launch, gate and up in another:
+    # separately, with the narrow k and v split over K and summed, a layer took 26)
+    assert a.kernels <= 20 + 24 * cfg.num_layers, a
 
 
 def test_gpu_targets_and_a_target_without_one():

@@ -58,7 +58,7 @@ def gqa_attention(
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
     T = h.shape[0]
     (cos, sin), (k_cache, v_cache) = rope, caches
-    q, k, v = mul(h, "wq"), mul(h, "wk"), mul(h, "wv")
+    q, k, v = mul(h, ("wq", "wk", "wv"))
     if cfg.attention_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)

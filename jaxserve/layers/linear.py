@@ -19,8 +19,14 @@ from jaxserve import quant
 MATMUL_WEIGHTS_MIN_ROWS = 8
 
 # mul(x, name) -> x times one layer's matrix ``name`` (``MatmulPolicy.product`` bound to the layer): how the blocks of
-# ``jaxserve.layers`` multiply by their weights, whatever their format and wherever they are read from.
-Product = Callable[[jax.Array, str], jax.Array]
+# ``jaxserve.layers`` multiply by their weights, whatever their format and wherever they are read from. A tuple of
+# names (q, k and v) gives a tuple of products of the same x, which a ``RowsFn`` with ``many`` runs at once.
+Product = Callable[[jax.Array, "str | tuple[str, ...]"], "jax.Array | tuple[jax.Array, ...]"]
+
+
+def product_of(one: Callable[[jax.Array, str], jax.Array]) -> Product:
+    """A ``Product`` from a product by one named matrix: a tuple of names gives the tuple of its products."""
+    return lambda x, name: tuple(one(x, n) for n in name) if isinstance(name, tuple) else one(x, name)
 
 
 class RowsFn(Protocol):
@@ -32,6 +38,8 @@ class RowsFn(Protocol):
 
     def __call__(self, x: jax.Array, w, layer: jax.Array | None = None) -> jax.Array:
         """x [M, K] float32 times w ([K, N], or matrix ``layer`` of a stack [L, K, N]) -> [M, N] float32."""
+
+    # Optionally, ``many(x, ws, layer) -> tuple``: x times several matrices it serves, at once (one kernel launch).
 
 
 def pack_bf16(w: jax.Array) -> jax.Array:
@@ -105,13 +113,17 @@ class MatmulPolicy:
         whole = {n: params[n] for n in matrices if self.rows.serves(params[n], rows)}
         return {n: w for n, w in params.items() if n not in whole}, whole
 
-    def product(self, x: jax.Array, name: str, sliced: dict, whole: dict, layer: jax.Array) -> jax.Array:
-        """x times layer ``layer``'s matrix ``name``, from the scan's slice or read whole from its stack."""
-        if name in whole:
-            out = matmul(x, whole[name], self.rows, layer)
+    def product(self, x: jax.Array, name, sliced: dict, whole: dict, layer: jax.Array):
+        """x times layer ``layer``'s matrix ``name``, from the scan's slice or read whole from its stack; for a tuple
+        of names, the tuple of products (at once where ``rows`` has ``many`` and reads them all whole)."""
+        names = name if isinstance(name, tuple) else (name,)
+        many = getattr(self.rows, "many", None)
+        if len(names) > 1 and many is not None and all(n in whole for n in names) and x.ndim == 2:
+            outs = tuple(o.astype(x.dtype) for o in many(x, tuple(whole[n] for n in names), layer))
         else:
-            out = matmul(x, sliced[name])
-        return jax.lax.optimization_barrier(out) if name in self.pinned else out
+            outs = tuple(matmul(x, whole[n], self.rows, layer) if n in whole else matmul(x, sliced[n]) for n in names)
+        outs = tuple(jax.lax.optimization_barrier(o) if n in self.pinned else o for o, n in zip(outs, names))
+        return outs if isinstance(name, tuple) else outs[0]
 
     def output(self, x: jax.Array, w, copies: dict | None) -> jax.Array:
         """x [..., D] times the output projection ``w`` (the model's own, or the copies' "output")."""

@@ -33,9 +33,9 @@ def is_routed(name: str) -> bool:
 def gated_mlp(cfg: ModelConfig, h: jax.Array, mul: Product, names: tuple[str, str, str] = DENSE_NAMES) -> jax.Array:
     """``down(act(gate(h)) * up(h))`` with act silu (SwiGLU) or tanh-approximated gelu (GeGLU, ``cfg.hidden_act``);
     ``names`` are the three matrices (gate, up, down): the dense MLP's, or the shared experts'."""
-    gate = mul(h, names[0])
+    gate, up = mul(h, names[:2])
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return mul(act * mul(h, names[1]), names[2])
+    return mul(act * up, names[2])
 
 
 def moe_block(cfg: ModelConfig, h: jax.Array, p: dict[str, jax.Array], mul: Product, moe_fn: MoeFn) -> jax.Array:

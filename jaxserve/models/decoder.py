@@ -30,7 +30,7 @@ from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import AttentionBatch
 from jaxserve.layers.attention import AttentionFn, WriteKVFn, gqa_attention, mla_attention
-from jaxserve.layers.linear import PLAIN, MatmulPolicy, Product, matmul, pack_bf16
+from jaxserve.layers.linear import PLAIN, MatmulPolicy, Product, matmul, pack_bf16, product_of
 from jaxserve.layers.mlp import MoeFn, gated_mlp, moe_block
 from jaxserve.layers.moe import MoeSpec, moe_mlp
 from jaxserve.layers.norm import rms_norm
@@ -134,7 +134,7 @@ class Decoder(nnx.Module):
             x, k_cache, v_cache = carry
             p, layer_idx, window, cache_idx = xs  # cache_idx: the layer's entry in these caches (a stage's own)
 
-            def mul(h: jax.Array, name: str) -> jax.Array:
+            def mul(h: jax.Array, name):  # a name, or a tuple of them (linear.Product)
                 return policy.product(h, name, p, whole, layer_idx)
 
             h = rms_norm(x, p["attn_norm"], eps, off)
@@ -196,11 +196,11 @@ class Decoder(nnx.Module):
 
             def dense(h):
                 w = entry(dense_layers, i)
-                return gated_mlp(cfg, h, lambda x, n: matmul(x, w[n]))
+                return gated_mlp(cfg, h, product_of(lambda x, n: matmul(x, w[n])))
 
             def sparse(h):
                 w = entry(moe_layers, i)
-                return moe_block(cfg, h, w, lambda x, n: matmul(x, w[n]), moe_fn)
+                return moe_block(cfg, h, w, product_of(lambda x, n: matmul(x, w[n])), moe_fn)
 
             return jax.lax.cond(flags_arr[layer_idx], sparse, dense, h)
 

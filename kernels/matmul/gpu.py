@@ -15,6 +15,7 @@ Numerics: the tensor cores' bf16 / f16 products with float32 accumulation; float
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,23 @@ _TARGET_PROGRAMS = 128
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_m: int, block_n: int, block_k: int, k_per_split: int):
-    j, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _kernel(
+    layer_ref, x_ref, *refs, starts: tuple[int, ...], block_m: int, block_n: int, block_k: int, k_per_split: int
+):
+    """refs: the matrices' stacks, then their outputs. Column block j belongs to matrix i when
+    starts[i] <= j < starts[i + 1]; each matrix's branch is its own code (a ref cannot be picked at run time)."""
+    num = len(refs) // 2
+    j, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read here: the interpreter has them only here
+    for w_ref, o_ref, lo, hi in zip(refs[:num], refs[num:], starts[:-1], starts[1:]):
+
+        @pl.when((j >= lo) & (j < hi))
+        def _(w_ref=w_ref, o_ref=o_ref, lo=lo):
+            _product(layer_ref, x_ref, w_ref, o_ref, (j - lo, i, s), block_m, block_n, block_k, k_per_split)
+
+
+def _product(layer_ref, x_ref, w_ref, o_ref, ids, block_m: int, block_n: int, block_k: int, k_per_split: int):
+    """Column block j of row block i of x times matrix ``layer`` of w, over split s of K (``ids``: (j, i, s))."""
+    j, i, s = ids
     m, k_total = x_ref.shape
     n = w_ref.shape[2]
     layer = layer_ref[0]
@@ -81,30 +97,47 @@ def matmul_rows(x: jax.Array, w: jax.Array, layer=None, *, interpret: bool = Fal
     Raises:
         ValueError: shapes that do not match, too many rows, or weights that are not bf16 / f16 / f32.
     """
-    if x.ndim != 2 or w.ndim not in (2, 3) or x.shape[1] != w.shape[-2] or x.shape[0] > MATMUL_MAX_ROWS:
-        raise ValueError(
-            f"matmul_rows (GPU): x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N] or [L, K, N], got {x.shape} and "
-            f"{w.shape}"
-        )
-    if w.dtype not in _DTYPES:
-        raise ValueError(f"matmul_rows (GPU): w must be bfloat16, float16 or float32, got {w.dtype}")
-    if w.ndim == 2:
-        w = w[None]
+    return _matmuls(x, (w,), layer, interpret)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def matmul_rows_many(x: jax.Array, ws: tuple[jax.Array, ...], layer=None, *, interpret: bool = False):
+    """``matmul_rows`` of the same rows by several matrices (q, k and v; gate and up) in one kernel launch: their
+    column blocks share one grid. The matrices share K and a dtype. -> a tuple of [M, N_i] float32."""
+    return _matmuls(x, tuple(ws), layer, interpret)
+
+
+def _matmuls(x: jax.Array, ws: tuple, layer, interpret: bool) -> tuple[jax.Array, ...]:
+    for w in ws:
+        if x.ndim != 2 or w.ndim not in (2, 3) or x.shape[1] != w.shape[-2] or x.shape[0] > MATMUL_MAX_ROWS:
+            raise ValueError(
+                f"matmul_rows (GPU): x must be [M <= {MATMUL_MAX_ROWS}, K] and w [K, N] or [L, K, N], got {x.shape} "
+                f"and {w.shape}"
+            )
+        if w.dtype not in _DTYPES or w.dtype != ws[0].dtype:
+            raise ValueError(
+                f"matmul_rows (GPU): w must be bfloat16, float16 or float32 (one dtype for all), got "
+                f"{', '.join(str(v.dtype) for v in ws)}"
+            )
+    ws = tuple(w if w.ndim == 3 else w[None] for w in ws)
     m, k = x.shape
-    n = w.shape[2]
-    block_m, block_n, block_k, splits = plan_blocks(m, k, n, jnp.dtype(w.dtype).itemsize)
+    ns = [w.shape[2] for w in ws]
+    block_m, block_n, block_k, splits = plan_blocks(m, k, sum(ns), jnp.dtype(ws[0].dtype).itemsize)
+    starts = (0, *itertools.accumulate(cdiv(n, block_n) for n in ns))
     k_per_split = cdiv(cdiv(k, splits), block_k) * block_k
-    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, k_per_split=k_per_split)
+    kernel = functools.partial(
+        _kernel, starts=starts, block_m=block_m, block_n=block_n, block_k=block_k, k_per_split=k_per_split
+    )
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
-    out = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
-        grid=(cdiv(n, block_n), cdiv(m, block_m), splits),
+        out_shape=[jax.ShapeDtypeStruct((splits, m, n), jnp.float32) for n in ns],
+        grid=(starts[-1], cdiv(m, block_m), splits),
         compiler_params=plgpu.CompilerParams(num_warps=4 if block_m <= 64 else 8, num_stages=3),
         interpret=interpret,
-        name=f"matmul_rows_gpu_bm{block_m}_bn{block_n}_bk{block_k}_s{splits}",
-    )(layer, x, w)
-    return out[0] if splits == 1 else out.sum(0)
+        name=f"matmul_rows_gpu_{len(ws)}_bm{block_m}_bn{block_n}_bk{block_k}_s{splits}",
+    )(layer, x, *ws)
+    return tuple(out[0] if splits == 1 else out.sum(0) for out in outs)
 
 
 def reference(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
@@ -131,6 +164,12 @@ class RowsProduct:
 
     def __call__(self, x: jax.Array, w, layer=None) -> jax.Array:
         return matmul_rows(x, w, layer, interpret=self.interpret)
+
+    def many(self, x: jax.Array, ws: tuple, layer=None) -> tuple[jax.Array, ...]:
+        """x times several stacks it serves (one dtype, one K) in one launch: q, k and v; gate and up."""
+        if len({(w.dtype, w.shape[-2]) for w in ws}) > 1:
+            return tuple(self(x, w, layer) for w in ws)
+        return matmul_rows_many(x, ws, layer, interpret=self.interpret)
 
 
 ROWS = RowsProduct()

@@ -33,6 +33,24 @@ def test_interpreted_kernel_matches_the_jnp_product_of_the_layer(m, k, n, dtype)
     assert not np.allclose(np.asarray(got), np.asarray(gpu.reference(x, w, 2)), atol=1e-2)  # the layer asked for
 
 
+def test_several_matrices_in_one_launch_match_each_product():
+    """q, k and v (or gate and up) of one layer in one launch: their column blocks share a grid, each program in its
+    own matrix's branch; each output against jnp's product of that matrix (the q / k / v widths of a GQA model,
+    narrower than a block and ragged)."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    x = jax.random.normal(keys[0], (6, 200), jnp.float32).astype(jnp.bfloat16)
+    ws = tuple(
+        jax.random.normal(kk, (2, 200, n), jnp.float32).astype(jnp.bfloat16) for kk, n in zip(keys[1:], (96, 24, 40))
+    )
+    outs = gpu.matmul_rows_many(x, ws, jnp.int32(1), interpret=True)
+    assert [o.shape for o in outs] == [(6, 96), (6, 24), (6, 40)]
+    for got, w in zip(outs, ws):
+        want = jnp.dot(x.astype(jnp.float32), w[1].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    with pytest.raises(ValueError, match="one dtype for all"):
+        gpu.matmul_rows_many(x, (ws[0], ws[1].astype(jnp.float32)), interpret=True)
+
+
 def test_blocks_split_k_only_for_narrow_matrices():
     # Llama-3-8B's q projection: 128 column blocks fill an H100's SMs, no split; k / v (1,024 columns): split
     assert gpu.plan_blocks(64, 4096, 4096, 2) == (64, 32, 128, 1)
@@ -46,7 +64,7 @@ def test_bad_input_is_named():
         gpu.matmul_rows(x, jnp.zeros((2, 32, 16), jnp.bfloat16), interpret=True)
     with pytest.raises(ValueError, match="M <= 256"):
         gpu.matmul_rows(jnp.zeros((300, 64), jnp.bfloat16), jnp.zeros((64, 16), jnp.bfloat16), interpret=True)
-    with pytest.raises(ValueError, match="bfloat16, float16 or float32, got int8"):
+    with pytest.raises(ValueError, match=r"bfloat16, float16 or float32 \(one dtype for all\), got int8"):
         gpu.matmul_rows(x, jnp.zeros((64, 16), jnp.int8), interpret=True)
     rows = gpu.RowsProduct()
     assert rows.serves(jax.ShapeDtypeStruct((4, 64, 16), jnp.bfloat16), 256)
@@ -77,7 +95,7 @@ def test_triton_compiles_it_for_an_h100_and_a_layer_scan_reads_each_matrix_once(
     with no_persistent_cache():
         ours = jax.jit(lambda x, w: scan_layers(gpu.matmul_rows, x, w)).lower(x, w).compile().as_text()
         xla = jax.jit(lambda x, w: scan_layers(gpu.reference, x, w)).lower(x, w).compile().as_text()
-    assert "matmul_rows_gpu_bm64_bn32_bk128_s1" in ours
+    assert "matmul_rows_gpu_1_bm64_bn32_bk128_s1" in ours
     weights = layers * k * n * 2
     a = audit(ours, kv_shapes=())
     assert a.weight_copies == 0 and a.whiles == 1, a
