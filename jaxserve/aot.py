@@ -430,7 +430,8 @@ def plan(
         num_slices: copies of ``topology`` joined over the data-center network (TPU multislice), e.g. two v5e-8
             slices for 2 stages of 8 chips.
         sampler: the sampler's variant the steps compile with: "full" (every sampling option: the one whose memory
-            bounds the other's) or "greedy" (the step of batches that are all greedy and ask for nothing else).
+            bounds the others'), "greedy" (the step of batches that are all greedy and ask for nothing else) or
+            "sampled" (temperature, top-k, top-p, min-p and seeds, nothing else).
         keep_hlo: keep each compiled step's optimized HLO (``Variant.hlo``), to audit what the chip will run.
 
     Raises:

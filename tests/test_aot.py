@@ -101,7 +101,7 @@ def test_greedy_decode_step_for_v5e_has_no_conditional_and_one_loop_the_layers()
     assert (a.weight_copies, a.conditionals, a.whiles, a.unknown_trips) == (0, 0, 1, 0), a
     assert p.floor_bytes(decode) < p.audited_bytes(decode) <= 1.15 * p.floor_bytes(decode), p.summary()
     assert a.collective_bytes <= 2 * cfg.num_layers * 64 * 4096 * 2 + (1 << 20), a
-    with pytest.raises(ValueError, match="sampler must be one of 'greedy', 'full', got 'fast'"):
+    with pytest.raises(ValueError, match="sampler must be one of 'greedy', 'sampled', 'full', got 'fast'"):
         plan(cfg, "v5e:2x4", 8, sampler="fast", compile=False)
 
 
@@ -124,6 +124,12 @@ def test_greedy_decode_step_for_h200_reads_each_weight_once():
     # Kernels per step: at most 800 at 32 layers, 24 a layer (q, k and v in one launch, gate and up in another:
     # separately, with the narrow k and v split over K and summed, a layer took 26)
     assert a.kernels <= 20 + 24 * cfg.num_layers, a
+    # Rows sampling with temperature, min-p and top-k: the "sampled" variant, no conditional either (the full
+    # variant's were 9, each a wait of the host for the device)
+    (sampled,) = plan(cfg, "h200:1", 1, sampler="sampled", **settings).variants
+    b = sampled.audit
+    assert (b.weight_copies, b.conditionals, b.whiles) == (0, 0, 1), b
+    assert p.audited_bytes(sampled) <= 1.15 * p.floor_bytes(sampled), b.summary()
 
 
 def test_gpu_targets_and_a_target_without_one():

@@ -39,6 +39,7 @@ class StepProgram:
             bucket, for one of the sampler's variants (``jaxserve.sampling.sampler.VARIANTS``).
         host_sharding: where host (numpy) arguments go; ``lower_step`` gives them that sharding.
         lower_copy: ``lower_copy(src, dst)``, the pool's page copy lowered for those index arrays (warm-up).
+        variants: the sampler's variants the steps serve (warm-up compiles each).
     """
 
     compute: Callable[[bool], Callable]
@@ -48,6 +49,7 @@ class StepProgram:
     example_args: Callable[[int, int], tuple]
     host_sharding: Any
     lower_copy: Callable[[np.ndarray, np.ndarray], Any]
+    variants: tuple[str, ...] = VARIANTS
 
 
 class StepCompiler:
@@ -104,7 +106,7 @@ class StepCompiler:
         lowered = [
             self.step(decode).trace(*program.example_args(tb, pb, variant)).lower()
             for tb, pb, decode in buckets.shapes()
-            for variant in VARIANTS
+            for variant in program.variants
         ]
         copies = [buckets.copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in next_pow2_buckets(1, buckets.max_seqs)]
         lowered += [program.lower_copy(src, dst) for src, dst in copies]
@@ -119,7 +121,7 @@ class StepCompiler:
             len(buckets.token_buckets),
             len(buckets.page_buckets),
             buckets.max_seqs,
-            len(VARIANTS),
+            len(program.variants),
             len(copies),
             time.perf_counter() - t0,
             t1 - t0,

@@ -65,11 +65,13 @@ from jaxserve.runner.kv_pool import KVPool
 from jaxserve.runner.weights import prepare_weights
 from jaxserve.sampling.sampler import (
     FULL,
+    GREEDY,
     MAX_LOGPROBS,
     SamplingMetadata,
     bias_width,
     compute_logprobs,
     sample,
+    variants_for,
 )
 from jaxserve.sampling.structured import bitmask_width
 from jaxserve.spec_decode.ngram import accepted
@@ -222,6 +224,8 @@ class ModelRunner:
         self._fed_rows: dict[str, int] = {}  # request id -> its row in ``fed``
         self._constants: dict[tuple, jax.Array] = {}  # ``_on_device``'s copies of constant sampler arrays
         self.attention_impl = attention_impl
+        # the sampler's variants this runner compiles (and its batches pick from)
+        self.sampler_variants = variants_for(platform or jax.default_backend())
         self.reset_timers()
         self.buckets = buckets
         self.compiler = StepCompiler(self.step_program(), buckets)  # jitted step variants; warm-up, AOT lowering
@@ -282,7 +286,9 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
             out = sample(
-                logits(model, hidden[logits_indices], mm, gather=meta.variant == FULL), meta, max_logprobs=MAX_LOGPROBS
+                logits(model, hidden[logits_indices], mm, gather=meta.variant != GREEDY),
+                meta,
+                max_logprobs=MAX_LOGPROBS,
             )
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits), in the
             # sampler's "full" variant only (the host picks it for a step with targets).
@@ -307,6 +313,7 @@ class ModelRunner:
             example_args=self.example_args,
             host_sharding=gathered,
             lower_copy=lambda src, dst: self.pool.copy.lower(self.k_cache, self.v_cache, src, dst),
+            variants=self.sampler_variants,
         )
 
     def example_args(self, tokens: int, pages: int, variant: str = FULL) -> tuple:
@@ -593,6 +600,7 @@ class ModelRunner:
         every step passes the jitted step the same kinds of arguments (one trace per bucket)."""
         meta = SamplingMetadata.from_params(
             params,
+            variants=self.sampler_variants,
             eos_token_ids=self.cfg.eos_token_ids,
             bias_width=bias_width(len(self.cfg.eos_token_ids)),
             history_width=self.page_buckets[-1] * self.page_size,  # >= max_model_len

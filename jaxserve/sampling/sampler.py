@@ -4,9 +4,10 @@ Host side, ``SamplingParams`` validates one request's settings and ``SamplingMet
 batch of them into padded arrays. Device side, ``sample`` reads only those arrays and the batch's ``variant``,
 which the host picks from them: ``"greedy"`` when every row is greedy with nothing else asked (an argmax and the
 chosen tokens' logprobs: no conditional, no pass over the vocabulary greedy decoding does not need), else
-``"full"``, which serves every mix of temperatures, top-k/top-p/min-p, penalties, biases, structured-output masks,
-logprobs and seeds (what no row asks for is skipped at run time, under ``lax.cond``). One compile per variant
-serves a shape. The runner asks for fixed widths (bias entries and token history), so no request parameter can
+``"sampled"`` when rows sample with temperature, top-k/top-p/min-p and seeds and ask for nothing else (no
+conditional either; GPU and TPU runners compile it), else ``"full"``, which serves every mix of temperatures,
+top-k/top-p/min-p, penalties, biases, structured-output masks, logprobs and seeds (what no row asks for is skipped
+at run time, under ``lax.cond``). One compile per variant serves a shape. The runner asks for fixed widths (bias entries and token history), so no request parameter can
 change a shape; without them the widths are bucketed to what the batch needs.
 
 The order follows vLLM v1: logit bias (and the ``min_tokens`` ban on stop tokens), penalties, the
@@ -74,9 +75,19 @@ def _width(name: str, need: int, fixed: int | None, minimum: int) -> int:
 
 
 # The sampler's compiled variants (``SamplingMetadata.variant``): "full" serves every batch, "greedy" the batches of
-# greedy rows that ask for nothing else (on the CPU it compiles in a third of the time).
-GREEDY, FULL = "greedy", "full"
-VARIANTS = (GREEDY, FULL)
+# greedy rows that ask for nothing else (on the CPU it compiles in a third of the time), "sampled" those that sample
+# with temperature, min-p, top-k up to TOP_K_CAP and seeds (greedy rows beside them) and ask for nothing else: no
+# top-p, whose nucleus can reach past the top TOP_K_CAP logits (a bisection then, under a conditional). Neither of
+# these two has a conditional: on a GPU, XLA's conditional blocks the host until the device is idle (the jitted call
+# then returns only when the step is done), so every common step is free of them there.
+GREEDY, SAMPLED, FULL = "greedy", "sampled", "full"
+VARIANTS = (GREEDY, SAMPLED, FULL)
+
+
+def variants_for(platform: str) -> tuple[str, ...]:
+    """The variants a runner compiles on ``platform``: on the CPU greedy and full (a conditional costs nothing there,
+    and a third variant would lengthen every warm-up by a third); on GPUs and TPUs all three."""
+    return (GREEDY, FULL) if platform == "cpu" else VARIANTS
 
 
 @jax.tree_util.register_dataclass
@@ -128,6 +139,7 @@ class SamplingMetadata:
         token_mask: np.ndarray | None = None,
         token_mask_width: int = 1,
         full: bool = False,
+        variants: tuple[str, ...] = (GREEDY, FULL),
     ) -> SamplingMetadata:
         """Pack a batch of requests into padded numpy-backed arrays of bucketed or fixed shapes.
 
@@ -149,9 +161,11 @@ class SamplingMetadata:
                 past it are unconstrained. None: no row is constrained (a shared constant [B, token_mask_width]
                 of ones).
             full: the ``"full"`` variant whatever the rows ask (the runner's steps with prompt logprobs).
+            variants: the variants the caller compiled (``variants_for``); the batch gets the leanest that serves it.
 
         The variant is ``"greedy"`` when every row is greedy (temperature < GREEDY_EPS) with no logit bias (nor
-        ``min_tokens`` ban), no penalty, no constraining token mask and no top logprobs; ``"full"`` otherwise.
+        ``min_tokens`` ban), no penalty, no constraining token mask and no top logprobs; ``"sampled"`` (where it is
+        among ``variants``) when some rows sample but none asks for any of those; ``"full"`` otherwise.
 
         Raises:
             ValueError: ``pad_to`` is smaller than the batch, a per-row list has the wrong length, or a row
@@ -225,19 +239,24 @@ class SamplingMetadata:
                 raise ValueError(f"token_mask must be [rows <= {b}, W], got shape {token_mask.shape}")
             mask = np.full((b, token_mask.shape[1]), -1, np.int32)
             mask[: len(token_mask)] = token_mask
-        plain = not (
+        extras = (
             full
             or any(biases)
-            or np.any(temperature >= GREEDY_EPS)
             or np.any((rep != 1.0) | (pres != 0.0) | (freq != 0.0))
             or (token_mask is not None and np.any(mask != -1))
             or np.any(num_logprobs > 0)
         )
+        sampled = temperature >= GREEDY_EPS
+        wide = np.any(sampled & ((top_p < 1.0) | (top_k > TOP_K_CAP)))  # a nucleus or a top-k past the cap
+        if extras or (np.any(sampled) and (SAMPLED not in variants or wide)):
+            variant = FULL
+        else:
+            variant = SAMPLED if np.any(temperature >= GREEDY_EPS) else GREEDY
         return cls(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq, seed=seed, step=step, num_logprobs=num_logprobs,
             bias_ids=bias_ids, bias_values=bias_values, history=history, num_prompt=num_prompt, token_mask=mask,
-            variant=GREEDY if plain else FULL,
+            variant=variant,
         )  # fmt: skip
 
 
@@ -378,6 +397,8 @@ def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.
     greedy = meta.temperature < GREEDY_EPS  # [B]
     if meta.variant == GREEDY:
         return logits, greedy
+    if meta.variant == SAMPLED:  # nothing to bias, penalize or mask; greedy rows pass the filters unchanged
+        return _filtered(logits, meta, greedy, capped=True), greedy
     rows = jnp.arange(b)[:, None]
     biased = jnp.any(meta.bias_values != 0.0)  # a scatter over [B, V] only when some row has a bias
     logits = jax.lax.cond(
@@ -388,16 +409,26 @@ def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.
     constrained = jnp.any(meta.token_mask != -1)  # structured outputs: only then is the mask unpacked
     logits = jax.lax.cond(constrained, _apply_token_mask, lambda x, _: x, logits, meta.token_mask)
 
-    def filtered(x):
-        # Banned tokens stay -inf: a huge temperature's reciprocal flushes to 0, and -inf * 0 is nan.
-        x = jnp.where(x == -jnp.inf, x, x / jnp.where(greedy, 1.0, meta.temperature)[:, None])
-        # min-p: keep p >= min_p * p_max, i.e. logit >= max logit + log(min_p); log(0) = -inf keeps all.
-        log_min_p = jnp.log(jnp.where(greedy, 0.0, meta.min_p))[:, None]
-        x = jnp.where(x >= x.max(-1, keepdims=True) + log_min_p, x, -jnp.inf)
-        top_k = jnp.where(greedy | (meta.top_k <= 0), v, jnp.minimum(meta.top_k, v))
-        return _top_k_top_p(x, top_k, jnp.where(greedy, 1.0, meta.top_p))
-
+    filtered = functools.partial(_filtered, meta=meta, greedy=greedy)
     return jax.lax.cond(jnp.all(greedy), lambda x: x, filtered, logits), greedy
+
+
+def _filtered(x: jax.Array, meta: SamplingMetadata, greedy: jax.Array, capped: bool = False) -> jax.Array:
+    """Temperature, min-p, top-k and top-p on the sampled rows (greedy rows unchanged). ``capped``: no row has top-p
+    or a top-k past TOP_K_CAP (the "sampled" variant), so the top-k threshold is one ``lax.top_k`` and no
+    conditional."""
+    v = x.shape[-1]
+    # Banned tokens stay -inf: a huge temperature's reciprocal flushes to 0, and -inf * 0 is nan.
+    x = jnp.where(x == -jnp.inf, x, x / jnp.where(greedy, 1.0, meta.temperature)[:, None])
+    # min-p: keep p >= min_p * p_max, i.e. logit >= max logit + log(min_p); log(0) = -inf keeps all.
+    log_min_p = jnp.log(jnp.where(greedy, 0.0, meta.min_p))[:, None]
+    x = jnp.where(x >= x.max(-1, keepdims=True) + log_min_p, x, -jnp.inf)
+    top_k = jnp.where(greedy | (meta.top_k <= 0), v, jnp.minimum(meta.top_k, v))
+    if capped:
+        cap = min(TOP_K_CAP, v)
+        kth = jnp.take_along_axis(jax.lax.top_k(x, cap)[0], jnp.minimum(top_k, cap)[:, None] - 1, axis=-1)  # [B, 1]
+        return jnp.where((top_k[:, None] >= v) | (x >= kth), x, -jnp.inf)  # ties at the k-th all kept, as above
+    return _top_k_top_p(x, top_k, jnp.where(greedy, 1.0, meta.top_p))
 
 
 @jax.jit
@@ -455,7 +486,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         meta: the batch's ``SamplingMetadata`` with B rows.
         max_logprobs: static K of the top-logprob outputs, capped at V (0 skips them; the host slices
             per request). The top-K runs only when some row's ``num_logprobs`` is positive (zeros else), which
-            only ``meta``'s ``"full"`` variant computes.
+            only ``meta``'s ``"full"`` variant computes (the others return zeros).
 
     Returns:
         ``SamplerOutput`` with tokens [B], their raw logprobs [B] and the top-K raw logprobs [B, K].
@@ -471,12 +502,15 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)  # [B]
         return jnp.where(greedy, argmax, drawn)
 
+    no_top = jnp.zeros((logits.shape[0], min(max_logprobs, logits.shape[-1])))  # greedy and sampled: none asked
     if meta.variant == GREEDY:
         # Reductions only (no gather by token id), so that logits sharded over the vocabulary stay in their shards.
         chosen = jnp.sum(jnp.where(_positions(logits) == argmax[:, None], logits, 0.0), axis=-1)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        no_top = jnp.zeros((logits.shape[0], min(max_logprobs, logits.shape[-1])))
         return SamplerOutput(argmax, chosen - lse, no_top.astype(jnp.int32), no_top)
+    if meta.variant == SAMPLED:
+        tokens = draw(processed)
+        return SamplerOutput(tokens, _top_logprobs(logits, tokens, 0)[0], no_top.astype(jnp.int32), no_top)
     tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
     wanted = jnp.any(meta.num_logprobs > 0)
     chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs, wanted)

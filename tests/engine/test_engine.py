@@ -10,7 +10,6 @@ import pytest
 from helpers import SMALL_POOL_ENGINE, WARMUP_ENGINE, first_layers, hf_greedy_choices
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.sampling.sampler import VARIANTS
 from jaxserve.utils import cdiv, next_pow2
 
 pytestmark = pytest.mark.slow
@@ -144,7 +143,7 @@ def test_no_recompilation_after_warmup(default_loaded):
     compiled = runner.warmup()  # every bucket, once for each of the sampler's variants (greedy, full)
     assert (
         compiled
-        == len(runner.compiler.buckets.shapes()) * len(VARIANTS)
+        == len(runner.compiler.buckets.shapes()) * len(runner.sampler_variants)
         == (len(runner.token_buckets) + len([b for b in runner.token_buckets if b <= runner.max_seqs])) * 2
     )
     rng = random.Random(5)

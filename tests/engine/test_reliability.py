@@ -16,7 +16,6 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import CacheConfig, SchedulerConfig, bytes_or_fraction
 from jaxserve.engine.exceptions import StepFailed
 from jaxserve.runner.kv_pool import KVPool, available_host_memory, coarse_floor
-from jaxserve.sampling.sampler import VARIANTS
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +57,10 @@ def test_no_compile_after_warmup_for_any_sampling_option(default_loaded, caplog)
     llm = LLM(first_layers(default_loaded), **WARMUP_ENGINE)
     runner = llm.engine.runner
     with caplog.at_level("INFO", logger="jaxserve.runner.compilation"):
-        assert runner.warmup() == len(runner.compiler.buckets.shapes()) * len(VARIANTS)
-    assert f"warm-up: {len(runner.compiler.buckets.shapes()) * len(VARIANTS)} step variants" in caplog.text
+        assert runner.warmup() == len(runner.compiler.buckets.shapes()) * len(runner.sampler_variants)
+    assert (
+        f"warm-up: {len(runner.compiler.buckets.shapes()) * len(runner.sampler_variants)} step variants" in caplog.text
+    )
     before = runner.num_compilations
     rng = random.Random(3)
     prompts, params = [], []

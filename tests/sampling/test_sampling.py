@@ -544,6 +544,56 @@ def test_greedy_variant_equals_numpy_and_the_full_variant():
     np.testing.assert_array_equal(np.asarray(full.logprobs), np.asarray(out.logprobs))
 
 
+@pytest.mark.parametrize(
+    "params, variant",
+    [
+        (dict(temperature=0.7), "sampled"),
+        (dict(temperature=0.7, top_k=40, min_p=0.05, seed=3), "sampled"),
+        (dict(temperature=0.7, top_k=sampling.TOP_K_CAP), "sampled"),
+        (dict(temperature=0.7, top_k=sampling.TOP_K_CAP + 1), "full"),  # past the cap: a bisection may be needed
+        (dict(temperature=0.7, top_p=0.9), "full"),  # a nucleus can reach past the cap
+        (dict(temperature=0.7, logprobs=2), "full"),
+        (dict(temperature=0.7, presence_penalty=0.5), "full"),
+        (dict(temperature=0.0, top_p=0.5), "greedy"),  # filters act on sampled rows only
+    ],
+)
+def test_sampled_variant_where_the_caller_compiled_it(params, variant):
+    """With the sampled variant among the caller's (GPU and TPU runners), plain sampling picks it; without it (the
+    CPU's, and the default) the same batch is "full"."""
+    rows = [SamplingParams(temperature=0.0), SamplingParams(**params)]
+    kw = dict(prompt_ids=[[1], [1]], output_ids=[[], []], pad_to=4, eos_token_ids=[2])
+    assert meta_for(rows, variants=sampling.VARIANTS, **kw).variant == variant
+    assert meta_for(rows, **kw).variant == ("greedy" if variant == "greedy" else "full")
+    assert meta_for(rows, variants=sampling.VARIANTS, full=True, **kw).variant == "full"
+    assert sampling.variants_for("cpu") == ("greedy", "full") and sampling.variants_for("gpu") == sampling.VARIANTS
+
+
+def test_sampled_variant_draws_what_the_full_variant_draws():
+    """The sampled variant (no conditional: temperature, min-p, top-k from one lax.top_k) against the full one on the
+    same seeded batch of greedy and sampled rows with every filter it takes: the same tokens and logprobs, the
+    same kept sets (process_logits) and zero top logprobs (none asked)."""
+    rng = np.random.default_rng(12)
+    logits = jnp.asarray(rng.normal(size=(8, 700)).astype(np.float32) * 3)
+    rows = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.3, top_k=5, seed=2),
+        SamplingParams(temperature=0.5, min_p=0.2, seed=3),
+        SamplingParams(temperature=1.0, top_k=sampling.TOP_K_CAP, min_p=0.01, seed=4),
+        SamplingParams(temperature=2.0, top_k=1, seed=5),
+    ]
+    meta = meta_for(rows, pad_to=8, steps=[0, 3, 1, 4, 1, 9], variants=sampling.VARIANTS)
+    assert meta.variant == "sampled"
+    full = dataclasses.replace(meta, variant="full")
+    out, want = sample(logits, meta, max_logprobs=3), sample(logits, full, max_logprobs=3)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(want.logprobs), rtol=1e-6)
+    assert np.asarray(out.top_logprobs).shape == (8, 3) and not np.asarray(out.top_logprobs).any()
+    kept, kept_full = (np.isfinite(np.asarray(process_logits(logits, m))) for m in (meta, full))
+    np.testing.assert_array_equal(kept, kept_full)
+    assert kept[2].sum() == 5 and kept[5].sum() == 1 and kept[0].all()  # top-k 5, top-k 1, a greedy row untouched
+
+
 def test_fixed_widths_one_compile_for_every_size():
     """Biases of 0-1024 keys, histories of any length, logprobs on or off: one trace at fixed widths."""
     traces = 0
