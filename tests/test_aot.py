@@ -79,7 +79,7 @@ def test_llama3_8b_tp8_on_v5e_2x4_compiles_and_fits():
     assert p.decode_tokens_per_s() == pytest.approx(64 / (step_bytes / 819e9), rel=1e-6)
 
 
-def test_greedy_decode_step_for_v5e_has_no_conditional_and_one_loop_the_layers():
+def test_greedy_and_sampled_decode_steps_for_v5e_copy_no_weight_and_gather_no_vocabulary():
     """The step of all-greedy batches, as a v5e-8 runs it for 64 sequences at Llama-3-8B's shapes (four of its
     layers: the layers are scanned, the property does not depend on depth): no conditional (on GPUs one blocks the
     host until the device is idle; on TPUs they multiply compile time), and one while loop, the layers' scan (the
@@ -101,11 +101,18 @@ def test_greedy_decode_step_for_v5e_has_no_conditional_and_one_loop_the_layers()
     assert (a.weight_copies, a.conditionals, a.whiles, a.unknown_trips) == (0, 0, 1, 0), a
     assert p.floor_bytes(decode) < p.audited_bytes(decode) <= 1.15 * p.floor_bytes(decode), p.summary()
     assert a.collective_bytes <= 2 * cfg.num_layers * 64 * 4096 * 2 + (1 << 20), a
+    # The sampled variant (temperature, min-p, top-k): the same, its top-k partitioned by XLA over the shards (each
+    # chip's 256 best of 64 rows gathered, values and ids: 1 MiB; the gathered logits were 31 MiB)
+    (sampled,) = plan(cfg, "v5e:2x4", 8, sampler="sampled", **settings).variants
+    b = sampled.audit
+    assert (b.weight_copies, b.conditionals, b.whiles) == (0, 0, 1), b
+    assert p.audited_bytes(sampled) <= 1.15 * p.floor_bytes(sampled), b.summary()
+    assert b.collective_bytes <= 2 * cfg.num_layers * 64 * 4096 * 2 + 8 * 64 * 256 * 8 + (1 << 20), b
     with pytest.raises(ValueError, match="sampler must be one of 'greedy', 'sampled', 'full', got 'fast'"):
         plan(cfg, "v5e:2x4", 8, sampler="fast", compile=False)
 
 
-def test_greedy_decode_step_for_h200_reads_each_weight_once():
+def test_greedy_and_sampled_decode_steps_for_h200_read_each_weight_once():
     """The same step compiled for an H200 on this CPU (JAX's CUDA plugin and our target description; no GPU): inside
     the layers' scan XLA:GPU copied each layer's slice of every weight stack before its product read it (7 copies a
     layer, 0.44 GB each step at Llama-3-8B's shapes); the Pallas product reads each in place. No conditional (on a

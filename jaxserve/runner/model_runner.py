@@ -65,7 +65,6 @@ from jaxserve.runner.kv_pool import KVPool
 from jaxserve.runner.weights import prepare_weights
 from jaxserve.sampling.sampler import (
     FULL,
-    GREEDY,
     MAX_LOGPROBS,
     SamplingMetadata,
     bias_width,
@@ -286,7 +285,7 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
             out = sample(
-                logits(model, hidden[logits_indices], mm, gather=meta.variant != GREEDY),
+                logits(model, hidden[logits_indices], mm, gather=meta.variant == FULL),
                 meta,
                 max_logprobs=MAX_LOGPROBS,
             )

@@ -502,15 +502,14 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)  # [B]
         return jnp.where(greedy, argmax, drawn)
 
-    no_top = jnp.zeros((logits.shape[0], min(max_logprobs, logits.shape[-1])))  # greedy and sampled: none asked
-    if meta.variant == GREEDY:
-        # Reductions only (no gather by token id), so that logits sharded over the vocabulary stay in their shards.
-        chosen = jnp.sum(jnp.where(_positions(logits) == argmax[:, None], logits, 0.0), axis=-1)
+    if meta.variant in (GREEDY, SAMPLED):
+        # Reductions only (no gather by token id), so that logits sharded over the vocabulary stay in their shards
+        # (the sampled variant's top-k too: XLA partitions it, each chip's top candidates then the whole's).
+        tokens = argmax if meta.variant == GREEDY else draw(processed)
+        chosen = jnp.sum(jnp.where(_positions(logits) == tokens[:, None], logits, 0.0), axis=-1)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        return SamplerOutput(argmax, chosen - lse, no_top.astype(jnp.int32), no_top)
-    if meta.variant == SAMPLED:
-        tokens = draw(processed)
-        return SamplerOutput(tokens, _top_logprobs(logits, tokens, 0)[0], no_top.astype(jnp.int32), no_top)
+        no_top = jnp.zeros((logits.shape[0], min(max_logprobs, logits.shape[-1])))  # none asked
+        return SamplerOutput(tokens, chosen - lse, no_top.astype(jnp.int32), no_top)
     tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
     wanted = jnp.any(meta.num_logprobs > 0)
     chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs, wanted)

@@ -594,6 +594,28 @@ def test_sampled_variant_draws_what_the_full_variant_draws():
     assert kept[2].sum() == 5 and kept[5].sum() == 1 and kept[0].all()  # top-k 5, top-k 1, a greedy row untouched
 
 
+@pytest.mark.multidevice
+def test_greedy_and_sampled_variants_over_vocabulary_shards_equal_one_device():
+    """What a TPU runner's step does (tests/test_aot.py audits it): the greedy and sampled variants on logits left
+    sharded over the vocabulary, 8 shards, give one device's tokens and logprobs (XLA partitions the argmax, the
+    log-sum-exp, the top-k and the draw's noise: jax's partitionable threefry draws the same bits)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("vocab",))  # automatic axes, as the runner's
+    rng = np.random.default_rng(13)
+    logits = jnp.asarray(rng.normal(size=(8, 1024)).astype(np.float32) * 3)
+    sharded = jax.device_put(logits, NamedSharding(mesh, PartitionSpec(None, "vocab")))
+    rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=7, seed=1)] + [
+        SamplingParams(temperature=1.1, min_p=0.05, seed=i) for i in range(2, 8)
+    ]
+    for batch in (rows, [SamplingParams(temperature=0.0)] * 8):
+        meta = meta_for(batch, pad_to=8, variants=sampling.VARIANTS)
+        assert meta.variant == ("sampled" if batch is rows else "greedy")
+        one, shards = sample(logits, meta), sample(sharded, meta)
+        np.testing.assert_array_equal(np.asarray(shards.tokens), np.asarray(one.tokens))
+        np.testing.assert_allclose(np.asarray(shards.logprobs), np.asarray(one.logprobs), rtol=1e-5, atol=1e-6)
+
+
 def test_fixed_widths_one_compile_for_every_size():
     """Biases of 0-1024 keys, histories of any length, logprobs on or off: one trace at fixed widths."""
     traces = 0
