@@ -111,6 +111,11 @@ def gpu_targets() -> dict[str, str]:
     }
 
 
+def _cuda_plugin_pip() -> str:
+    """How to install JAX's CUDA plugin at this jax's version (no NVIDIA libraries)."""
+    return f"pip install jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}"
+
+
 def cuda_plugin_installed() -> bool:
     """Whether JAX's CUDA plugin is installed (whether it can compile for GPUs here: ``gpu_devices``)."""
     import importlib.util
@@ -147,9 +152,8 @@ def gpu_devices(name: str, count: int = 1) -> list:
             desc = topologies.get_topology_desc("", "cuda", target_config=f.read(), topology=f"1x1x{count}")
     except Exception as e:  # noqa: BLE001 - no plugin, or one that did not register
         raise ValueError(
-            f"cannot compile for {name!r} without a GPU: needs the CUDA plugin at jax's version (pip install "
-            f"jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}), registered (JAX_PLATFORMS "
-            f"unset or cpu): {e}"
+            f"cannot compile for {name!r} without a GPU: needs the CUDA plugin at jax's version ({_cuda_plugin_pip()}), "
+            f"registered (JAX_PLATFORMS unset or cpu): {e}"
         ) from e
     return list(desc.devices)
 
@@ -411,7 +415,8 @@ def plan(
     keep_hlo: bool = False,
     **settings,
 ) -> Plan:
-    """Plans (and on a TPU topology, compiles) one engine replica over ``tensor_parallel_size`` chips.
+    """Plans (and compiles, for a TPU, or a GPU where the CUDA plugin is installed) one engine replica over
+    ``tensor_parallel_size`` chips.
 
     Args:
         model: a preset name, an HF config.json (or its directory), or a ModelConfig; no weights are read.
@@ -431,7 +436,7 @@ def plan(
             slices for 2 stages of 8 chips.
         sampler: the sampler's variant the steps compile with: "full" (every sampling option: the one whose memory
             bounds the others'), "greedy" (the step of batches that are all greedy and ask for nothing else) or
-            "sampled" (temperature, top-k, top-p, min-p and seeds, nothing else).
+            "sampled" (temperature, min-p, top-k up to 256 and seeds, nothing else).
         keep_hlo: keep each compiled step's optimized HLO (``Variant.hlo``), to audit what the chip will run.
 
     Raises:
@@ -478,9 +483,7 @@ def plan(
     if compile is None:
         compile = chip.tpu or cuda_plugin_installed()
         if not compile:
-            not_compiled = (
-                f"no CUDA plugin: pip install jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}"
-            )
+            not_compiled = f"no CUDA plugin: {_cuda_plugin_pip()}"
     if compile and pp > 1:
         try:
             check_pipeline(cfg, pp)

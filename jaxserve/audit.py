@@ -3,15 +3,14 @@
 XLA's ``cost_analysis`` counts one trip of a loop and the dearest branch of a conditional, and it is None for a GPU
 compiled without one, so it is not a step's traffic. :func:`audit` walks the optimized module instead: the entry
 computation, every ``while`` body times its trip count (XLA's ``known_trip_count``, or the bound of its condition; the
-layers' scan), every branch of a
-``conditional`` (the dearest taken, and the conditional counted), and prices each instruction that runs on the chip (a
-fusion, a custom call such as a Pallas kernel, a copy, a collective: on a GPU, a kernel launch) at the bytes it reads
-and writes:
+layers' scan), every branch of a ``conditional`` (the dearest taken, and the conditional counted), and prices each
+instruction that runs on the chip (a fusion, a custom call such as a Pallas kernel, a copy, a collective: on a GPU, a
+kernel launch) at the bytes it reads and writes:
 
 - an operand that is a whole stack carried by the loop (its leading dimension the trip count: a layer's weights read
   in place by a fusion or a kernel given the layer's index) counts one trip's share, a layer;
 - the KV pool (``kv_shapes``) is not priced by its operands, which are the whole pool wherever a kernel reads a few
-  pages or writes a few rows: the caller adds the KV a step reads (``StepAudit.bytes`` leaves it out);
+  pages or writes a few rows: the caller adds the KV a step reads (``StepAudit.bytes`` leaves it out).
 
 A **weight copy** is an instruction that only moves data (``copy``, or a fusion of nothing but slices, bitcasts and
 copies) of what its computation was given (an argument of the step, a stack its loop carries), through other moves,
@@ -175,7 +174,7 @@ def audit(hlo: str, kv_shapes: tuple[tuple[int, ...], ...] | None = None, min_co
     comps, entry = parse(hlo)
     # the pool in any view (a TPU's drops a unit dimension): by its number of elements
     kv = {math.prod(s) for s in (donated_shapes(hlo, comps, entry) if kv_shapes is None else kv_shapes)}
-    types = {c: {i.name: i.type for i in body} for c, body in comps.items()}
+    named = {c: {i.name: i for i in body} for c, body in comps.items()}  # each computation's instructions by name
 
     def moves_only(comp: str) -> bool:
         """A fused computation that only moves data: slices, copies, bitcasts (and the index arithmetic of its
@@ -204,8 +203,7 @@ def audit(hlo: str, kv_shapes: tuple[tuple[int, ...], ...] | None = None, min_co
 
     def walk(comp: str, trips: int | None, stacked: set[str]) -> StepAudit:
         out = StepAudit()
-        local = types.get(comp, {})
-        named = {i.name: i for i in comps.get(comp, ())}
+        local = named.get(comp, {})
         for ins in comps.get(comp, ()):
             if ins.opcode in _FREE:
                 continue
@@ -238,8 +236,8 @@ def audit(hlo: str, kv_shapes: tuple[tuple[int, ...], ...] | None = None, min_co
             sliced = _sliced_params(comps.get(calls[0], ())) if calls else {}
             total = 0.0
             for k, name in enumerate(ins.operands):
-                t = local.get(name, "")
-                for dtype, shape in arrays(t):
+                operand = local.get(name)
+                for dtype, shape in arrays(operand.type if operand else ""):
                     if math.prod(shape) in kv:
                         continue
                     b = _itemsize(dtype) * math.prod(shape)
@@ -253,7 +251,7 @@ def audit(hlo: str, kv_shapes: tuple[tuple[int, ...], ...] | None = None, min_co
             if any(ins.opcode.startswith(c) for c in _COLLECTIVES):
                 out.collectives += 1
                 out.collective_bytes += written
-            if written >= min_copy_bytes and is_move(ins) and of_weights(ins, named):
+            if written >= min_copy_bytes and is_move(ins) and of_weights(ins, local):
                 out.weight_copies += 1
                 out.weight_copy_bytes += written
         return out

@@ -81,7 +81,7 @@ def initialize(
     # replaced from Python) when a process goes silent; ours (_watch_heartbeats) ends the group first, cleanly, so
     # jax's is a backstop given twice the time and 30 s more. With twice the time alone, a busy host lost the race:
     # our check restarts its count when its own thread was held up (to blame no follower for it), and on two loaded
-    # cores jax's 10 s check aborted process 0 before ours, at 5 s, had named the lost process (CI, stop 62).
+    # cores jax's 10 s check aborted process 0 (SIGABRT) before ours, at 5 s, had named the lost process.
     jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=_backstop_s(timeout))
     logger.info(
         "process %d of %d; %d local / %d global devices",

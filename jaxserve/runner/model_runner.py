@@ -168,6 +168,7 @@ class ModelRunner:
         self.mesh = mesh or make_mesh(1)
         self.expert_parallel = expert_parallel
         self.platform = platform  # None: the one JAX runs on; "tpu" / "gpu": compile for it (jaxserve.aot)
+        self.target = platform or jax.default_backend()  # the platform the steps are built for, either way
         # ShapeDtypeStruct params (jaxserve.aot): nothing is allocated; the state and the pool are abstract too.
         self.abstract = isinstance(params["final_norm"], jax.ShapeDtypeStruct)
         dtype = params["final_norm"].dtype  # the float weights' (a quantized model's norms stay float)
@@ -192,7 +193,7 @@ class ModelRunner:
             and attention_cpu.serves(kv_dtype(cache_cfg.dtype, dtype))
             and cpu_ffi.available()
         )
-        on_cpu = (platform or jax.default_backend()) == "cpu"
+        on_cpu = self.target == "cpu"
         self.pool = KVPool(self.cfg, cache_cfg, sched_cfg, self.mesh, dtype, platform, cpp, attention_impl)
         self.num_pages = self.pool.num_pages
         self.k_cache, self.v_cache = self.pool.allocate(self.abstract)
@@ -224,7 +225,7 @@ class ModelRunner:
         self._constants: dict[tuple, jax.Array] = {}  # ``_on_device``'s copies of constant sampler arrays
         self.attention_impl = attention_impl
         # the sampler's variants this runner compiles (and its batches pick from)
-        self.sampler_variants = variants_for(platform or jax.default_backend())
+        self.sampler_variants = variants_for(self.target)
         self.reset_timers()
         self.buckets = buckets
         self.compiler = StepCompiler(self.step_program(), buckets)  # jitted step variants; warm-up, AOT lowering
@@ -258,8 +259,7 @@ class ModelRunner:
             self.pool.spec_of,
         )
         graphdef, gathered = self.graphdef, self.replicated
-        on_tpu = (self.platform or jax.default_backend()) == "tpu"
-        policy = MatmulPolicy(rows=self._rows_fn(), pinned=("wq",) if on_tpu else ())
+        policy = MatmulPolicy(rows=self._rows_fn(), pinned=("wq",) if self.target == "tpu" else ())
         moe = None
         if self.cfg.is_moe:  # megablox compiled for a TPU (jaxserve.aot), ragged_dot on a GPU, "auto" where it runs
             impl = {"tpu": "megablox", "gpu": "ragged"}.get(self.platform, "auto")
@@ -269,7 +269,8 @@ class ModelRunner:
 
         def logits(model, hidden, mm, gather=True):
             """Computed per vocabulary shard and gathered once for the sampler, or left in their shards (the greedy
-            sampler's argmax and logsumexp are reductions: each chip reduces its shard, and only [B] values cross)."""
+            and sampled variants reduce them: argmax, logsumexp and top-k per chip, and only [B] values or each
+            chip's top candidates cross)."""
             per_shard = jax.lax.with_sharding_constraint(
                 model.logits(hidden, policy, mm), NamedSharding(self.mesh, VOCAB_SPEC)
             )
@@ -349,12 +350,11 @@ class ModelRunner:
         dequantized to a float copy): on one CPU device, when built (``matmul_cpu.RowsProduct`` says which weights it
         takes). On one GPU, the Pallas product that reads each layer's matrix in place for decode batches, where
         XLA:GPU copies the scan's slice of every weight stack first (``kernels/matmul/gpu.py``)."""
-        platform = self.platform or jax.default_backend()
         if self.mesh.size != 1:
             return None
-        if platform == "cpu":
+        if self.target == "cpu":
             return matmul_cpu.ROWS if cpu_ffi.available() else None
-        return matmul_gpu.ROWS if platform == "gpu" else None
+        return matmul_gpu.ROWS if self.target == "gpu" else None
 
     # ------------------------------------------------------------------ packing
     # ------------------------------------------------------------------ execution

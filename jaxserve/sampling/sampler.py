@@ -4,11 +4,12 @@ Host side, ``SamplingParams`` validates one request's settings and ``SamplingMet
 batch of them into padded arrays. Device side, ``sample`` reads only those arrays and the batch's ``variant``,
 which the host picks from them: ``"greedy"`` when every row is greedy with nothing else asked (an argmax and the
 chosen tokens' logprobs: no conditional, no pass over the vocabulary greedy decoding does not need), else
-``"sampled"`` when rows sample with temperature, top-k/top-p/min-p and seeds and ask for nothing else (no
-conditional either; GPU and TPU runners compile it), else ``"full"``, which serves every mix of temperatures,
+``"sampled"`` when rows sample with temperature, min-p, top-k up to TOP_K_CAP and seeds and ask for nothing else
+(no conditional either; GPU and TPU runners compile it), else ``"full"``, which serves every mix of temperatures,
 top-k/top-p/min-p, penalties, biases, structured-output masks, logprobs and seeds (what no row asks for is skipped
-at run time, under ``lax.cond``). One compile per variant serves a shape. The runner asks for fixed widths (bias entries and token history), so no request parameter can
-change a shape; without them the widths are bucketed to what the batch needs.
+at run time, under ``lax.cond``). One compile per variant serves a shape. The runner asks for fixed widths (bias
+entries and token history), so no request parameter can change a shape; without them the widths are bucketed to
+what the batch needs.
 
 The order follows vLLM v1: logit bias (and the ``min_tokens`` ban on stop tokens), penalties, the
 structured-output token mask (last of the three, so no extreme penalty can lift a ban), then temperature, min-p,
@@ -251,7 +252,7 @@ class SamplingMetadata:
         if extras or (np.any(sampled) and (SAMPLED not in variants or wide)):
             variant = FULL
         else:
-            variant = SAMPLED if np.any(temperature >= GREEDY_EPS) else GREEDY
+            variant = SAMPLED if np.any(sampled) else GREEDY
         return cls(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq, seed=seed, step=step, num_logprobs=num_logprobs,
