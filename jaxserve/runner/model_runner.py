@@ -3,10 +3,10 @@
 The runner receives a :class:`~jaxserve.core.sched.output.SchedulerOutput`, packs it into padded arrays of a
 bucketed shape (tokens in the step, sequences, pages per sequence) and calls
 
-    step(state, matmul_weights, k_cache, v_cache, tokens, fed_index, batch, logits_indices, sampling, next_tokens, fed)
-        -> (sampler_output, prompt_logprobs, fed, k_cache, v_cache)
+    step(state, matmul_weights, k_cache, v_cache, host, fed) -> (sampler_output, prompt_logprobs, fed, k_cache, v_cache)
 
-with both caches donated, so the pool is updated in place. ``state`` is the model's weights (flax NNX state),
+where ``host`` is ``(tokens, fed_index, batch, logits_indices, sampling, next_tokens)``, its numpy arrays uploaded as
+one buffer (``jaxserve.runner.host_pack``: one transfer a step, not one per array), and both caches donated, so the pool is updated in place. ``state`` is the model's weights (flax NNX state),
 ``matmul_weights`` the optional bfloat16 copies for ``matmul_dtype``, ``tokens`` [T] and ``batch``
 (``AttentionBatch``: positions, slot mapping, kv lens, page table, cu_q_lens, num_seqs) the step's tokens,
 ``logits_indices`` [R] the positions sampled (each sequence's last; with speculative decoding also those
@@ -60,6 +60,7 @@ from jaxserve.parallel.sharding import (
 from jaxserve.parallel.step_wire import StepDecoder, StepEncoder, has_changes
 from jaxserve.runner.buckets import StepBuckets, padded_batch
 from jaxserve.runner.compilation import StepCompiler, StepProgram
+from jaxserve.runner.host_pack import pack, unpack
 from jaxserve.runner.input_batch import CachedRequest, InputBatch, targets
 from jaxserve.runner.kv_pool import KVPool
 from jaxserve.runner.weights import prepare_weights
@@ -276,7 +277,9 @@ class ModelRunner:
             )
             return jax.lax.with_sharding_constraint(per_shard, gathered) if gather else per_shard
 
-        def step(state, mm, k_cache, v_cache, tokens, fed_index, batch, logits_indices, meta, next_tokens, fed):
+        def step(state, mm, k_cache, v_cache, host, fed):
+            # the step's host arrays, uploaded as one buffer (``host_pack``)
+            tokens, fed_index, batch, logits_indices, meta, next_tokens = unpack(host)
             scan = None
             if pipelined:  # one tick (``_tick``): ``fed`` the hidden states passed between stages, not tokens
                 scan = PipelineTick(self.mesh, fed)
@@ -307,7 +310,7 @@ class ModelRunner:
         placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
         return StepProgram(
             compute=self.step_function,
-            in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv) + (gathered,) * 6 + (fed,),
+            in_shardings=(placed(self.state), placed(self.matmul_weights), kv, kv, gathered, fed),
             out_shardings=(gathered, gathered, fed, kv, kv),
             donate_argnums=(2, 3),  # the KV pool, updated in place
             example_args=self.example_args,
@@ -329,19 +332,15 @@ class ModelRunner:
         meta = dataclasses.replace(
             self.sampling_metadata([SamplingParams(temperature=0.0)], pad_to=rows), variant=variant
         )
-        return (
-            self.state,
-            self.matmul_weights,
-            self.k_cache,
-            self.v_cache,
+        host = (
             np.zeros(tokens, np.int32),  # tokens
             np.full(tokens, -1, np.int32),  # fed_index: none
             batch,
             np.zeros(rows, np.int32),  # logits_indices
             meta,
             np.full(tokens, -1, np.int32),  # next_tokens: no prompt logprobs
-            fed,
         )
+        return (self.state, self.matmul_weights, self.k_cache, self.v_cache, pack(host), fed)
 
     def _rows_fn(self):
         """The C++ products for steps of fewer than 8 rows on bfloat16 matmul weights (XLA:CPU's own is ~15x slower
@@ -554,7 +553,7 @@ class ModelRunner:
             return None
         decode_only, *inputs = step
         out, plp, self.fed, self.k_cache, self.v_cache = self.compiler.step(decode_only)(
-            self.state, self.matmul_weights, self.k_cache, self.v_cache, *inputs, self.fed
+            self.state, self.matmul_weights, self.k_cache, self.v_cache, pack(tuple(inputs)), self.fed
         )
         return out, plp
 
@@ -606,11 +605,13 @@ class ModelRunner:
             token_mask_width=self.token_mask_width,
             **kwargs,
         )
-        if self.abstract:
-            return meta
-        return dataclasses.replace(
-            meta, **{name: self._on_device(getattr(meta, name)) for name in _WIDE_SAMPLER_ARRAYS}
-        )
+        place = self._abstract_on_device if self.abstract else self._on_device
+        return dataclasses.replace(meta, **{name: place(getattr(meta, name)) for name in _WIDE_SAMPLER_ARRAYS})
+
+    def _abstract_on_device(self, x: np.ndarray) -> jax.ShapeDtypeStruct:
+        """An abstract runner's stand-in for ``_on_device``: where the array would be, not packed with the step's
+        host arrays (so that the program lowered for another chip is the one this runner would run)."""
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated)
 
     def _on_device(self, x: np.ndarray) -> jax.Array:
         """A wide sampler array on the step's devices; a read-only constant (one value throughout) as the copy
