@@ -428,8 +428,8 @@ def plan(
             where it does not: uneven stages); dtype defaults to bfloat16,
             ``max_model_len`` to the model's (at most 2048).
         seq_len: context length for "how many sequences fit" and the roofline (default: max_model_len).
-        variants: "corners" (the largest mixed and decode-only buckets), "decode" (the largest decode-only one)
-            or "all" (every bucket the runner compiles at warm-up).
+        variants: "corners" (the largest mixed and decode-only buckets), "decode" (the largest decode-only one),
+            "mixed" (the largest mixed one) or "all" (every bucket the runner compiles at warm-up).
         compile: False plans by arithmetic only; True compiles (or raises where no compiler for the topology is
             installed); None (default): a TPU's always, a GPU's where the CUDA plugin is installed.
         num_slices: copies of ``topology`` joined over the data-center network (TPU multislice), e.g. two v5e-8
@@ -598,21 +598,11 @@ def plan(
     if compile:
         final = runner(num_pages)
         shapes = final.compiler.buckets.shapes()
-        if variants in ("corners", "decode"):
-            kinds = (True,) if variants == "decode" else (False, True)
-            shapes = [
-                max((s for s in shapes if s[2] == d), key=lambda s: s[:2])
-                for d in kinds
-                if any(s[2] == d for s in shapes)
-            ]
+        kinds = {"corners": (False, True), "decode": (True,), "mixed": (False,)}.get(variants)
+        if kinds is not None:  # every runner has both kinds of shape (StepBuckets.shapes)
+            shapes = [max((s for s in shapes if s[2] == d), key=lambda s: s[:2]) for d in kinds]
         elif variants != "all":
-            raise ValueError(f"variants must be 'corners', 'decode' or 'all', got {variants!r}")
-        if not shapes:
-            raise ValueError(
-                f"no step variant of kind {variants!r} for these settings (decode-only steps exist for "
-                f"batches of at most max_num_seqs={sched_cfg.max_num_seqs} tokens, the smallest bucket "
-                f"is {final.token_buckets[0]})"
-            )
+            raise ValueError(f"variants must be 'corners', 'decode', 'mixed' or 'all', got {variants!r}")
         compiled = _compile(final, shapes, sampler, keep_hlo)
         activations = max([activations, *(v.temp_bytes for v in compiled)])
         peak = max(v.peak_bytes for v in compiled)

@@ -107,12 +107,14 @@ class StepBuckets:
         )
 
     def shapes(self) -> list[tuple[int, int, bool]]:
-        """(token bucket, page bucket, decode_only) of every step variant traffic can need."""
+        """(token bucket, page bucket, decode_only) of every step variant traffic can need: decode-only steps (one
+        token a sequence, at most max_seqs of them) in every token bucket up to the first that holds max_seqs."""
+        holds_all = min((tb for tb in self.token_buckets if tb >= self.max_seqs), default=self.token_buckets[-1])
         return [
             (tb, pb, decode)
             for tb in self.token_buckets
             for pb in self.page_buckets
-            for decode in ((False, True) if tb <= self.max_seqs else (False,))
+            for decode in ((False, True) if tb <= holds_all else (False,))
         ]
 
     def copy_chunks(self, ops: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]] | None:
