@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,8 @@ class StepProgram:
         host_sharding: where host (numpy) arguments go; ``lower_step`` gives them that sharding.
         lower_copy: ``lower_copy(src, dst)``, the pool's page copy lowered for those index arrays (warm-up).
         variants: the sampler's variants the steps serve (warm-up compiles each).
+        deferred: those of ``variants`` that warm-up compiles in the background once it has returned (a step that
+            picks one waits for it: ``ready``), so that serving starts after the common variants' compiles alone.
     """
 
     compute: Callable[[bool], Callable]
@@ -50,6 +53,7 @@ class StepProgram:
     host_sharding: Any
     lower_copy: Callable[[np.ndarray, np.ndarray], Any]
     variants: tuple[str, ...] = VARIANTS
+    deferred: tuple[str, ...] = ()
 
 
 class StepCompiler:
@@ -64,6 +68,7 @@ class StepCompiler:
         self.program, self.buckets = program, buckets
         self.num_compilations = 0  # traces of the step; a test asserts it stays flat in steady state
         self._steps: dict[bool, Callable] = {}
+        self._deferred: concurrent.futures.Future | None = None  # the background compile of program.deferred
 
     def step(self, decode_only: bool) -> Callable:
         """The jitted step of every bucket and sampler variant; ``decode_only`` picks the attention's variant.
@@ -92,7 +97,8 @@ class StepCompiler:
 
     def warmup(self, workers: int | None = None) -> int:
         """Compiles every step variant and page-copy length ahead of traffic, without running any; logs how many and
-        how long.
+        how long. The sampler's ``program.deferred`` variants are compiled after this returns, by a background
+        thread (``ready`` waits for them).
 
         Variants are traced and lowered one by one (Python), then compiled by ``workers`` threads at once
         (XLA compiles outside the GIL, but each compile is itself multi-threaded, so parallel compiles compete for
@@ -102,31 +108,66 @@ class StepCompiler:
         counts).
         """
         program, buckets = self.program, self.buckets
+        workers = workers or max(1, (os.cpu_count() or 1) // 4)
         t0, before = time.perf_counter(), self.num_compilations
-        lowered = [
-            self.step(decode).trace(*program.example_args(tb, pb, variant)).lower()
-            for tb, pb, decode in buckets.shapes()
-            for variant in program.variants
-        ]
+        now = [v for v in program.variants if v not in program.deferred]
+        lowered = self._lower(now)
         copies = [buckets.copy_chunks([(NULL_PAGE, NULL_PAGE)] * n)[0] for n in next_pow2_buckets(1, buckets.max_seqs)]
         lowered += [program.lower_copy(src, dst) for src, dst in copies]
         t1 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(workers or max(1, (os.cpu_count() or 1) // 4)) as pool:
-            list(pool.map(lambda x: x.compile(), lowered))
+        _compile(lowered, workers)
         n = self.num_compilations - before
         logger.info(
-            "warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d, %d sampler "
-            "variants) and %d page-copy lengths in %.1fs (%.1fs tracing and lowering)",
+            "warm-up: %d step variants (%d token x %d page buckets, decode-only for batches <= %d, sampler "
+            "variants %s) and %d page-copy lengths in %.1fs (%.1fs tracing and lowering)",
             n,
             len(buckets.token_buckets),
             len(buckets.page_buckets),
             buckets.max_seqs,
-            len(program.variants),
+            "/".join(now),
             len(copies),
             time.perf_counter() - t0,
             t1 - t0,
         )
+        later = [v for v in program.variants if v in program.deferred]
+        if later:
+            self._deferred = concurrent.futures.Future()
+            threading.Thread(target=self._compile_later, args=(later, workers), daemon=True).start()
         return n
+
+    def _lower(self, variants: list[str]) -> list:
+        return [
+            self.step(decode).trace(*self.program.example_args(tb, pb, variant)).lower()
+            for tb, pb, decode in self.buckets.shapes()
+            for variant in variants
+        ]
+
+    def _compile_later(self, variants: list[str], workers: int) -> None:
+        """The background thread of ``warmup``: compiles ``variants`` of every bucket, then resolves ``ready``'s wait
+        (with the compiler's error, if one failed: the step that needs it raises it)."""
+        t0 = time.perf_counter()
+        try:
+            _compile(self._lower(variants), workers)
+        except Exception as e:  # handed to the step that waits for it
+            self._deferred.set_exception(e)
+            logger.error("warm-up in the background: the sampler's %s variant failed to compile: %s", variants, e)
+            return
+        self._deferred.set_result(None)
+        logger.info(
+            "warm-up in the background: sampler variants %s in %.1fs", "/".join(variants), time.perf_counter() - t0
+        )
+
+    def ready(self, variant: str) -> None:
+        """Waits until the step of the sampler's ``variant`` is compiled, where warm-up left it to the background."""
+        future = self._deferred
+        if future is None or variant not in self.program.deferred:
+            return
+        waited, t0 = not future.done(), time.perf_counter()
+        future.result()  # the compiler's error, if it failed
+        if waited:
+            logger.info(
+                "a step waited %.1fs for the sampler's %s variant to compile", time.perf_counter() - t0, variant
+            )
 
     def lower_step(self, tokens: int, pages: int, decode_only: bool = False, variant: str = FULL):
         """The step of one bucket lowered on abstract arguments (``.compile()`` then gives the partitioned HLO and
@@ -141,3 +182,9 @@ class StepCompiler:
 
         args = self.program.example_args(tokens, pages, variant)
         return self.step(decode_only).lower(*jax.tree.map(abstract, args))
+
+
+def _compile(lowered: list, workers: int) -> None:
+    """Compiles lowered programs, ``workers`` at a time (XLA compiles outside the GIL)."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda x: x.compile(), lowered))

@@ -67,6 +67,7 @@ from jaxserve.runner.weights import prepare_weights
 from jaxserve.sampling.sampler import (
     FULL,
     MAX_LOGPROBS,
+    SAMPLED,
     SamplingMetadata,
     bias_width,
     compute_logprobs,
@@ -317,6 +318,9 @@ class ModelRunner:
             host_sharding=gathered,
             lower_copy=lambda src, dst: self.pool.copy.lower(self.k_cache, self.v_cache, src, dst),
             variants=self.sampler_variants,
+            # where "sampled" serves temperature sampling, warm-up leaves "full" (top-p, penalties, logprobs, ...)
+            # to the background: serving starts after greedy's and sampled's compiles
+            deferred=(FULL,) if SAMPLED in self.sampler_variants else (),
         )
 
     def example_args(self, tokens: int, pages: int, variant: str = FULL) -> tuple:
@@ -552,6 +556,7 @@ class ModelRunner:
         if step is None:
             return None
         decode_only, *inputs = step
+        self.compiler.ready(inputs[4].variant)  # a variant warm-up left to the background: compiled by now
         out, plp, self.fed, self.k_cache, self.v_cache = self.compiler.step(decode_only)(
             self.state, self.matmul_weights, self.k_cache, self.v_cache, pack(tuple(inputs)), self.fed
         )

@@ -164,3 +164,24 @@ def test_no_recompilation_after_warmup(default_loaded):
     outs += llm.generate(prompts[:20], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # all greedy
     assert all(o.finished for o in outs)
     assert llm.engine.runner.num_compilations == before
+
+
+def test_warmup_leaves_the_full_variant_to_the_background(default_loaded):
+    """With the "sampled" variant (GPUs and TPUs), warm-up returns after greedy's and sampled's compiles; "full" is
+    compiled by a background thread, and a step that needs it (top-p) waits for it rather than compiling its own."""
+    from jaxserve.runner.compilation import StepCompiler
+    from jaxserve.sampling.sampler import VARIANTS
+
+    llm = LLM(
+        first_layers(default_loaded, 1), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_pages=40
+    )
+    runner = llm.engine.runner
+    runner.sampler_variants = VARIANTS  # as on a GPU or a TPU
+    runner.compiler = StepCompiler(runner.step_program(), runner.buckets)
+    shapes = len(runner.compiler.buckets.shapes())
+    assert runner.compiler.program.deferred == ("full",)
+    assert runner.warmup() == shapes * 2
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=4), SamplingParams(max_tokens=4, seed=2)]
+    outs = llm.generate(["Hello there", "One two"], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    assert runner.compiler._deferred.done() and runner.num_compilations == shapes * 3
