@@ -434,9 +434,10 @@ def plan(
             installed); None (default): a TPU's always, a GPU's where the CUDA plugin is installed.
         num_slices: copies of ``topology`` joined over the data-center network (TPU multislice), e.g. two v5e-8
             slices for 2 stages of 8 chips.
-        sampler: the sampler's variant the steps compile with: "full" (every sampling option: the one whose memory
-            bounds the others'), "greedy" (the step of batches that are all greedy and ask for nothing else) or
-            "sampled" (temperature, min-p, top-k up to 256 and seeds, nothing else).
+        sampler: the sampler's variant the steps compile with: "full" (every sampling option), "prompt" (full and
+            the step's prompt logprobs: the one whose memory bounds the others'; on the CPU, whose runner has no
+            "prompt" variant, full computes them), "greedy" (the step of batches that are all greedy and ask for
+            nothing else) or "sampled" (temperature, min-p, top-k up to 256 and seeds, nothing else).
         keep_hlo: keep each compiled step's optimized HLO (``Variant.hlo``), to audit what the chip will run.
 
     Raises:
@@ -559,7 +560,8 @@ def plan(
     activations = 0
     if compile and not config.num_pages:  # the largest step's temporaries, to size the pool from what is left
         largest = max((s for s in probe.compiler.buckets.shapes() if not s[2]), key=lambda s: s[:2])
-        activations = _compile(probe, [largest])[0].temp_bytes
+        # with the sampler's "prompt" variant: prompt logprobs' [rows, V] blocks are the largest temporaries
+        activations = _compile(probe, [largest], "prompt")[0].temp_bytes
     budget = int(chip.hbm_bytes * config.kv_cache_memory_fraction) - weights - activations
     num_pages = config.num_pages or max(budget // page_bytes, 0)
     result = Plan(

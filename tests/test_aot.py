@@ -70,8 +70,10 @@ def test_llama3_8b_tp8_on_v5e_2x4_compiles_and_fits():
     )
     _check_against_arithmetic(p, "llama-3-8b", 8, sized=False)
     (decode,) = p.variants
-    # The sampler's full variant skips what no row asks for under conditionals (the greedy one has none: below).
-    assert decode.sampler == "full" and len(hlo_ops(decode.hlo, "conditional")) >= 5
+    # A TPU runner's full variant computes every sampling feature for every row: no conditional (the CPU's skips
+    # what no row asks for under conditionals); its loops are the layers' scan and the top-p bisection's two.
+    assert decode.sampler == "full" and hlo_ops(decode.hlo, "conditional") == []
+    assert len(hlo_ops(decode.hlo, "while")) == 3
     assert decode.decode_only and 13 * GiB < decode.peak_bytes < 16 * GiB
     assert p.page_bytes_per_chip == 32 * 16 * 2 * 128 * 2  # the arithmetic: one KV head per chip, K and V
     assert p.max_sequences == 46000 // 128
@@ -109,7 +111,7 @@ def test_greedy_and_sampled_decode_steps_for_v5e_copy_no_weight_and_gather_no_vo
     assert (b.weight_copies, b.conditionals, b.whiles) == (0, 0, 1), b
     assert p.audited_bytes(sampled) <= 1.15 * p.floor_bytes(sampled), b.summary()
     assert b.collective_bytes <= 2 * cfg.num_layers * 64 * 4096 * 2 + 8 * 64 * 256 * 8 + (1 << 20), b
-    with pytest.raises(ValueError, match="sampler must be one of 'greedy', 'sampled', 'full', got 'fast'"):
+    with pytest.raises(ValueError, match="sampler must be one of 'greedy', 'sampled', 'full', 'prompt', got 'fast'"):
         plan(cfg, "v5e:2x4", 8, sampler="fast", compile=False)
 
 

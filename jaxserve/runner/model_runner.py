@@ -67,6 +67,7 @@ from jaxserve.runner.weights import prepare_weights
 from jaxserve.sampling.sampler import (
     FULL,
     MAX_LOGPROBS,
+    PROMPT,
     SAMPLED,
     SamplingMetadata,
     bias_width,
@@ -290,13 +291,20 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
             out = sample(
-                logits(model, hidden[logits_indices], mm, gather=meta.variant == FULL),
+                logits(model, hidden[logits_indices], mm, gather=meta.variant in (FULL, PROMPT)),
                 meta,
                 max_logprobs=MAX_LOGPROBS,
             )
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits), in the
-            # sampler's "full" variant only (the host picks it for a step with targets).
-            plp = _prompt_logprobs(lambda h: logits(model, h, mm), hidden, next_tokens, meta.variant == FULL)
+            # sampler's "prompt" variant (the host picks it for a step with targets), or in "full" where that skips
+            # them under a conditional (the CPU's).
+            plp = _prompt_logprobs(
+                lambda h: logits(model, h, mm),
+                hidden,
+                next_tokens,
+                meta.variant == PROMPT or (meta.variant == FULL and not meta.branchless),
+                meta.branchless,
+            )
             if pipelined:
                 return out, plp, scan.passed, k_cache, v_cache
             feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
@@ -319,8 +327,8 @@ class ModelRunner:
             lower_copy=lambda src, dst: self.pool.copy.lower(self.k_cache, self.v_cache, src, dst),
             variants=self.sampler_variants,
             # where "sampled" serves temperature sampling, warm-up leaves "full" (top-p, penalties, logprobs, ...)
-            # to the background: serving starts after greedy's and sampled's compiles
-            deferred=(FULL,) if SAMPLED in self.sampler_variants else (),
+            # and "prompt" to the background: serving starts after greedy's and sampled's compiles
+            deferred=(FULL, PROMPT) if SAMPLED in self.sampler_variants else (),
         )
 
     def example_args(self, tokens: int, pages: int, variant: str = FULL) -> tuple:
@@ -416,7 +424,7 @@ class ModelRunner:
             p.prompt_logprobs is not None and s.start_pos < r.num_prompt_tokens - 1
             for p, s, r in zip(params, sched.scheduled, reqs)
         ]
-        if any(want_plp):  # prompt logprobs: only the sampler's "full" variant computes them
+        if any(want_plp):  # prompt logprobs: only the sampler's "prompt" variant (the CPU's "full") computes them
             meta = functools.partial(meta, full=True)
         # -1: no position has a target, and the step skips the prompt logprobs.
         next_tokens = targets(sched, reqs, len(tokens)) if any(want_plp) else _no_targets(len(tokens))
@@ -658,11 +666,14 @@ def _no_targets(tokens: int) -> np.ndarray:
 PROMPT_LOGPROBS_ROWS = 256
 
 
-def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array, compiled: bool = True):
+def _prompt_logprobs(
+    logits_fn, hidden: jax.Array, next_tokens: jax.Array, compiled: bool = True, branchless: bool = False
+):
     """Logprobs of ``next_tokens`` under ``logits_fn(hidden)`` [T, V] and the top MAX_LOGPROBS, computed only when
     some position has a target (>= 0); zeros otherwise, so one compile serves steps with and without them
-    (``compiled=False``: zeros always, and the work left out of the program). The logits are computed
-    ``PROMPT_LOGPROBS_ROWS`` rows at a time (``lax.map``), never all T rows at once."""
+    (``compiled=False``: zeros always, and the work left out of the program; ``branchless``: computed always, no
+    conditional). The logits are computed ``PROMPT_LOGPROBS_ROWS`` rows at a time (``lax.map``), never all T rows
+    at once."""
     T = hidden.shape[0]
     rows = PROMPT_LOGPROBS_ROWS if T % PROMPT_LOGPROBS_ROWS == 0 else T
 
@@ -678,6 +689,8 @@ def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array, compi
     skip = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
     if not compiled:
         return skip(None)
+    if branchless:
+        return run(None)
     return jax.lax.cond(jnp.any(next_tokens >= 0), run, skip, None)
 
 

@@ -6,8 +6,10 @@ which the host picks from them: ``"greedy"`` when every row is greedy with nothi
 chosen tokens' logprobs: no conditional, no pass over the vocabulary greedy decoding does not need), else
 ``"sampled"`` when rows sample with temperature, min-p, top-k up to TOP_K_CAP and seeds and ask for nothing else
 (no conditional either; GPU and TPU runners compile it), else ``"full"``, which serves every mix of temperatures,
-top-k/top-p/min-p, penalties, biases, structured-output masks, logprobs and seeds (what no row asks for is skipped
-at run time, under ``lax.cond``). One compile per variant serves a shape. The runner asks for fixed widths (bias
+top-k/top-p/min-p, penalties, biases, structured-output masks, logprobs and seeds (on the CPU what no row asks
+for is skipped at run time, under ``lax.cond``; on GPUs and TPUs every row computes it all, neutral where unused,
+and a step with prompt logprobs is the "prompt" variant: no step has a conditional). One compile per variant
+serves a shape. The runner asks for fixed widths (bias
 entries and token history), so no request parameter can change a shape; without them the widths are bucketed to
 what the batch needs.
 
@@ -80,14 +82,17 @@ def _width(name: str, need: int, fixed: int | None, minimum: int) -> int:
 # with temperature, min-p, top-k up to TOP_K_CAP and seeds (greedy rows beside them) and ask for nothing else: no
 # top-p, whose nucleus can reach past the top TOP_K_CAP logits (a bisection then, under a conditional). Neither of
 # these two has a conditional: on a GPU, XLA's conditional blocks the host until the device is idle (the jitted call
-# then returns only when the step is done), so every common step is free of them there.
-GREEDY, SAMPLED, FULL = "greedy", "sampled", "full"
-VARIANTS = (GREEDY, SAMPLED, FULL)
+# then returns only when the step is done), so every common step is free of them there. "prompt" is "full" and the
+# step's prompt logprobs (the runner's): where it is compiled (GPUs, TPUs), "full" leaves them out and both are
+# branchless (``SamplingMetadata.branchless``): no conditional in any step.
+GREEDY, SAMPLED, FULL, PROMPT = "greedy", "sampled", "full", "prompt"
+VARIANTS = (GREEDY, SAMPLED, FULL, PROMPT)
 
 
 def variants_for(platform: str) -> tuple[str, ...]:
-    """The variants a runner compiles on ``platform``: on the CPU greedy and full (a conditional costs nothing there,
-    and a third variant would lengthen every warm-up by a third); on GPUs and TPUs all three."""
+    """The variants a runner compiles on ``platform``: on the CPU greedy and full, full skipping the work no row asks
+    for under conditionals, prompt logprobs included (a conditional costs nothing there, and each variant more would
+    lengthen every warm-up); on GPUs and TPUs all four, none with a conditional."""
     return (GREEDY, FULL) if platform == "cpu" else VARIANTS
 
 
@@ -121,6 +126,10 @@ class SamplingMetadata:
     # Which of the sampler's programs runs (``VARIANTS``): static, so each is its own compile, chosen on the host by
     # ``from_params``. The default serves any batch.
     variant: str = dataclasses.field(default=FULL, metadata=dict(static=True))
+    # Static too: the full variant computes every feature for every row (neutral where a row does not use it)
+    # instead of skipping what no row asks for under ``lax.cond``; ``from_params`` sets it where the caller
+    # compiled the "prompt" variant (GPU and TPU runners).
+    branchless: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def from_params(
@@ -161,8 +170,10 @@ class SamplingMetadata:
             token_mask: [len(params) or pad_to, W] int32 packed allowed-token masks (see ``token_mask``); rows
                 past it are unconstrained. None: no row is constrained (a shared constant [B, token_mask_width]
                 of ones).
-            full: the ``"full"`` variant whatever the rows ask (the runner's steps with prompt logprobs).
+            full: the ``"full"`` variant whatever the rows ask (the runner's steps with prompt logprobs), or
+                ``"prompt"`` where it is among ``variants``.
             variants: the variants the caller compiled (``variants_for``); the batch gets the leanest that serves it.
+                With ``"prompt"`` among them the batch is branchless.
 
         The variant is ``"greedy"`` when every row is greedy (temperature < GREEDY_EPS) with no logit bias (nor
         ``min_tokens`` ban), no penalty, no constraining token mask and no top logprobs; ``"sampled"`` (where it is
@@ -249,7 +260,9 @@ class SamplingMetadata:
         )
         sampled = temperature >= GREEDY_EPS
         wide = np.any(sampled & ((top_p < 1.0) | (top_k > TOP_K_CAP)))  # a nucleus or a top-k past the cap
-        if extras or (np.any(sampled) and (SAMPLED not in variants or wide)):
+        if full and PROMPT in variants:
+            variant = PROMPT
+        elif extras or (np.any(sampled) and (SAMPLED not in variants or wide)):
             variant = FULL
         else:
             variant = SAMPLED if np.any(sampled) else GREEDY
@@ -257,7 +270,7 @@ class SamplingMetadata:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq, seed=seed, step=step, num_logprobs=num_logprobs,
             bias_ids=bias_ids, bias_values=bias_values, history=history, num_prompt=num_prompt, token_mask=mask,
-            variant=variant,
+            variant=variant, branchless=PROMPT in variants,
         )  # fmt: skip
 
 
@@ -268,6 +281,15 @@ class SamplerOutput:
     logprobs: jax.Array  # [B] float32; log-softmax of the raw logits at the chosen token
     top_logprob_ids: jax.Array  # [B, K] int32; the K most likely tokens under the raw logits
     top_logprobs: jax.Array  # [B, K] float32
+
+
+def _cond(branchless: bool, pred, true_fn, false_fn, *operands):
+    """``lax.cond(pred, true_fn, false_fn, *operands)``, or ``true_fn`` alone in a branchless batch. Every use below
+    skips work whose result equals ``false_fn``'s wherever ``pred`` is false (a zero bias added, a neutral penalty,
+    an all-ones mask, filters off): computing it anyway changes no token."""
+    if branchless:
+        return true_fn(*operands)
+    return jax.lax.cond(pred, true_fn, false_fn, *operands)
 
 
 def _apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -291,7 +313,7 @@ def _apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return jnp.where(jnp.isneginf(logits), -jnp.inf, jnp.clip(jnp.nan_to_num(out, nan=-big), -big, big))
 
 
-def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, branchless: bool = False) -> jax.Array:
     """Mask to -inf every token outside the row's top-k, then outside the top-p nucleus of what is left.
 
     top_k: [B] int32 in [1, V] (V = off); top_p: [B] float32 (1 = off). Tokens are kept by threshold, so only
@@ -299,7 +321,8 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     from ``lax.top_k`` with the static cap TOP_K_CAP, which is exact for rows with top_k <= cap and for
     top-p rows whose nucleus ends inside the top cap (the usual, peaked case); only when some row is not
     covered does the threshold come from a bisection over the whole vocabulary (``_threshold_by_bisection``:
-    no sort, whose TPU compile took 10 of a step's 25 s).
+    no sort, whose TPU compile took 10 of a step's 25 s). ``branchless``: both always computed (the bisection's 64
+    passes over the rows included), the bisection's taken when some row needs it, as the conditional does.
     """
     v = logits.shape[-1]
     cap = min(TOP_K_CAP, v)
@@ -325,10 +348,14 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
         thresh, exact = threshold(jax.lax.top_k(x, cap)[0], lse_all)
         if cap < v:
             full = lambda: jnp.where(off[:, None], -jnp.inf, _threshold_by_bisection(x, top_k, top_p, lse_all))  # noqa: E731
-            thresh = jax.lax.cond(jnp.all(exact), lambda: thresh, full)
+            thresh = (
+                jnp.where(jnp.all(exact), thresh, full())
+                if branchless
+                else jax.lax.cond(jnp.all(exact), lambda: thresh, full)
+            )
         return jnp.where(x >= thresh, x, -jnp.inf)
 
-    return jax.lax.cond(jnp.all(off), lambda x: x, apply, logits)
+    return _cond(branchless, jnp.any(~off), apply, lambda x: x, logits)
 
 
 def _float_key(x: jax.Array) -> jax.Array:
@@ -391,8 +418,8 @@ def _apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
 def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
     """Logits to draw from, and the greedy mask. Greedy rows get the biased, penalized logits unfiltered.
 
-    The ``"full"`` variant skips the work no row asks for at run time (``lax.cond``); ``"greedy"`` (no row asks
-    for any) returns the logits as they are."""
+    The ``"full"`` variant skips the work no row asks for at run time (``lax.cond``), or, branchless, does it all;
+    ``"greedy"`` (no row asks for any) returns the logits as they are."""
     b, v = logits.shape
     logits = logits.astype(jnp.float32)
     greedy = meta.temperature < GREEDY_EPS  # [B]
@@ -402,16 +429,15 @@ def _process(logits: jax.Array, meta: SamplingMetadata) -> tuple[jax.Array, jax.
         return _filtered(logits, meta, greedy, capped=True), greedy
     rows = jnp.arange(b)[:, None]
     biased = jnp.any(meta.bias_values != 0.0)  # a scatter over [B, V] only when some row has a bias
-    logits = jax.lax.cond(
-        biased, lambda x: x.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop"), lambda x: x, logits
-    )
+    cond = functools.partial(_cond, meta.branchless)
+    logits = cond(biased, lambda x: x.at[rows, meta.bias_ids].add(meta.bias_values, mode="drop"), lambda x: x, logits)
     penalized = (meta.repetition_penalty != 1.0) | (meta.presence_penalty != 0.0) | (meta.frequency_penalty != 0.0)
-    logits = jax.lax.cond(jnp.any(penalized), _apply_penalties, lambda x, _: x, logits, meta)
+    logits = cond(jnp.any(penalized), _apply_penalties, lambda x, _: x, logits, meta)
     constrained = jnp.any(meta.token_mask != -1)  # structured outputs: only then is the mask unpacked
-    logits = jax.lax.cond(constrained, _apply_token_mask, lambda x, _: x, logits, meta.token_mask)
+    logits = cond(constrained, _apply_token_mask, lambda x, _: x, logits, meta.token_mask)
 
     filtered = functools.partial(_filtered, meta=meta, greedy=greedy)
-    return jax.lax.cond(jnp.all(greedy), lambda x: x, filtered, logits), greedy
+    return cond(jnp.any(~greedy), filtered, lambda x: x, logits), greedy
 
 
 def _filtered(x: jax.Array, meta: SamplingMetadata, greedy: jax.Array, capped: bool = False) -> jax.Array:
@@ -429,7 +455,7 @@ def _filtered(x: jax.Array, meta: SamplingMetadata, greedy: jax.Array, capped: b
         cap = min(TOP_K_CAP, v)
         kth = jnp.take_along_axis(jax.lax.top_k(x, cap)[0], jnp.minimum(top_k, cap)[:, None] - 1, axis=-1)  # [B, 1]
         return jnp.where((top_k[:, None] >= v) | (x >= kth), x, -jnp.inf)  # ties at the k-th all kept, as above
-    return _top_k_top_p(x, top_k, jnp.where(greedy, 1.0, meta.top_p))
+    return _top_k_top_p(x, top_k, jnp.where(greedy, 1.0, meta.top_p), meta.branchless)
 
 
 @jax.jit
@@ -486,8 +512,9 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         logits: [B, V] model logits (cast to float32).
         meta: the batch's ``SamplingMetadata`` with B rows.
         max_logprobs: static K of the top-logprob outputs, capped at V (0 skips them; the host slices
-            per request). The top-K runs only when some row's ``num_logprobs`` is positive (zeros else), which
-            only ``meta``'s ``"full"`` variant computes (the others return zeros).
+            per request). The top-K runs only when some row's ``num_logprobs`` is positive (zeros else; a
+            branchless batch always runs it), which only ``meta``'s ``"full"`` and ``"prompt"`` variants compute
+            (the others return zeros).
 
     Returns:
         ``SamplerOutput`` with tokens [B], their raw logprobs [B] and the top-K raw logprobs [B, K].
@@ -511,8 +538,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, max_logprobs: int = MAX_LO
         lse = jax.nn.logsumexp(logits, axis=-1)
         no_top = jnp.zeros((logits.shape[0], min(max_logprobs, logits.shape[-1])))  # none asked
         return SamplerOutput(tokens, chosen - lse, no_top.astype(jnp.int32), no_top)
-    tokens = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, processed)
-    wanted = jnp.any(meta.num_logprobs > 0)
+    tokens = _cond(meta.branchless, jnp.any(~greedy), draw, lambda _: argmax, processed)
+    wanted = None if meta.branchless else jnp.any(meta.num_logprobs > 0)  # branchless: computed for every batch
     chosen, top_ids, top_values = _top_logprobs(logits, tokens, max_logprobs, wanted)
     return SamplerOutput(tokens=tokens, logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_values)
 

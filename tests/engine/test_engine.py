@@ -167,8 +167,9 @@ def test_no_recompilation_after_warmup(default_loaded):
 
 
 def test_warmup_leaves_the_full_variant_to_the_background(default_loaded):
-    """With the "sampled" variant (GPUs and TPUs), warm-up returns after greedy's and sampled's compiles; "full" is
-    compiled by a background thread, and a step that needs it (top-p) waits for it rather than compiling its own."""
+    """With the "sampled" variant (GPUs and TPUs), warm-up returns after greedy's and sampled's compiles; "full" and
+    "prompt" are compiled by a background thread, and a step that needs one (top-p, prompt logprobs) waits for it
+    rather than compiling its own."""
     from jaxserve.runner.compilation import StepCompiler
     from jaxserve.sampling.sampler import VARIANTS
 
@@ -179,9 +180,14 @@ def test_warmup_leaves_the_full_variant_to_the_background(default_loaded):
     runner.sampler_variants = VARIANTS  # as on a GPU or a TPU
     runner.compiler = StepCompiler(runner.step_program(), runner.buckets)
     shapes = len(runner.compiler.buckets.shapes())
-    assert runner.compiler.program.deferred == ("full",)
+    assert runner.compiler.program.deferred == ("full", "prompt")
     assert runner.warmup() == shapes * 2
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=4), SamplingParams(max_tokens=4, seed=2)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=4, prompt_logprobs=1),
+        SamplingParams(max_tokens=4, seed=2),
+    ]
     outs = llm.generate(["Hello there", "One two"], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
-    assert runner.compiler._deferred.done() and runner.num_compilations == shapes * 3
+    plp = outs[0].prompt_logprobs
+    assert len(plp) == len(outs[0].prompt_token_ids) > 1 and plp[0] is None and all(plp[1:])
+    assert runner.compiler._deferred.done() and runner.num_compilations == shapes * 4

@@ -564,7 +564,7 @@ def test_sampled_variant_where_the_caller_compiled_it(params, variant):
     kw = dict(prompt_ids=[[1], [1]], output_ids=[[], []], pad_to=4, eos_token_ids=[2])
     assert meta_for(rows, variants=sampling.VARIANTS, **kw).variant == variant
     assert meta_for(rows, **kw).variant == ("greedy" if variant == "greedy" else "full")
-    assert meta_for(rows, variants=sampling.VARIANTS, full=True, **kw).variant == "full"
+    assert meta_for(rows, variants=sampling.VARIANTS, full=True, **kw).variant == "prompt"  # with prompt logprobs
     assert sampling.variants_for("cpu") == ("greedy", "full") and sampling.variants_for("gpu") == sampling.VARIANTS
 
 
@@ -695,3 +695,44 @@ def test_prompt_logprobs_in_row_blocks_equal_numpy_over_the_whole_step():
     np.testing.assert_allclose(np.asarray(top), -np.sort(-ref, axis=1)[:, :MAX_LOGPROBS], atol=1e-4)
     none = _prompt_logprobs(lambda h: h @ jnp.asarray(w), jnp.asarray(hidden), jnp.full(T, -1, jnp.int32))
     assert all(not np.asarray(x).any() for x in none)
+
+
+def test_branchless_full_variant_draws_what_the_conditional_one_draws():
+    """GPU and TPU runners' full variant computes every feature for every row instead of skipping, under
+    ``lax.cond``, what no row asks for: on batches that skip each piece (all greedy, no bias, no penalty, no mask,
+    filters off, every top-p nucleus inside the top TOP_K_CAP) and batches that need it (a nucleus past the cap: the
+    bisection), the same tokens, logprobs and kept sets as the conditional one, and no conditional in its program."""
+    rng = np.random.default_rng(21)
+    v = 2 * sampling.TOP_K_CAP + 37
+    logits = rng.normal(size=(8, v)).astype(np.float32) * np.float32([[3]] * 6 + [[0.1]] * 2)
+    sampled = dict(temperature=0.9, seed=7)
+    batches = [
+        [SamplingParams(temperature=0.0)] * 3,  # every piece skipped
+        [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0, logit_bias={4: 9.0})],
+        [SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4), SamplingParams(**sampled)],
+        [SamplingParams(top_p=0.8, **sampled), SamplingParams(top_k=20, min_p=0.05, **sampled)],  # nucleus in cap
+        [SamplingParams(top_p=0.95, **sampled)] * 2 + [SamplingParams(temperature=0.0)],  # flat rows: bisection
+        [SamplingParams(top_k=sampling.TOP_K_CAP + 40, presence_penalty=0.5, logprobs=2, **sampled)],
+    ]
+    masks = {2: np.array([[-1] * ((v + 31) // 32), [0x0F0F0F0F] * ((v + 31) // 32)], np.int32)}
+    for i, rows in enumerate(batches):
+        n = len(rows)
+        x = jnp.asarray(logits[-n:] if i == 4 else logits[:n])  # batch 4: the flat rows (0.1 scale) for top-p
+        kw = dict(prompt_ids=[[1, 2, 3]] * n, output_ids=[[4, 5]] * n, steps=[2] * n, pad_to=4, full=True)
+        meta = meta_for(rows, token_mask=masks.get(i), **kw)
+        assert meta.variant == "full" and not meta.branchless
+        branchless = dataclasses.replace(meta, branchless=True)
+        x4 = jnp.pad(x, ((0, 4 - n), (0, 0)))
+        want, got = sample(x4, meta, max_logprobs=4), sample(x4, branchless, max_logprobs=4)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens), err_msg=str(i))
+        np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs), err_msg=str(i))
+        if any(p.logprobs for p in rows):  # the conditional one leaves zeros when no row asks
+            np.testing.assert_array_equal(np.asarray(got.top_logprob_ids), np.asarray(want.top_logprob_ids))
+            np.testing.assert_array_equal(np.asarray(got.top_logprobs), np.asarray(want.top_logprobs))
+        kept, kept_want = (np.isfinite(np.asarray(process_logits(x4, m))) for m in (branchless, meta))
+        np.testing.assert_array_equal(kept, kept_want, err_msg=str(i))
+    hlo = sample.lower(x4, branchless, max_logprobs=4).compile().as_text()
+    assert "conditional(" not in hlo and "conditional(" in sample.lower(x4, meta, max_logprobs=4).compile().as_text()
+    # batch 4's flat rows need the bisection: their nucleus is wider than the cap
+    flat = np.isfinite(np.asarray(process_logits(jnp.asarray(logits[-2:]), meta_for(batches[4][:2]))))
+    assert (flat.sum(-1) > sampling.TOP_K_CAP).all()
