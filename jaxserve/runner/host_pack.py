@@ -64,8 +64,11 @@ def pack(tree) -> Packed:
     return Packed(buffer, tuple(on_device), (treedef, tuple(places)))
 
 
-def unpack(packed: Packed):
-    """The tree ``pack`` was given, inside a traced function: each host leaf a slice of the buffer (bit for bit)."""
+def unpack(packed):
+    """The tree ``pack`` was given, inside a traced function: each host leaf a slice of the buffer (bit for bit). A
+    tree that was not packed is returned as it is."""
+    if not isinstance(packed, Packed):
+        return packed
     treedef, places = packed.layout
     leaves = []
     for place in places:

@@ -61,33 +61,47 @@ def test_a_64_bit_array_that_cannot_narrow_is_refused():
             pack({"x": np.arange(3, dtype=np.int64)})
 
 
-def test_each_step_uploads_one_host_array(default_llm):
-    """The engine's steps (greedy, sampled, prompt logprobs) pass the jitted step exactly one numpy array."""
+def test_packed_steps_upload_one_host_array_and_give_the_same_outputs(default_loaded):
+    """As on a GPU or a TPU (``pack_host``), the engine's steps (greedy, sampled, prompt logprobs) pass the jitted step
+    exactly one numpy array, and give the same tokens, logprobs and prompt logprobs as the CPU's unpacked steps."""
+    from helpers import first_layers
+
+    from jaxserve import LLM
     from jaxserve.core.sampling_params import SamplingParams
 
-    compiler = default_llm.engine.runner.compiler
-    seen = []
+    llm = LLM(
+        first_layers(default_loaded, 2), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_pages=40
+    )
+    runner = llm.engine.runner
+    assert not runner.pack_host  # the CPU's steps take their arrays as they are
+    prompts = ["Hello there", "One two three four"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4, logprobs=2),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=4, logprobs=1, prompt_logprobs=1),
+    ]
+    want = llm.generate(prompts, params, use_tqdm=False)
+
+    compiler, seen = runner.compiler, []
     original = compiler.step
 
     def counting(decode_only):
         fn = original(decode_only)
 
         def call(*args):
-            leaves = jax.tree.leaves(args)
-            seen.append(sum(isinstance(x, np.ndarray | np.generic) for x in leaves))
+            seen.append(sum(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(args)))
             assert isinstance(args[4], Packed)
             return fn(*args)
 
         return call
 
-    compiler.step = counting
+    compiler.step, runner.pack_host = counting, True
     try:
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=3),
-            SamplingParams(temperature=0.8, seed=3, max_tokens=3, logprobs=2, prompt_logprobs=1),
-        ]
-        outs = default_llm.generate(["Hello there", "One two three"], params, use_tqdm=False)
+        got = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del compiler.step
-    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
-    assert len(seen) >= 3 and set(seen) == {1}, seen
+    assert len(seen) >= 4 and set(seen) == {1}, seen
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+        assert g.prompt_logprobs == w.prompt_logprobs
+    assert got[1].prompt_logprobs and got[0].outputs[0].logprobs
