@@ -173,9 +173,7 @@ def test_warmup_leaves_the_full_variant_to_the_background(default_loaded):
     from jaxserve.runner.compilation import StepCompiler
     from jaxserve.sampling.sampler import VARIANTS
 
-    llm = LLM(
-        first_layers(default_loaded, 1), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_pages=40
-    )
+    llm = LLM(first_layers(default_loaded, 1), max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, num_pages=20)
     runner = llm.engine.runner
     runner.sampler_variants = VARIANTS  # as on a GPU or a TPU
     runner.compiler = StepCompiler(runner.step_program(), runner.buckets)

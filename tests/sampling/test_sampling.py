@@ -714,11 +714,13 @@ def test_branchless_full_variant_draws_what_the_conditional_one_draws():
         [SamplingParams(top_p=0.95, **sampled)] * 2 + [SamplingParams(temperature=0.0)],  # flat rows: bisection
         [SamplingParams(top_k=sampling.TOP_K_CAP + 40, presence_penalty=0.5, logprobs=2, **sampled)],
     ]
-    masks = {2: np.array([[-1] * ((v + 31) // 32), [0x0F0F0F0F] * ((v + 31) // 32)], np.int32)}
+    w = (v + 31) // 32
+    masks = {2: np.array([[-1] * w, [0x0F0F0F0F] * w], np.int32)}
     for i, rows in enumerate(batches):
         n = len(rows)
         x = jnp.asarray(logits[-n:] if i == 4 else logits[:n])  # batch 4: the flat rows (0.1 scale) for top-p
         kw = dict(prompt_ids=[[1, 2, 3]] * n, output_ids=[[4, 5]] * n, steps=[2] * n, pad_to=4, full=True)
+        kw.update(history_width=8, bias_width=4, token_mask_width=w)  # one shape for every batch: one compile each
         meta = meta_for(rows, token_mask=masks.get(i), **kw)
         assert meta.variant == "full" and not meta.branchless
         branchless = dataclasses.replace(meta, branchless=True)
