@@ -360,9 +360,8 @@ class StepFloor:
         return cls(p, embed, p.active_params - embed * (2 if untied else 1))
 
     def bytes(self, seqs: int, cached_tokens: int) -> float:
-        p = self.plan
-        kv = cached_tokens * p.page_bytes_per_chip / p.page_size  # Plan.kv_bytes_read's price of a token
-        return p.weight_bytes_read(seqs) - p.gathered_bytes_per_chip + kv
+        p = self.plan  # planned at seq_len=1: kv_bytes_read(n) is the KV of n cached tokens
+        return p.weight_bytes_read(seqs) - p.gathered_bytes_per_chip + p.kv_bytes_read(cached_tokens)
 
     def flops(self, tokens: int, rows: int) -> float:
         return 2.0 * (self.layer_params * tokens + self.head_params * rows)
