@@ -28,7 +28,7 @@ Runs, each engine in this process one after the other:
      and its packing share; then the launch probe (``launch_probe``: does the jitted step return before the
      device is done). Its own table is printed last, then the probe's line.
 Otherwise a table is printed last. Every engine here is the sharded path at TP 1: one SPMD program over a one-GPU mesh,
-weights placed by their logical axes, the kernels under shard_map, the logits gathered before sampling.
+weights placed by their logical axes, the kernels under shard_map, the sampler on the logits' vocabulary shards.
 
     python bench/gpu_engine.py --tokenizer .gpu/tokenizer.gguf [--impls pallas,xla] [--time-budget 240]
     python bench/gpu_engine.py --tokenizer .gpu/tokenizer.gguf --preset llama-3-8b --zeros-on-device --step-truth

@@ -79,7 +79,7 @@ def test_llama3_8b_tp8_on_v5e_2x4_compiles_and_fits():
     assert p.decode_tokens_per_s() == pytest.approx(64 / (step_bytes / 819e9), rel=1e-6)
 
 
-def test_greedy_and_sampled_decode_steps_for_v5e_copy_no_weight_and_gather_no_vocabulary():
+def test_decode_steps_for_v5e_copy_no_weight_and_gather_no_vocabulary():
     """The step of all-greedy batches, as a v5e-8 runs it for 64 sequences at Llama-3-8B's shapes (four of its
     layers: the layers are scanned, the property does not depend on depth): no conditional (on GPUs one blocks the
     host until the device is idle; on TPUs they multiply compile time), and one while loop, the layers' scan (the
@@ -108,6 +108,13 @@ def test_greedy_and_sampled_decode_steps_for_v5e_copy_no_weight_and_gather_no_vo
     assert (b.weight_copies, b.conditionals, b.whiles) == (0, 0, 1), b
     assert p.audited_bytes(sampled) <= 1.15 * p.floor_bytes(sampled), b.summary()
     assert b.collective_bytes <= 2 * cfg.num_layers * 64 * 4096 * 2 + 8 * 64 * 256 * 8 + (1 << 20), b
+    # The full variant (every feature, branchless) on the logits' shards too: the bias and penalties scatter into
+    # each chip's own shard, the top-p bisection sums counts and masses over chips, and only each chip's top
+    # candidates cross (the vocabulary gathered whole was f32[8, 16032, 64], 31 MiB a step).
+    (full,) = plan(cfg, "v5e:2x4", 8, sampler="full", **settings).variants
+    c = full.audit
+    assert (c.weight_copies, c.conditionals) == (0, 0), c
+    assert c.collective_bytes <= 2 * cfg.num_layers * 64 * 4096 * 2 + 8 * 64 * 256 * 8 + (1 << 20), c
     with pytest.raises(ValueError, match="sampler must be one of 'greedy', 'sampled', 'full', 'prompt', got 'fast'"):
         plan(cfg, "v5e:2x4", 8, sampler="fast", compile=False)
 

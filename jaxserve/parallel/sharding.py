@@ -4,8 +4,8 @@ One engine replica runs one SPMD program over a ``Mesh`` with axes ``("stage", "
 
 * ``model`` is tensor parallelism. Attention heads, the MLP hidden and the vocabulary are split over it
   (Megatron style): the q/k/v and gate/up products are column-parallel, the output and down products are
-  row-parallel (one all-reduce each per layer), the logits are computed per vocabulary shard and gathered once
-  before sampling. The KV pool is split over KV heads, so each device stores and reads only its heads.
+  row-parallel (one all-reduce each per layer), the logits are computed per vocabulary shard and the sampler
+  reduces them there (only per-row values and each shard's top candidates cross). The KV pool is split over KV heads, so each device stores and reads only its heads.
 * ``data`` is reserved for data parallelism inside one program; today data-parallel replicas are separate
   programs on disjoint sub-meshes (see ``jaxserve.engine.llm_engine``), so a replica's mesh has ``data`` of size 1.
 * ``stage`` is pipeline parallelism: the layer stacks and the KV pool split over it by layer

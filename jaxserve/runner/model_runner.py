@@ -22,8 +22,8 @@ variant), so one compilation serves every mix of requests of the same bucket. Th
 ``jaxserve.runner.compilation``'s (``ModelRunner.compiler``, given ``step_program()``).
 
 The step is one SPMD program over the runner's mesh (``jaxserve.parallel.sharding``): weights placed shard by shard by
-their logical axes, the pool split over KV heads, the kernels under ``shard_map``, the logits gathered once
-before sampling. With one device the mesh has one device and nothing else changes.
+their logical axes, the pool split over KV heads, the kernels under ``shard_map``, the logits left in
+their vocabulary shards for the sampler. With one device the mesh has one device and nothing else changes.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ class ModelRunner:
             self.mesh,
             self.pool.spec_of,
         )
-        graphdef, gathered = self.graphdef, self.replicated
+        graphdef = self.graphdef
         policy = MatmulPolicy(rows=self._rows_fn(), pinned=("wq",) if self.target == "tpu" else ())
         moe = None
         if self.cfg.is_moe:  # megablox compiled for a TPU (jaxserve.aot), ragged_dot on a GPU, "auto" where it runs
@@ -275,14 +275,13 @@ class ModelRunner:
             moe = shard_moe(self.cfg, self.mesh, expert_parallel=self.expert_parallel, impl=impl, interpret=interpret)
         pipelined = self.num_stages > 1
 
-        def logits(model, hidden, mm, gather=True):
-            """Computed per vocabulary shard and gathered once for the sampler, or left in their shards (the greedy
-            and sampled variants reduce them: argmax, logsumexp and top-k per chip, and only [B] values or each
-            chip's top candidates cross)."""
-            per_shard = jax.lax.with_sharding_constraint(
+        def logits(model, hidden, mm):
+            """Computed and left in their vocabulary shards: the sampler reduces them (argmax, logsumexp, top-k and
+            the top-p bisection per chip; the bias, penalties and masks are elementwise or scatter into each chip's
+            own shard), so only [B] values or each chip's top candidates cross, never the vocabulary."""
+            return jax.lax.with_sharding_constraint(
                 model.logits(hidden, policy, mm), NamedSharding(self.mesh, VOCAB_SPEC)
             )
-            return jax.lax.with_sharding_constraint(per_shard, gathered) if gather else per_shard
 
         def step(state, mm, k_cache, v_cache, host, fed):
             # the step's host arrays, uploaded as one buffer (``host_pack``)
@@ -295,11 +294,7 @@ class ModelRunner:
                 tokens = jnp.where(fed_index >= 0, fed[jnp.clip(fed_index, 0, fed.shape[0] - 1)], tokens)
             model = nnx.merge(graphdef, state)
             hidden, k_cache, v_cache = model(tokens, batch, k_cache, v_cache, attention, write, policy, mm, moe, scan)
-            out = sample(
-                logits(model, hidden[logits_indices], mm, gather=meta.variant in (FULL, PROMPT)),
-                meta,
-                max_logprobs=MAX_LOGPROBS,
-            )
+            out = sample(logits(model, hidden[logits_indices], mm), meta, max_logprobs=MAX_LOGPROBS)
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits), in the
             # sampler's "prompt" variant (the host picks it for a step with targets), or in "full" where that skips
             # them under a conditional (the CPU's).

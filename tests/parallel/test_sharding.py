@@ -101,18 +101,22 @@ def test_default_model_tp3_equals_one_device(default_loaded, default_llm):
     assert runner.cfg.num_kv_heads == 3 and _per_device_bytes(runner.k_cache) == {runner.k_cache.nbytes // 3}
 
     # The compiled step: per layer one all-reduce after attention and one after the MLP (both [T, D], inside the
-    # layer loop) and one for the vocabulary-parallel embedding lookup; all-gathers only of [rows, V] logits
-    # (the sampled rows, and every row under the prompt-logprobs branch). Nothing moves the KV pool.
-    hlo = runner.compiler.lower_step(16, 8).compile().as_text()
-    collectives = re.findall(
-        r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-        r"(?:-start)?\(",
-        hlo,
-    )
+    # layer loop) and one for the vocabulary-parallel embedding lookup. The logits stay in their vocabulary shards:
+    # the greedy step moves nothing else but [rows] values; the full one gathers each shard's top candidates
+    # ([rows, k]) and, on this CPU only, [rows, V] for the top-k (XLA:CPU does not partition it; XLA:TPU and XLA:GPU
+    # do: tests/test_aot.py). Nothing moves the KV pool.
     d, v = default_loaded.config.hidden_size, default_loaded.config.vocab_size
-    assert [shape for shape, op in collectives if op == "all-reduce"] == [f"f32[16,{d}]{{1,0}}"] * 3, collectives
-    gathers = [shape for shape, op in collectives if op == "all-gather"]
-    assert gathers and all(re.fullmatch(rf"f32\[\d+,{v}\]\{{[01],[01]\}}", g) for g in gathers), collectives
+    for variant in ("greedy", "full"):
+        hlo = runner.compiler.lower_step(16, 8, variant=variant).compile().as_text()
+        collectives = re.findall(
+            r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", hlo
+        )
+        wide = [shape for shape, _ in collectives if re.fullmatch(rf"[fs]32\[16,{d}\]\{{1,0\}}", shape)]
+        assert wide == [f"f32[16,{d}]{{1,0}}"] * 3, collectives
+        small = lambda shape: re.fullmatch(r"[fs]32\[\d+(,\d{1,2})?\]\{[01,]+\}", shape)  # noqa: E731
+        logits = [(shape, op) for shape, op in collectives if shape not in wide and not small(shape)]
+        assert all(op == "all-gather" and re.fullmatch(rf"f32\[\d+,{v}\]\{{0,1\}}", s) for s, op in logits), logits
+        assert variant == "full" or not logits, collectives
     assert {op for _, op in collectives} == {"all-reduce", "all-gather"}, collectives
 
 

@@ -616,6 +616,54 @@ def test_greedy_and_sampled_variants_over_vocabulary_shards_equal_one_device():
         np.testing.assert_allclose(np.asarray(shards.logprobs), np.asarray(one.logprobs), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multidevice
+def test_branchless_full_variant_over_vocabulary_shards_equals_one_device():
+    """The full variant as GPU and TPU runners compile it (branchless) on logits left in 8 vocabulary shards: bias,
+    min_tokens bans, penalties (scattered into each shard), a grammar mask, top-k past the cap, top-p nuclei wider
+    than the cap (the bisection, its counts and masses summed over shards), min-p, seeds and top logprobs give one
+    device's tokens, kept sets and logprobs; prompt logprobs too. (The runner gathered the vocabulary onto every chip
+    for this variant: 31 MiB a step at Llama-3-8B's shapes on a v5e-8.)"""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("vocab",))
+    v = 2 * sampling.TOP_K_CAP + 64  # 8 shards of 72
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(8, v)).astype(np.float32) * np.float32([[3]] * 5 + [[0.1]] * 3)  # 3 flat rows
+    sampled = dict(temperature=0.9, seed=11)
+    rows = [
+        SamplingParams(temperature=0.0, logprobs=5, logit_bias={3: 4.0, v - 1: -2.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.3, min_tokens=3),
+        SamplingParams(top_k=sampling.TOP_K_CAP + 40, presence_penalty=0.5, logprobs=2, **sampled),
+        SamplingParams(top_k=20, min_p=0.05, **sampled),
+        SamplingParams(top_p=0.8, **sampled),
+        SamplingParams(top_p=0.95, **sampled),  # flat rows: nuclei past the cap
+        SamplingParams(top_p=0.9, top_k=sampling.TOP_K_CAP + 100, temperature=1.3, seed=3),
+        SamplingParams(temperature=0.0, logprobs=20),
+    ]
+    w = (v + 31) // 32
+    mask = np.full((8, w), -1, np.int32)
+    mask[3] = 0x0F0F0F0F  # a grammar allows a quarter of row 3's tokens
+    meta = meta_for(
+        rows, prompt_ids=[[1, 2, 3, 300]] * 8, output_ids=[[4, 5, 80]] * 8, steps=[3] * 8, pad_to=8,
+        eos_token_ids=[2], history_width=8, bias_width=8, token_mask=mask, full=True, variants=sampling.VARIANTS,
+    )  # fmt: skip
+    assert meta.variant == "prompt" and meta.branchless
+    one = jnp.asarray(logits)
+    sharded = jax.device_put(one, NamedSharding(mesh, PartitionSpec(None, "vocab")))
+    want, got = sample(one, meta, max_logprobs=20), sample(sharded, meta, max_logprobs=20)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.top_logprob_ids), np.asarray(want.top_logprob_ids))
+    np.testing.assert_allclose(np.asarray(got.top_logprobs), np.asarray(want.top_logprobs), rtol=1e-5, atol=1e-5)
+    kept, kept_one = (np.isfinite(np.asarray(process_logits(x, meta))) for x in (sharded, one))
+    np.testing.assert_array_equal(kept, kept_one)
+    assert (kept[5:7].sum(-1) > sampling.TOP_K_CAP).all()  # nuclei past the cap: the bisection decided
+    assert 0 < kept[3].sum() <= 20 and (np.flatnonzero(kept[3]) % 8 < 4).all()  # top-k 20 of what the mask allows
+    targets = jnp.asarray(rng.integers(0, v, 8), jnp.int32)
+    for a, b in zip(compute_logprobs(sharded, targets, 20), compute_logprobs(one, targets, 20)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_fixed_widths_one_compile_for_every_size():
     """Biases of 0-1024 keys, histories of any length, logprobs on or off: one trace at fixed widths."""
     traces = 0
