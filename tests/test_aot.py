@@ -150,6 +150,12 @@ def test_greedy_and_sampled_decode_steps_for_h200_read_each_weight_once():
     (full,) = plan(cfg, "h200:1", 1, sampler="full", **settings).variants
     c = full.audit
     assert (c.conditionals, c.whiles, c.unknown_trips) == (0, 3, 0), c
+    # Two H200s at TP 2: each GPU's product reads its shard of each stack in place (the kernel under shard_map); XLA's
+    # products copied every layer's slices again (15 copies a step at 2 layers, 0.42 GiB)
+    tp2 = plan(cfg, "h200:2", 2, sampler="greedy", **settings)
+    (d,) = tp2.variants
+    assert (d.audit.weight_copies, d.audit.conditionals, d.audit.whiles) == (0, 0, 1), d.audit
+    assert tp2.audited_bytes(d) <= 1.15 * tp2.floor_bytes(d), d.audit.summary()
 
 
 def test_gpu_targets_and_a_target_without_one():

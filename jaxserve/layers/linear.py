@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import jax
@@ -87,16 +87,22 @@ class MatmulPolicy:
     - bfloat16 copies (``matmul_dtype="bfloat16"``): the step receives them (``copies``, from
       ``Decoder.matmul_weights``) and uses them for steps of at least ``MATMUL_WEIGHTS_MIN_ROWS`` rows, where
       XLA:CPU's bfloat16 products beat its float32 ones, or always when ``rows`` serves the step.
-    - ``rows``: a product for steps of few rows (on one CPU device the C++ ``kernels.matmul.cpu.ROWS``). The
-      matrices it serves stay out of the layer scan's slices, whole: it reads layer ``i``'s matrix in place in the
-      stack (a custom call's operand is a buffer: slicing the stack copied each layer's weights every step).
+    - ``rows``: a product for steps of few rows (on one CPU device the C++ ``kernels.matmul.cpu.ROWS``), or one per
+      matrix name (under tensor parallelism each knows how its matrix is split: ``jaxserve.parallel.sharding.
+      ShardedRows``). The matrices it serves stay out of the layer scan's slices, whole: it reads layer ``i``'s
+      matrix in place in the stack (a custom call's operand is a buffer: slicing the stack copied each layer's
+      weights every step).
     """
 
-    rows: RowsFn | None = None
+    rows: RowsFn | Mapping[str, RowsFn] | None = None
     # Products whose outputs keep the row-major layout they are computed in (an optimization barrier): on a TPU,
     # with few query heads per chip, XLA lays q out heads-major for the rotary embedding and produced it by copying
     # each layer's wq transposed, every step (runner: ("wq",) on TPUs).
     pinned: tuple[str, ...] = ()
+
+    def rows_for(self, name: str) -> RowsFn | None:
+        """The few-rows product of matrix ``name`` (None: XLA's)."""
+        return self.rows.get(name) if isinstance(self.rows, Mapping) else self.rows
 
     def uses_copies(self, copies: dict | None, rows: int) -> bool:
         return copies is not None and (rows >= MATMUL_WEIGHTS_MIN_ROWS or self.rows is not None)
@@ -110,18 +116,21 @@ class MatmulPolicy:
             params = params | {n: copies[n] for n in matrices}
         if self.rows is None:
             return params, {}
-        whole = {n: params[n] for n in matrices if self.rows.serves(params[n], rows)}
+        whole = {n: params[n] for n in matrices if (f := self.rows_for(n)) is not None and f.serves(params[n], rows)}
         return {n: w for n, w in params.items() if n not in whole}, whole
 
     def product(self, x: jax.Array, name, sliced: dict, whole: dict, layer: jax.Array):
         """x times layer ``layer``'s matrix ``name``, from the scan's slice or read whole from its stack; for a tuple
         of names, the tuple of products (at once where ``rows`` has ``many`` and reads them all whole)."""
         names = name if isinstance(name, tuple) else (name,)
-        many = getattr(self.rows, "many", None)
+        fns = {self.rows_for(n) for n in names}  # one product for all (under TP: matrices split alike)
+        many = getattr(next(iter(fns)), "many", None) if len(fns) == 1 else None
         if len(names) > 1 and many is not None and all(n in whole for n in names) and x.ndim == 2:
             outs = tuple(o.astype(x.dtype) for o in many(x, tuple(whole[n] for n in names), layer))
         else:
-            outs = tuple(matmul(x, whole[n], self.rows, layer) if n in whole else matmul(x, sliced[n]) for n in names)
+            outs = tuple(
+                matmul(x, whole[n], self.rows_for(n), layer) if n in whole else matmul(x, sliced[n]) for n in names
+            )
         outs = tuple(jax.lax.optimization_barrier(o) if n in self.pinned else o for o, n in zip(outs, names))
         return outs if isinstance(name, tuple) else outs[0]
 
@@ -129,7 +138,7 @@ class MatmulPolicy:
         """x [..., D] times the output projection ``w`` (the model's own, or the copies' "output")."""
         if self.uses_copies(copies, math.prod(x.shape[:-1])):
             w = copies["output"]
-        return matmul(x, w, self.rows)
+        return matmul(x, w, self.rows_for("output"))
 
 
 PLAIN = MatmulPolicy()  # XLA's products on the model's own weights

@@ -5,7 +5,8 @@ One engine replica runs one SPMD program over a ``Mesh`` with axes ``("stage", "
 * ``model`` is tensor parallelism. Attention heads, the MLP hidden and the vocabulary are split over it
   (Megatron style): the q/k/v and gate/up products are column-parallel, the output and down products are
   row-parallel (one all-reduce each per layer), the logits are computed per vocabulary shard and the sampler
-  reduces them there (only per-row values and each shard's top candidates cross). The KV pool is split over KV heads, so each device stores and reads only its heads.
+  reduces them there (only per-row values and each shard's top candidates cross). The KV pool is split over KV
+  heads, so each device stores and reads only its heads.
 * ``data`` is reserved for data parallelism inside one program; today data-parallel replicas are separate
   programs on disjoint sub-meshes (see ``jaxserve.engine.llm_engine``), so a replica's mesh has ``data`` of size 1.
 * ``stage`` is pipeline parallelism: the layer stacks and the KV pool split over it by layer
@@ -291,6 +292,43 @@ def shard_kernels(attention, write_kv, mesh: Mesh, pool_spec: Callable[[Any], An
         )(k_cache, v_cache, layer, new_k, new_v, batch)
 
     return sharded_attention, sharded_write_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedRows:
+    """A few-rows product (``jaxserve.layers.linear.RowsFn``: a GPU's Pallas product reading a layer's matrix in place
+    in its stack) under tensor parallelism, for the matrices split as ``spec`` (a stack [L, K, N]'s): each device
+    multiplies by its own shard. Split over N (column-parallel: q, k, v, gate, up), x is whole on every device and
+    the product stays split; split over K (row-parallel: the attention's output, the MLP's down), x comes split over
+    K and the devices' partial products are summed (the all-reduce XLA's own product does)."""
+
+    rows: Any  # the RowsFn each device runs
+    mesh: Mesh
+    spec: P
+
+    def serves(self, w, rows: int) -> bool:
+        return self.rows.serves(w, rows)
+
+    def _sharded(self, f, x, ws, layer):
+        full = (*self.spec, *(None,) * (ws[0].ndim - len(self.spec)))  # a spec may leave trailing dimensions out
+        k_axis, n_axis, w_spec = full[-2], full[-1], P(*full)
+
+        def local(x, ws, layer):
+            outs = tuple(o.astype(x.dtype) for o in f(x, ws, layer))
+            return tuple(jax.lax.psum(o, k_axis) for o in outs) if k_axis is not None else outs
+
+        return _shard_map(
+            local,
+            self.mesh,
+            in_specs=(P(None, k_axis), (w_spec,) * len(ws), P()),
+            out_specs=(P(None, n_axis),) * len(ws),
+        )(x, tuple(ws), jnp.asarray(0 if layer is None else layer, jnp.int32))
+
+    def __call__(self, x: jax.Array, w, layer=None) -> jax.Array:
+        return self._sharded(lambda x, ws, layer: (self.rows(x, ws[0], layer),), x, (w,), layer)[0]
+
+    def many(self, x: jax.Array, ws: tuple, layer=None) -> tuple[jax.Array, ...]:
+        return self._sharded(lambda x, ws, layer: self.rows.many(x, ws, layer), x, ws, layer)
 
 
 def rules_for(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> Mapping[str, str | None]:

@@ -53,6 +53,7 @@ from jaxserve.layers.linear import MatmulPolicy
 from jaxserve.parallel.pipeline import PipelineTick
 from jaxserve.parallel.sharding import (
     VOCAB_SPEC,
+    ShardedRows,
     make_mesh,
     shard_kernels,
     shard_moe,
@@ -360,9 +361,12 @@ class ModelRunner:
         place, where XLA copies the scan's slices), and of up to 8 on quantized weights (read packed, never
         dequantized to a float copy): on one CPU device, when built (``matmul_cpu.RowsProduct`` says which weights it
         takes). On one GPU, the Pallas product that reads each layer's matrix in place for decode batches, where
-        XLA:GPU copies the scan's slice of every weight stack first (``kernels/matmul/gpu.py``)."""
+        XLA:GPU copies the scan's slice of every weight stack first (``kernels/matmul/gpu.py``); under tensor
+        parallelism on GPUs the same, each device on its shard of each stack (``ShardedRows``, one per matrix)."""
         if self.mesh.size != 1:
-            return None
+            if self.target != "gpu" or stages(self.mesh) > 1:
+                return None
+            return {n: ShardedRows(matmul_gpu.ROWS, self.mesh, s.spec) for n, s in self.param_shardings.items()}
         if self.target == "cpu":
             return matmul_cpu.ROWS if cpu_ffi.available() else None
         return matmul_gpu.ROWS if self.target == "gpu" else None

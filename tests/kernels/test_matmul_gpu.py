@@ -102,3 +102,43 @@ def test_triton_compiles_it_for_an_h100_and_a_layer_scan_reads_each_matrix_once(
     assert a.bytes == pytest.approx(weights + layers * (64 * k * 2 + 4 * 64 * n * 4), rel=0.01), a.summary()
     b = audit(xla, kv_shapes=())  # the same scan over XLA's product: the copy this kernel exists to avoid
     assert b.weight_copies == layers and b.bytes > 2.5 * weights, b.summary()
+
+
+@pytest.mark.multidevice
+def test_sharded_rows_over_n_and_over_k_equal_the_layers_product():
+    """Under tensor parallelism on GPUs each device runs the product on its shard of the stack (``ShardedRows``, the
+    kernel under ``shard_map``): split over N (q, k, v, gate, up) the product stays split over its columns; split
+    over K (the attention's output, the MLP's down, a spec that leaves N out) the devices' partial products are
+    summed; replicated (KV heads fewer than devices) each device computes it all. Against jnp's product of the whole
+    layer, to bfloat16's rounding of the output (relative 1e-2 of the largest)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.parallel.sharding import ShardedRows, make_mesh
+
+    mesh = make_mesh(4, jax.devices()[:4])
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], (6, 256), jnp.float32).astype(jnp.bfloat16)
+    stacks = [
+        jax.random.normal(key, (3, 256, n), jnp.float32).astype(jnp.bfloat16) for key, n in zip(keys[1:], (128, 64))
+    ]
+
+    def want(w):
+        return np.asarray(jnp.dot(x.astype(jnp.float32), w[2].astype(jnp.float32), precision="highest"))
+
+    rows = gpu.RowsProduct(interpret=True)
+    for spec, out_spec in (
+        (P(None, None, "model"), P(None, "model")),
+        (P(None, "model"), P(None, None)),
+        (P(), P(None, None)),
+    ):
+        f = ShardedRows(rows, mesh, spec)
+        ws = [jax.device_put(w, NamedSharding(mesh, spec)) for w in stacks]
+        got = jax.jit(f)(x, ws[0], jnp.int32(2))
+        assert got.dtype == x.dtype and got.sharding.is_equivalent_to(NamedSharding(mesh, out_spec), 2), spec
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want(stacks[0]), atol=1e-2 * np.abs(want(stacks[0])).max()
+        )
+        both = jax.jit(f.many)(x, tuple(ws), jnp.int32(2))  # q, k and v in one launch on each device
+        for got, w in zip(both, stacks):
+            np.testing.assert_allclose(np.asarray(got, np.float32), want(w), atol=1e-2 * np.abs(want(w)).max())
