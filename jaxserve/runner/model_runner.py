@@ -299,13 +299,8 @@ class ModelRunner:
             # prompt_logprobs: every position's logprob of the token after it (the whole [T, V] logits), in the
             # sampler's "prompt" variant (the host picks it for a step with targets), or in "full" where that skips
             # them under a conditional (the CPU's).
-            plp = _prompt_logprobs(
-                lambda h: logits(model, h, mm),
-                hidden,
-                next_tokens,
-                meta.variant == PROMPT or (meta.variant == FULL and not meta.branchless),
-                meta.branchless,
-            )
+            when = {PROMPT: "always", FULL: "never" if meta.branchless else "asked"}.get(meta.variant, "never")
+            plp = _prompt_logprobs(lambda h: logits(model, h, mm), hidden, next_tokens, when)
             if pipelined:
                 return out, plp, scan.passed, k_cache, v_cache
             feed = jnp.zeros_like(fed).at[: out.tokens.shape[0]].set(out.tokens)  # the next step's ``fed``
@@ -371,7 +366,6 @@ class ModelRunner:
             return matmul_cpu.ROWS if cpu_ffi.available() else None
         return matmul_gpu.ROWS if self.target == "gpu" else None
 
-    # ------------------------------------------------------------------ packing
     # ------------------------------------------------------------------ execution
     def execute(self, sched: SchedulerOutput, token_masks: dict[str, np.ndarray] | None = None) -> RunnerOutput:
         """Runs one step: the sampled token of every scheduled request whose chunk asks for one, and the prompt
@@ -674,14 +668,12 @@ def _no_targets(tokens: int) -> np.ndarray:
 PROMPT_LOGPROBS_ROWS = 256
 
 
-def _prompt_logprobs(
-    logits_fn, hidden: jax.Array, next_tokens: jax.Array, compiled: bool = True, branchless: bool = False
-):
-    """Logprobs of ``next_tokens`` under ``logits_fn(hidden)`` [T, V] and the top MAX_LOGPROBS, computed only when
-    some position has a target (>= 0); zeros otherwise, so one compile serves steps with and without them
-    (``compiled=False``: zeros always, and the work left out of the program; ``branchless``: computed always, no
-    conditional). The logits are computed ``PROMPT_LOGPROBS_ROWS`` rows at a time (``lax.map``), never all T rows
-    at once."""
+def _prompt_logprobs(logits_fn, hidden: jax.Array, next_tokens: jax.Array, when: str = "asked"):
+    """Logprobs of ``next_tokens`` under ``logits_fn(hidden)`` [T, V] and the top MAX_LOGPROBS (zeros where not
+    computed). ``when``: ``"asked"``, under a conditional, only when some position has a target (>= 0), so one
+    compile serves steps with and without them; ``"always"``, no conditional (the sampler's "prompt" variant);
+    ``"never"``, the work left out of the program. The logits are computed ``PROMPT_LOGPROBS_ROWS`` rows at a time
+    (``lax.map``), never all T rows at once."""
     T = hidden.shape[0]
     rows = PROMPT_LOGPROBS_ROWS if T % PROMPT_LOGPROBS_ROWS == 0 else T
 
@@ -695,9 +687,11 @@ def _prompt_logprobs(
 
     shapes = jax.eval_shape(run, None)
     skip = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
-    if not compiled:
+    if when not in ("asked", "always", "never"):
+        raise ValueError(f"when must be 'asked', 'always' or 'never', got {when!r}")
+    if when == "never":
         return skip(None)
-    if branchless:
+    if when == "always":
         return run(None)
     return jax.lax.cond(jnp.any(next_tokens >= 0), run, skip, None)
 

@@ -743,6 +743,13 @@ def test_prompt_logprobs_in_row_blocks_equal_numpy_over_the_whole_step():
     np.testing.assert_allclose(np.asarray(top), -np.sort(-ref, axis=1)[:, :MAX_LOGPROBS], atol=1e-4)
     none = _prompt_logprobs(lambda h: h @ jnp.asarray(w), jnp.asarray(hidden), jnp.full(T, -1, jnp.int32))
     assert all(not np.asarray(x).any() for x in none)
+    # the "prompt" variant computes them without a conditional, the same; a variant without them, zeros
+    args = (lambda h: h @ jnp.asarray(w), jnp.asarray(hidden), jnp.asarray(targets))
+    always = _prompt_logprobs(*args, "always")
+    np.testing.assert_array_equal(np.asarray(always[0]), np.asarray(logprobs))
+    assert all(not np.asarray(x).any() for x in _prompt_logprobs(*args, "never"))
+    with pytest.raises(ValueError, match="when must be 'asked', 'always' or 'never', got 'sometimes'"):
+        _prompt_logprobs(*args, "sometimes")
 
 
 def test_branchless_full_variant_draws_what_the_conditional_one_draws():
