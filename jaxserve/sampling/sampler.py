@@ -321,8 +321,9 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, branchle
     from ``lax.top_k`` with the static cap TOP_K_CAP, which is exact for rows with top_k <= cap and for
     top-p rows whose nucleus ends inside the top cap (the usual, peaked case); only when some row is not
     covered does the threshold come from a bisection over the whole vocabulary (``_threshold_by_bisection``:
-    no sort, whose TPU compile took 10 of a step's 25 s). ``branchless``: both always computed (the bisection's 64
-    passes over the rows included), the bisection's taken when some row needs it, as the conditional does.
+    no sort, whose TPU compile took 10 of a step's 25 s). ``branchless`` (GPUs and TPUs): both always computed, the
+    search's taken when some row needs it, as the conditional does; its two searches then take 15 candidates a pass
+    (16 passes over the rows in all, where bisecting took 64: those chips are bound by memory, the CPU by arithmetic).
     """
     v = logits.shape[-1]
     cap = min(TOP_K_CAP, v)
@@ -347,7 +348,8 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, branchle
         lse_all = jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [B, 1]
         thresh, exact = threshold(jax.lax.top_k(x, cap)[0], lse_all)
         if cap < v:
-            full = lambda: jnp.where(off[:, None], -jnp.inf, _threshold_by_bisection(x, top_k, top_p, lse_all))  # noqa: E731
+            ways = 16 if branchless else 2
+            full = lambda: jnp.where(off[:, None], -jnp.inf, _threshold_by_bisection(x, top_k, top_p, lse_all, ways))  # noqa: E731
             thresh = (
                 jnp.where(jnp.all(exact), thresh, full())
                 if branchless
@@ -368,41 +370,70 @@ def _key_float(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
 
 
-def _smallest_value_where(x: jax.Array, pred) -> jax.Array:
-    """[B, 1]: per row, the smallest value c of x with ``pred(c)`` true, for a ``pred`` that holds on an upper
-    set of values and changes only at values of x (true at the row's maximum). A bisection over the 2^32 float
-    keys: 32 passes over the row, exact."""
-    lo = _float_key(jnp.min(x, axis=-1, keepdims=True))
-    hi = _float_key(jnp.max(x, axis=-1, keepdims=True))
+def _smallest_value_where(x: jax.Array, pred, ways: int = 2) -> jax.Array:
+    """[B, 1]: per row, the smallest value c of x with ``pred(c)`` true, for a ``pred`` that holds on an upper set of
+    values and changes only at values of x (true at the row's maximum). A search over the 2^32 ordered float keys,
+    exact: each pass evaluates ``pred`` at ``ways - 1`` candidates [B, ways - 1] spread over what is left (one pass
+    over the row for all of them) and keeps the part between the last false and the first true; 32 / log2(ways)
+    passes (2: a bisection, 32 passes; 16: 8 passes of 15 candidates)."""
+    if ways not in _SEARCH_PASSES:
+        raise ValueError(f"ways must be one of {sorted(_SEARCH_PASSES)}, got {ways}")
+    # unsigned keys (the sign bit flipped): one order, and a span hi - lo of up to 2^32 - 1 without overflow
+    lo = _unsigned_key(jnp.min(x, axis=-1, keepdims=True))
+    hi = _unsigned_key(jnp.max(x, axis=-1, keepdims=True))
+    k = ways - 1
+    j = jnp.arange(1, ways, dtype=jnp.uint32)[None, :]  # [1, K]
 
     def step(_, bounds):
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-        ok = pred(_key_float(mid))
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+        lo, hi = bounds  # [B, 1]: the answer is in [lo, hi], pred(hi) holds
+        span = hi - lo
+        candidates = lo + (span // ways) * j + ((span % ways) * j) // ways  # lo + floor(span j / ways), ascending
+        below = (~pred(_unsigned_float(candidates))).sum(-1, keepdims=True)  # [B, 1] candidates left of the answer
+        last_false = jnp.take_along_axis(candidates, jnp.maximum(below - 1, 0), axis=-1)
+        first_true = jnp.take_along_axis(candidates, jnp.minimum(below, k - 1), axis=-1)
+        return jnp.where(below > 0, last_false + 1, lo), jnp.where(below < k, first_true, hi)
 
-    return _key_float(jax.lax.fori_loop(0, 32, step, (lo, hi))[1])
+    return _unsigned_float(jax.lax.fori_loop(0, _SEARCH_PASSES[ways], step, (lo, hi))[1])
 
 
-def _threshold_by_bisection(x: jax.Array, top_k: jax.Array, top_p: jax.Array, lse_all: jax.Array) -> jax.Array:
+# Passes of ``_smallest_value_where`` over the 2^32 keys by its ways: the span after a pass is at most
+# ceil(span / ways) - 1, so from 2^32 - 1 (ways^n - 1) to 0 in n passes.
+_SEARCH_PASSES = {2: 32, 4: 16, 16: 8}
+_SIGN = np.uint32(0x80000000)
+
+
+def _unsigned_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order."""
+    return jax.lax.bitcast_convert_type(_float_key(x), jnp.uint32) ^ _SIGN
+
+
+def _unsigned_float(key: jax.Array) -> jax.Array:
+    return _key_float(jax.lax.bitcast_convert_type(key ^ _SIGN, jnp.int32))
+
+
+def _threshold_by_bisection(
+    x: jax.Array, top_k: jax.Array, top_p: jax.Array, lse_all: jax.Array, ways: int = 2
+) -> jax.Array:
     """[B, 1] the smallest kept logit of each row under top-k then top-p, as the sorted computation defines it
     (the value at index n_keep - 1 of the row sorted descending), without a sort. With G(c) the count of logits
     above c and M(c) their top-k probability mass, that value is the smallest logit c with G(c) < top_k and
-    M(c) < top_p; both predicates hold on an upper set, so a bisection finds it."""
+    M(c) < top_p; both predicates hold on an upper set, so a search finds it (``_smallest_value_where``, ``ways``:
+    candidates of a pass plus one)."""
     k = top_k[:, None]
-    above = lambda c: x > c  # noqa: E731
-    t_k = _smallest_value_where(x, lambda c: above(c).sum(-1, keepdims=True) < k)  # the k-th largest logit
+    above = lambda c: x > c  # noqa: E731  c [B, 1]
+    over = lambda c: x[:, None, :] > c[..., None]  # noqa: E731  c [B, K] candidates -> [B, K, V]
+    t_k = _smallest_value_where(x, lambda c: over(c).sum(-1) < k, ways)  # the k-th largest logit
     # The top-k distribution's normalizer: the logits above t_k plus as many copies of t_k as complete k.
     mx = jnp.max(x, axis=-1, keepdims=True)
     n_above = above(t_k).sum(-1, keepdims=True)
     total = jnp.where(above(t_k), jnp.exp(x - mx), 0.0).sum(-1, keepdims=True) + (k - n_above) * jnp.exp(t_k - mx)
     lse = jnp.where(k >= x.shape[-1], lse_all, mx + jnp.log(total))
+    probs = jnp.exp(x - lse)[:, None, :]  # [B, 1, V], once: each pass reads it, no exponential per candidate
 
     def nucleus(c):
-        mass = jnp.where(above(c), jnp.exp(x - lse), 0.0).sum(-1, keepdims=True)
-        return (above(c).sum(-1, keepdims=True) < k) & (mass < top_p[:, None])
+        return (over(c).sum(-1) < k) & (jnp.where(over(c), probs, 0.0).sum(-1) < top_p[:, None])
 
-    return jnp.where(top_p[:, None] >= 1.0, t_k, _smallest_value_where(x, nucleus))
+    return jnp.where(top_p[:, None] >= 1.0, t_k, _smallest_value_where(x, nucleus, ways))
 
 
 def _apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:

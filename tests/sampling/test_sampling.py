@@ -271,9 +271,39 @@ def test_filters_on_large_vocab_every_path():
     assert len(expected[1]) < cap < min(len(expected[4]), len(expected[5]), len(expected[6]))  # both paths
     assert len(expected[5]) < cap + 150 and len(expected[6]) < 2 * cap  # top-p cut inside the top-k
     for rows in ([0, 1, 2, 3, 4, 5, 6], [0, 3], [1], [4], [1, 4], [2], [5], [6, 0]):
-        out = np.asarray(process_logits(jnp.asarray(logits[rows]), meta_for([params[r] for r in rows])))
-        for i, r in enumerate(rows):
-            assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == expected[r], (rows, params[r])
+        meta = meta_for([params[r] for r in rows])
+        # branchless (GPUs and TPUs): the search takes 15 candidates a pass, 8 passes (the CPU bisects, 32)
+        for m in (meta, dataclasses.replace(meta, branchless=True)):
+            out = np.asarray(process_logits(jnp.asarray(logits[rows]), m))
+            for i, r in enumerate(rows):
+                assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == expected[r], (rows, params[r], m.branchless)
+
+
+@pytest.mark.parametrize("ways", [2, 4, 16])
+def test_search_over_float_keys_finds_the_exact_value(ways):
+    """The threshold search (``_smallest_value_where``): the smallest value of each row with at most n values above
+    it, i.e. the row's (n+1)-th largest, exactly as numpy's sort gives it, on rows of ties, -inf, signed zeros, the
+    float32 extremes, the smallest normals and ordinary values, for 2 (a bisection), 4 and 16 ways. (No subnormals:
+    XLA:CPU compares them as zeros.)"""
+    rng = np.random.default_rng(ways)
+    f32 = np.finfo(np.float32)
+    specials = np.float32([-np.inf, -f32.max, -1.0, -f32.tiny, -0.0, 0.0, f32.tiny, 2 * f32.tiny, 1.0, f32.max])
+    rows = [
+        rng.normal(size=64).astype(np.float32) * 5,
+        np.repeat(np.float32([2.5, -1.0, 7.0, 7.0]), 16),  # ties
+        rng.choice(specials, 64).astype(np.float32),
+        np.concatenate([specials, rng.normal(size=54).astype(np.float32) * 1e-30]),  # 1e-30: normal, near tiny
+        np.full(64, 3.0, np.float32),  # one value
+    ]
+    x = np.stack(rows)
+    for n in (0, 1, 5, 17, 63):
+        at_most_n_above = lambda c, n=n: (jnp.asarray(x)[:, None, :] > c[..., None]).sum(-1) <= n  # noqa: E731
+        got = np.asarray(sampling._smallest_value_where(jnp.asarray(x), at_most_n_above, ways))[:, 0]
+        want = -np.sort(-x, axis=1)[:, n]
+        np.testing.assert_array_equal(got, want, err_msg=str(n))  # by value: -0.0 == 0.0
+        assert all(v in row for v, row in zip(got, x))  # a value of the row
+    with pytest.raises(ValueError, match="ways must be one of \\[2, 4, 16\\], got 3"):
+        sampling._smallest_value_where(jnp.asarray(x), lambda c: c > 0, 3)
 
 
 # ---------------------------------------------------------------- statistics and greedy
