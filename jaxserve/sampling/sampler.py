@@ -430,8 +430,8 @@ def _threshold_by_bisection(
     lse = jnp.where(k >= x.shape[-1], lse_all, mx + jnp.log(total))
     probs = jnp.exp(x - lse)[:, None, :]  # [B, 1, V], once: each pass reads it, no exponential per candidate
 
-    def nucleus(c):
-        return (over(c).sum(-1) < k) & (jnp.where(over(c), probs, 0.0).sum(-1) < top_p[:, None])
+    def nucleus(c):  # G(c) < top_k is c >= t_k: t_k is the smallest value where it holds
+        return (c >= t_k) & (jnp.where(over(c), probs, 0.0).sum(-1) < top_p[:, None])
 
     return jnp.where(top_p[:, None] >= 1.0, t_k, _smallest_value_where(x, nucleus, ways))
 
