@@ -389,6 +389,8 @@ def _smallest_value_where(x: jax.Array, pred, ways: int = 2) -> jax.Array:
         span = hi - lo
         candidates = lo + (span // ways) * j + ((span % ways) * j) // ways  # lo + floor(span j / ways), ascending
         below = (~pred(_unsigned_float(candidates))).sum(-1, keepdims=True)  # [B, 1] candidates left of the answer
+        if k == 1:  # a bisection: the one candidate is both
+            return jnp.where(below > 0, candidates + 1, lo), jnp.where(below > 0, hi, candidates)
         last_false = jnp.take_along_axis(candidates, jnp.maximum(below - 1, 0), axis=-1)
         first_true = jnp.take_along_axis(candidates, jnp.minimum(below, k - 1), axis=-1)
         return jnp.where(below > 0, last_false + 1, lo), jnp.where(below < k, first_true, hi)
@@ -421,17 +423,23 @@ def _threshold_by_bisection(
     candidates of a pass plus one)."""
     k = top_k[:, None]
     above = lambda c: x > c  # noqa: E731  c [B, 1]
-    over = lambda c: x[:, None, :] > c[..., None]  # noqa: E731  c [B, K] candidates -> [B, K, V]
-    t_k = _smallest_value_where(x, lambda c: over(c).sum(-1) < k, ways)  # the k-th largest logit
+
+    def total_above(c, w=None):  # c [B, K] candidates -> [B, K]: the count (or the sum of w [B, V]) of logits above
+        if c.shape[-1] == 1:  # one candidate (a bisection): no candidate axis
+            return above(c).sum(-1, keepdims=True) if w is None else jnp.where(above(c), w, 0.0).sum(-1, keepdims=True)
+        over = x[:, None, :] > c[..., None]  # [B, K, V]
+        return over.sum(-1) if w is None else jnp.where(over, w[:, None, :], 0.0).sum(-1)
+
+    t_k = _smallest_value_where(x, lambda c: total_above(c) < k, ways)  # the k-th largest logit
     # The top-k distribution's normalizer: the logits above t_k plus as many copies of t_k as complete k.
     mx = jnp.max(x, axis=-1, keepdims=True)
     n_above = above(t_k).sum(-1, keepdims=True)
     total = jnp.where(above(t_k), jnp.exp(x - mx), 0.0).sum(-1, keepdims=True) + (k - n_above) * jnp.exp(t_k - mx)
     lse = jnp.where(k >= x.shape[-1], lse_all, mx + jnp.log(total))
-    probs = jnp.exp(x - lse)[:, None, :]  # [B, 1, V], once: each pass reads it, no exponential per candidate
+    probs = jnp.exp(x - lse)  # [B, V], once: each pass reads it, no exponential per candidate
 
     def nucleus(c):  # G(c) < top_k is c >= t_k: t_k is the smallest value where it holds
-        return (c >= t_k) & (jnp.where(over(c), probs, 0.0).sum(-1) < top_p[:, None])
+        return (c >= t_k) & (total_above(c, probs) < top_p[:, None])
 
     return jnp.where(top_p[:, None] >= 1.0, t_k, _smallest_value_where(x, nucleus, ways))
 
