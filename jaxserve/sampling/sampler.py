@@ -320,7 +320,7 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, branchle
     sorted values are needed, and ties at the threshold are all kept (as in vLLM's top-k). The values come
     from ``lax.top_k`` with the static cap TOP_K_CAP, which is exact for rows with top_k <= cap and for
     top-p rows whose nucleus ends inside the top cap (the usual, peaked case); only when some row is not
-    covered does the threshold come from a bisection over the whole vocabulary (``_threshold_by_bisection``:
+    covered does the threshold come from a search over the whole vocabulary (``_threshold_by_search``:
     no sort, whose TPU compile took 10 of a step's 25 s). ``branchless`` (GPUs and TPUs): both always computed, the
     search's taken when some row needs it, as the conditional does; its two searches then take 15 candidates a pass
     (16 passes over the rows in all, where bisecting took 64: those chips are bound by memory, the CPU by arithmetic).
@@ -349,7 +349,7 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, branchle
         thresh, exact = threshold(jax.lax.top_k(x, cap)[0], lse_all)
         if cap < v:
             ways = 16 if branchless else 2
-            full = lambda: jnp.where(off[:, None], -jnp.inf, _threshold_by_bisection(x, top_k, top_p, lse_all, ways))  # noqa: E731
+            full = lambda: jnp.where(off[:, None], -jnp.inf, _threshold_by_search(x, top_k, top_p, lse_all, ways))  # noqa: E731
             thresh = (
                 jnp.where(jnp.all(exact), thresh, full())
                 if branchless
@@ -358,16 +358,6 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, branchle
         return jnp.where(x >= thresh, x, -jnp.inf)
 
     return _cond(branchless, jnp.any(~off), apply, lambda x: x, logits)
-
-
-def _float_key(x: jax.Array) -> jax.Array:
-    """float32 -> int32 in the same order (negative floats have their magnitude bits flipped)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-def _key_float(key: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
 
 
 def _smallest_value_where(x: jax.Array, pred, ways: int = 2) -> jax.Array:
@@ -405,15 +395,17 @@ _SIGN = np.uint32(0x80000000)
 
 
 def _unsigned_key(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 in the same order."""
-    return jax.lax.bitcast_convert_type(_float_key(x), jnp.uint32) ^ _SIGN
+    """float32 -> uint32 in the same order: a negative float's bits all flipped, a positive one's sign bit set."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
 
 
 def _unsigned_float(key: jax.Array) -> jax.Array:
-    return _key_float(jax.lax.bitcast_convert_type(key ^ _SIGN, jnp.int32))
+    """The inverse of ``_unsigned_key``."""
+    return jax.lax.bitcast_convert_type(jnp.where(key >= _SIGN, key ^ _SIGN, ~key), jnp.float32)
 
 
-def _threshold_by_bisection(
+def _threshold_by_search(
     x: jax.Array, top_k: jax.Array, top_p: jax.Array, lse_all: jax.Array, ways: int = 2
 ) -> jax.Array:
     """[B, 1] the smallest kept logit of each row under top-k then top-p, as the sorted computation defines it
